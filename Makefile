@@ -1,0 +1,33 @@
+# Each target bootstraps .venv itself: on a fresh clone `make serve` / `make test` is the whole set-up.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+HOST ?= 127.0.0.1
+PORT ?= 50051
+PYTEST_ARGS ?=
+
+.PHONY: venv serve test bench soak clean
+
+venv: $(STAMP)
+
+# torch==2.13.0 goes first: a CPU wheel lies on disk, and letting pip resolve a bare
+# `torch` (through peft, say) would pull a multi-GB CUDA build.
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+serve: $(STAMP)
+	$(VENV)/bin/loraplex serve --host $(HOST) --port $(PORT) $(SERVE_ARGS)
+
+test: $(STAMP)
+	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+bench: $(STAMP)
+	$(PY) -m loraplex.bench.engine_throughput
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,99 @@
+"""Torch twins of the Triton kernels: the CPU path and the test oracle.
+
+Every function here has exactly the signature of its Triton counterpart in
+``attention.py`` / ``sgmv.py``; ``dispatch.py`` picks one of the two.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def store_kv(
+    key: torch.Tensor,  # [T, Hkv, D]
+    value: torch.Tensor,  # [T, Hkv, D]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    slot_mapping: torch.Tensor,  # [T] int64, block * block_size + offset; -1 = skip
+) -> None:
+    """k_cache.flat[slot_mapping[t]] = key[t] (and likewise for value)."""
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    k_cache.view(-1, *k_cache.shape[2:])[slots] = key[keep].to(k_cache.dtype)
+    v_cache.view(-1, *v_cache.shape[2:])[slots] = value[keep].to(v_cache.dtype)
+
+
+def _gather_context(
+    cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    block_table: torch.Tensor,  # [max_blocks] int32
+    length: int,
+) -> torch.Tensor:  # [length, Hkv, D]
+    block_size = cache.shape[1]
+    num_blocks = (length + block_size - 1) // block_size
+    blocks = cache[block_table[:num_blocks].long()]  # [nb, bs, Hkv, D]
+    return blocks.reshape(-1, *cache.shape[2:])[:length]
+
+
+def paged_attention_decode(
+    q: torch.Tensor,  # [B, Hq, D]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    block_tables: torch.Tensor,  # [B, max_blocks] int32
+    context_lens: torch.Tensor,  # [B] int32, tokens in the cache incl. the current one
+    scale: float,
+) -> torch.Tensor:  # [B, Hq, D]
+    """out[b] = softmax(scale · q[b] K[b]ᵀ) V[b] over the context_lens[b] cached tokens."""
+    batch, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    max_len = int(context_lens.max())
+    num_blocks = (max_len + block_size - 1) // block_size
+    tables = block_tables[:, :num_blocks].long()  # [B, nb]
+    keys = k_cache[tables].reshape(batch, -1, num_kv_heads, head_dim)[:, :max_len]
+    values = v_cache[tables].reshape(batch, -1, num_kv_heads, head_dim)[:, :max_len]
+    positions = torch.arange(max_len, device=q.device)
+    mask = positions[None, :] < context_lens[:, None].to(q.device)  # [B, L]
+    out = F.scaled_dot_product_attention(
+        q.unsqueeze(2),  # [B, Hq, 1, D]
+        keys.transpose(1, 2).to(q.dtype),  # [B, Hkv, L, D]
+        values.transpose(1, 2).to(q.dtype),
+        attn_mask=mask[:, None, None, :],
+        scale=scale,
+        enable_gqa=num_heads != num_kv_heads,
+    )
+    return out.squeeze(2)
+
+
+def paged_attention_prefill(
+    q: torch.Tensor,  # [T, Hq, D], the new tokens of S sequences, concatenated
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D], new tokens already stored
+    v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    block_tables: torch.Tensor,  # [S, max_blocks] int32
+    query_start_loc: torch.Tensor,  # [S + 1] int32, rows of q per sequence
+    context_lens: torch.Tensor,  # [S] int32, cached prefix + new tokens
+    scale: float,
+) -> torch.Tensor:  # [T, Hq, D]
+    """Causal attention: sequence s's new tokens sit at positions
+    context_lens[s] - q_len_s ... context_lens[s] - 1 and see every earlier position."""
+    out = torch.empty_like(q)
+    num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
+    starts = query_start_loc.tolist()
+    lens = context_lens.tolist()
+    for s, length in enumerate(lens):
+        lo, hi = starts[s], starts[s + 1]
+        if hi == lo:
+            continue
+        keys = _gather_context(k_cache, block_tables[s], length).to(q.dtype)
+        values = _gather_context(v_cache, block_tables[s], length).to(q.dtype)
+        q_len = hi - lo
+        q_pos = torch.arange(length - q_len, length, device=q.device)
+        mask = q_pos[:, None] >= torch.arange(length, device=q.device)[None, :]  # [q_len, L]
+        out[lo:hi] = F.scaled_dot_product_attention(
+            q[lo:hi].transpose(0, 1),  # [Hq, q_len, D]
+            keys.transpose(0, 1),  # [Hkv, L, D]
+            values.transpose(0, 1),
+            attn_mask=mask,
+            scale=scale,
+            enable_gqa=num_heads != num_kv_heads,
+        ).transpose(0, 1)
+    return out

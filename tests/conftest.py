@@ -1,0 +1,169 @@
+"""Shared fixtures: tiny random HF models and real PEFT adapters, made on the fly.
+
+TRITON_INTERPRET must be set before any ``@triton.jit`` definition is imported.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import json  # noqa: E402
+from collections.abc import Callable, Sequence  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+TINY_COMMON = dict(
+    vocab_size=384,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-5,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
+
+WORDS = (
+    "the a of to and in is was for on with as by at from that this it be are or an "
+    "cat dog sql json paris france capital river model adapter token answer query table "
+    "select where order group count sum avg user name city country one two three four five"
+).split()
+
+
+def _make_tokenizer(out_dir: Path) -> None:
+    """A small word-level tokenizer with special tokens and a chat template, saved as HF files."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3}
+    for w in WORDS:
+        vocab.setdefault(w, len(vocab))
+    for c in "abcdefghijklmnopqrstuvwxyz0123456789.,?!":
+        vocab.setdefault(c, len(vocab))
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+        pad_token="<pad>",
+    )
+    fast.chat_template = (
+        "{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} . {% endfor %}"
+        "{% if add_generation_prompt %}assistant : {% endif %}"
+    )
+    fast.save_pretrained(out_dir)
+
+
+def make_tiny_model(out_dir: Path, arch: str = "llama", seed: int = 0, **overrides) -> Path:
+    """Save a tiny random ``arch`` (llama | qwen2 | qwen3 | mistral) model with a tokenizer."""
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    cfg_kwargs = {**TINY_COMMON, **overrides}
+    if arch == "llama":
+        config = tf.LlamaConfig(**cfg_kwargs, tie_word_embeddings=False)
+    elif arch == "mistral":
+        config = tf.MistralConfig(**cfg_kwargs, tie_word_embeddings=False, sliding_window=None)
+    elif arch == "qwen2":
+        config = tf.Qwen2Config(**cfg_kwargs, tie_word_embeddings=True, use_sliding_window=False)
+    elif arch == "qwen3":
+        config = tf.Qwen3Config(**cfg_kwargs, head_dim=32, tie_word_embeddings=True,
+                                use_sliding_window=False)
+    else:
+        raise ValueError(f"unknown tiny arch {arch!r}")
+    model = tf.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    with torch.no_grad():  # spread the weights so that greedy decoding is not degenerate
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+            elif p.dim() == 2:
+                p.normal_(0.0, 0.08)
+            else:
+                p.normal_(0.0, 0.02)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    _make_tokenizer(out_dir)
+    return out_dir
+
+
+ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def make_adapter(
+    base_dir: Path,
+    out_dir: Path,
+    r: int = 8,
+    target_modules: Sequence[str] | str = ("q_proj", "v_proj"),
+    seed: int = 0,
+    lora_alpha: float | None = None,
+    use_rslora: bool = False,
+    rank_pattern: dict | None = None,
+    alpha_pattern: dict | None = None,
+    layers_to_transform: list[int] | None = None,
+    scale: float = 0.15,
+) -> Path:
+    """Save a real PEFT LoRA adapter for ``base_dir`` with random (non-zero) A and B."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    base = AutoModelForCausalLM.from_pretrained(base_dir, torch_dtype=torch.float32)
+    config = LoraConfig(
+        r=r,
+        lora_alpha=lora_alpha if lora_alpha is not None else 2 * r,
+        target_modules=list(target_modules) if not isinstance(target_modules, str)
+        else target_modules,
+        use_rslora=use_rslora,
+        rank_pattern=rank_pattern or {},
+        alpha_pattern=alpha_pattern or {},
+        layers_to_transform=layers_to_transform,
+        lora_dropout=0.0,
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+    model = get_peft_model(base, config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.normal_(0.0, scale)
+    model.save_pretrained(out_dir)
+    return out_dir
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("tiny_llama"), "llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """tiny_models(arch) -> model dir, made once per session and arch."""
+    made: dict[str, Path] = {}
+
+    def get(arch: str) -> Path:
+        if arch not in made:
+            made[arch] = make_tiny_model(tmp_path_factory.mktemp(f"tiny_{arch}"), arch)
+        return made[arch]
+
+    return get
+
+
+@pytest.fixture()
+def adapter_factory(tmp_path: Path) -> Callable[..., Path]:
+    """adapter_factory(base_dir, name, **make_adapter_kwargs) -> a PEFT dir under tmp_path."""
+
+    def make(base_dir: Path, name: str, **kwargs) -> Path:
+        return make_adapter(base_dir, tmp_path / name, **kwargs)
+
+    return make
+
+
+def read_json(path: Path) -> dict:
+    return json.loads(path.read_text())
