@@ -1,0 +1,149 @@
+"""AsyncEngine: the engine loop on its own thread; asyncio callers get a stream per request.
+
+Only the engine thread touches the LLMEngine. Callers hand it work through a command queue
+(new requests, aborts, admin calls) and receive RequestOutputs through asyncio queues fed
+with ``call_soon_threadsafe``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import uuid
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import EngineDeadError, InvalidRequestError
+from .llm_engine import LLMEngine, Prompt
+from .output_processor import RequestOutput
+from .sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue  # of RequestOutput | BaseException
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._streams: dict[str, _Stream] = {}
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="loraplex-engine", daemon=True)
+        self.error: BaseException | None = None  # set when the loop died
+        self.on_death: Callable[[BaseException], None] | None = None
+
+    # ---- lifecycle ----------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self.error is None
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._streams)
+
+    # ---- caller side --------------------------------------------------------------------
+    def call(self, fn: Callable[[LLMEngine], Any]) -> Future:
+        """Run ``fn(engine)`` on the engine thread between steps; a Future of its result."""
+        self._check_alive()
+        fut: Future = Future()
+
+        def run() -> None:
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(fn(self.engine))
+                except BaseException as e:  # noqa: BLE001 - handed to the caller
+                    fut.set_exception(e)
+
+        self._commands.put(run)
+        self._wake.set()
+        return fut
+
+    async def run(self, fn: Callable[[LLMEngine], Any]) -> Any:
+        return await asyncio.wrap_future(self.call(fn))
+
+    async def generate(self, prompt: Prompt, params: SamplingParams | None = None,
+                       adapter: str | None = None, request_id: str | None = None
+                       ) -> AsyncIterator[RequestOutput]:
+        """Yield the request's RequestOutputs as tokens arrive; the last one is finished.
+        Leaving early (cancel, deadline, aclose) aborts the request and frees its blocks."""
+        rid = request_id or f"req-{uuid.uuid4().hex}"
+        if rid in self._streams:
+            raise InvalidRequestError(f"request_id {rid!r} is already in use")
+        ids = self.engine.tokenize(prompt)  # tokenizing stays off the engine thread
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        self._streams[rid] = stream
+        finished = False
+        try:
+            await self.run(lambda e: e.add_request(ids, params, adapter, rid))
+            while not finished:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            self._streams.pop(rid, None)
+            if not finished and self.alive:
+                self.call(lambda e: e.abort(rid))
+
+    def _check_alive(self) -> None:
+        if self.error is not None:
+            raise EngineDeadError(f"the engine loop has stopped: {self.error!r}")
+        if self._stop.is_set():
+            raise EngineDeadError("the engine is shutting down")
+
+    # ---- engine thread ------------------------------------------------------------------
+    def _loop(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._run_commands()
+                if self.engine.has_unfinished_requests():
+                    self._dispatch(self.engine.step())
+                else:
+                    self._wake.wait(0.05)
+                    self._wake.clear()
+        except BaseException as e:  # noqa: BLE001 - the loop must report its death
+            log.exception("engine loop died")
+            self.error = e
+            for stream in list(self._streams.values()):
+                stream.put(EngineDeadError(f"the engine loop has stopped: {e!r}"))
+            if self.on_death is not None:
+                self.on_death(e)
+
+    def _run_commands(self) -> None:
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            command()
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is not None:
+                stream.put(out)
+

@@ -1,0 +1,92 @@
+"""BaseModel: the served base model with everything read from its directory (config,
+weights, tokenizer, generation defaults), resolved against the EngineConfig."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoTokenizer, GenerationConfig, PretrainedConfig
+
+from .config import EngineConfig
+from .models.llama import LlamaForCausalLM
+from .models.loader import load_config, load_model, resolve_dtype
+
+log = logging.getLogger(__name__)
+SAMPLING_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "max_new_tokens")
+
+
+@dataclass
+class BaseModel:
+    path: Path
+    hf_config: PretrainedConfig
+    model: LlamaForCausalLM
+    tokenizer: object | None
+    dtype: torch.dtype
+    device: torch.device
+    eos_token_ids: frozenset[int]
+    sampling_defaults: dict  # fields of generation_config.json that SamplingParams has
+
+
+def resolve_model_dir(model: str | None) -> Path:
+    from .models.embedded import resolve_model
+
+    return Path(resolve_model(model))
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' was asked for but no CUDA device is available")
+    return torch.device(device)
+
+
+def _generation_defaults(path: Path) -> tuple[dict, set[int]]:
+    """Explicitly set sampling fields and EOS ids of generation_config.json (vLLM's rule:
+    only what the file sets overrides loraplex's own defaults)."""
+    if not (path / "generation_config.json").is_file():
+        return {}, set()
+    gen = GenerationConfig.from_pretrained(path)
+    explicit = gen.to_diff_dict()
+    defaults = {k: explicit[k] for k in SAMPLING_DEFAULT_FIELDS if k in explicit}
+    if explicit.get("do_sample") is False:
+        defaults["temperature"] = 0.0
+    eos = gen.eos_token_id
+    return defaults, set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+
+
+def _load_tokenizer(path: Path) -> object | None:
+    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+    if not any((path / n).is_file() for n in names):
+        log.warning("%s has no tokenizer: requests must give token ids", path)
+        return None
+    return AutoTokenizer.from_pretrained(path)
+
+
+def _max_model_len(cfg: EngineConfig, config: PretrainedConfig) -> int:
+    limit = getattr(config, "max_position_embeddings", None) or 2048
+    window = getattr(config, "sliding_window", None)
+    if window and getattr(config, "use_sliding_window", True):
+        limit = min(limit, window)  # full attention is exact only inside the window
+    if cfg.max_model_len is None:
+        return limit
+    if cfg.max_model_len > limit:
+        raise ValueError(f"max_model_len={cfg.max_model_len} exceeds the model's limit of {limit}")
+    return cfg.max_model_len
+
+
+def load_base_model(cfg: EngineConfig, progress: bool = False) -> BaseModel:
+    path = resolve_model_dir(cfg.model)
+    config = load_config(path)
+    cfg.max_model_len = _max_model_len(cfg, config)
+    device = resolve_device(cfg.device)
+    dtype = resolve_dtype(config, cfg.dtype, device)
+    model = load_model(path, config, dtype, device, cfg.max_model_len, progress)
+    tokenizer = _load_tokenizer(path)
+    defaults, eos = _generation_defaults(path)
+    for source in (config.eos_token_id, getattr(tokenizer, "eos_token_id", None)):
+        eos |= set(source if isinstance(source, list) else [source] if source is not None else [])
+    return BaseModel(path, config, model, tokenizer, dtype, device, frozenset(eos), defaults)

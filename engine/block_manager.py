@@ -1,0 +1,127 @@
+"""BlockManager: paged KV blocks with reference counts and prefix caching. Pure Python.
+
+A block is *used* while its ref count is > 0. A free block may still hold the KV of a
+full, hashed block: it stays findable by its hash (prefix cache) until it is handed out
+again, least recently freed first. The hash chain of a sequence is seeded with its adapter
+id, so two adapters (or two loads of one adapter) never share KV.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict
+
+from .sequence import Sequence
+
+
+def block_hash(parent: bytes, adapter_id: int, tokens: list[int]) -> bytes:
+    """Collision-resistant hash of a full block given its parent's hash."""
+    h = hashlib.blake2b(parent, digest_size=16)
+    h.update(adapter_id.to_bytes(8, "little", signed=True))
+    h.update(array("q", tokens).tobytes())
+    return h.digest()
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_counts = [0] * num_blocks
+        self.block_hashes: list[bytes | None] = [None] * num_blocks
+        self.cached: dict[bytes, int] = {}  # hash -> block id holding that block's KV
+        self.free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
+        self.seq_hashes: dict[str, list[bytes]] = {}  # request_id -> hashes of its full blocks
+        self.prefix_hits = 0  # blocks served from the prefix cache, ever
+        self.prefix_queries = 0  # full prompt blocks looked up, ever
+
+    # ---- accounting -------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self.free)
+
+    def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
+        total = seq.num_computed_tokens + num_new_tokens
+        return max(0, -(-total // self.block_size) - len(seq.block_table))
+
+    def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
+        return self.blocks_needed(seq, num_new_tokens) <= len(self.free)
+
+    # ---- prefix cache -------------------------------------------------------------------
+    def _chain(self, seq: Sequence, num_full_blocks: int) -> list[bytes]:
+        hashes = self.seq_hashes.setdefault(seq.request_id, [])
+        bs = self.block_size
+        while len(hashes) < num_full_blocks:
+            i = len(hashes)
+            parent = hashes[-1] if hashes else b""
+            hashes.append(block_hash(parent, seq.adapter_id, seq.token_slice(i * bs, (i + 1) * bs)))
+        return hashes
+
+    def match_prefix(self, seq: Sequence) -> None:
+        """On a sequence's first schedule: take the cached blocks of its longest cached
+        prefix. At least one token is always left to compute (its logits are needed)."""
+        assert not seq.block_table and seq.num_computed_tokens == 0
+        if not self.enable_prefix_caching:
+            return
+        max_blocks = (seq.num_tokens - 1) // self.block_size
+        for h in self._chain(seq, max_blocks):
+            self.prefix_queries += 1
+            block = self.cached.get(h)
+            if block is None:
+                break
+            self._take(block)
+            seq.block_table.append(block)
+            self.prefix_hits += 1
+        seq.num_computed_tokens = len(seq.block_table) * self.block_size
+        seq.num_cached_tokens = seq.num_computed_tokens
+
+    def register_full_blocks(self, seq: Sequence) -> None:
+        """After a step: make the sequence's newly full, computed blocks findable."""
+        if not self.enable_prefix_caching:
+            return
+        full = seq.num_computed_tokens // self.block_size
+        for i, h in enumerate(self._chain(seq, full)):
+            block = seq.block_table[i]
+            if self.block_hashes[block] is None and h not in self.cached:
+                self.block_hashes[block] = h
+                self.cached[h] = block
+
+    # ---- allocation ---------------------------------------------------------------------
+    def _take(self, block: int) -> None:
+        if self.ref_counts[block] == 0:
+            del self.free[block]
+        self.ref_counts[block] += 1
+
+    def _fresh_block(self) -> int:
+        block, _ = self.free.popitem(last=False)  # least recently freed
+        old = self.block_hashes[block]
+        if old is not None:
+            if self.cached.get(old) == block:
+                del self.cached[old]
+            self.block_hashes[block] = None
+        self.ref_counts[block] = 1
+        return block
+
+    def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
+        """Give ``seq`` the blocks to hold ``num_new_tokens`` more tokens."""
+        need = self.blocks_needed(seq, num_new_tokens)
+        if need > len(self.free):
+            raise RuntimeError(f"out of KV blocks: need {need}, {len(self.free)} free")
+        for _ in range(need):
+            seq.block_table.append(self._fresh_block())
+
+    def free_seq(self, seq: Sequence) -> None:
+        """Release every block of ``seq``; tail blocks become the first to be reused."""
+        for block in reversed(seq.block_table):
+            self.ref_counts[block] -= 1
+            assert self.ref_counts[block] >= 0, f"block {block} freed twice"
+            if self.ref_counts[block] == 0:
+                self.free[block] = None
+        seq.block_table.clear()
+        seq.num_computed_tokens = 0
+        self.seq_hashes.pop(seq.request_id, None)

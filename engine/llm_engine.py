@@ -1,0 +1,185 @@
+"""LLMEngine: add_request / step / abort / generate over one base model (and its adapters)."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Sequence as Seq
+from pathlib import Path
+
+from tqdm import tqdm
+
+from .block_manager import BlockManager
+from .config import EngineConfig
+from .errors import AdapterNotFoundError, InvalidRequestError
+from .base_model import BaseModel, load_base_model
+from .model_runner import ModelRunner, num_kv_blocks
+from .output_processor import OutputProcessor, RequestOutput
+from .sampling_params import SamplingParams
+from .scheduler import Scheduler
+from .sequence import Sequence
+
+log = logging.getLogger(__name__)
+
+Prompt = str | list[int]
+
+
+class LLMEngine:
+    def __init__(self, model: str | Path | None = None, progress: bool = False, **kwargs):
+        self.config = cfg = EngineConfig(model=None if model is None else str(model), **kwargs)
+        self.base: BaseModel = load_base_model(cfg, progress)
+        self.tokenizer = self.base.tokenizer
+        self.max_model_len: int = cfg.max_model_len  # type: ignore[assignment]  # set by loader
+        blocks = num_kv_blocks(cfg, self.base.hf_config, self.base.dtype, self.base.device)
+        self.block_manager = BlockManager(blocks, cfg.block_size, cfg.enable_prefix_caching)
+        self.runner = ModelRunner(self.base.model, cfg, blocks, self.base.dtype, self.base.device)
+        self.lora = None
+        self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs,
+                                   cfg.max_num_batched_tokens, None, cfg.adapter_starvation_steps)
+        self.outputs = OutputProcessor(self.tokenizer, self.max_model_len)
+        self.requests: dict[str, Sequence] = {}
+        self._ids = itertools.count()
+        log.info("engine ready: %s, %s on %s, %d KV blocks of %d tokens, max_model_len %d",
+                 self.base.path, self.base.dtype, self.base.device, blocks, cfg.block_size,
+                 self.max_model_len)
+
+    # ---- requests -----------------------------------------------------------------------
+    @property
+    def kv_cache_tokens(self) -> int:
+        return self.block_manager.num_blocks * self.block_manager.block_size
+
+    def tokenize(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidRequestError("this model has no tokenizer: give prompt_token_ids")
+            return list(self.tokenizer(prompt).input_ids)
+        return [int(t) for t in prompt]
+
+    def make_sequence(self, prompt: Prompt, params: SamplingParams | None = None,
+                      adapter: str | None = None, request_id: str | None = None) -> Sequence:
+        """Validate a request and build its Sequence (does not touch engine state)."""
+        params = (params or SamplingParams()).with_defaults(self.base.sampling_defaults)
+        try:
+            params.validate()
+        except ValueError as e:
+            raise InvalidRequestError(str(e)) from None
+        ids = self.tokenize(prompt)
+        self._check_prompt(ids)
+        room = self.max_model_len - len(ids)
+        max_new = params.max_new_tokens if params.max_new_tokens is not None else room
+        if max_new > room:
+            raise InvalidRequestError(
+                f"max_new_tokens={max_new} does not fit: the prompt has {len(ids)} tokens and "
+                f"max_model_len is {self.max_model_len}, so at most {room} new tokens")
+        params.max_new_tokens = max_new
+        if params.temperature is None:
+            params.temperature = 1.0
+        adapter_id = self._adapter_id(adapter)
+        return Sequence(
+            request_id=request_id if request_id is not None else f"req-{next(self._ids)}",
+            prompt_token_ids=ids, params=params, adapter_name=adapter or None,
+            adapter_id=adapter_id, eos_token_ids=self.base.eos_token_ids,
+            max_tokens=len(ids) + max_new,
+        )
+
+    def _check_prompt(self, ids: list[int]) -> None:
+        if not ids:
+            raise InvalidRequestError("the prompt is empty: give at least one token")
+        vocab = self.base.hf_config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequestError(
+                f"token id {bad[0]} is out of range: ids must be in [0, {vocab})")
+        if len(ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                f"the prompt has {len(ids)} tokens; max_model_len is {self.max_model_len}, so a "
+                f"prompt may have at most {self.max_model_len - 1}")
+
+    def _adapter_id(self, adapter: str | None) -> int:
+        if not adapter:
+            return 0
+        if self.lora is None:
+            raise AdapterNotFoundError(f"unknown adapter {adapter!r}: none are loaded")
+        return self.lora.acquire_name(adapter)
+
+    def add_sequence(self, seq: Sequence) -> str:
+        if seq.request_id in self.requests:
+            raise InvalidRequestError(f"request_id {seq.request_id!r} is already in use")
+        self.requests[seq.request_id] = seq
+        self.scheduler.add(seq)
+        return seq.request_id
+
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
+                    adapter: str | None = None, request_id: str | None = None) -> str:
+        return self.add_sequence(self.make_sequence(prompt, params, adapter, request_id))
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request at once and free its KV blocks; False if it was not running."""
+        seq = self.requests.get(request_id)
+        if seq is None or seq.is_finished:
+            return False
+        self._finish(seq, "abort")
+        return True
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        self.scheduler.finish(seq, reason)
+        self.runner.sampler.forget(seq.request_id)
+        self.requests.pop(seq.request_id, None)
+        if self.lora is not None and seq.adapter_id:
+            self.lora.request_done(seq.adapter_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    # ---- the step -----------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        if batch.empty:
+            return []
+        seqs, tokens = self.runner.run(batch)
+        self.scheduler.postprocess(batch)
+        outputs = []
+        for seq, token in zip(seqs, tokens):
+            reason = self.outputs.append(seq, token)
+            if reason is not None:
+                self._finish(seq, reason)
+            outputs.append(self.outputs.report(seq))
+        return outputs
+
+    def generate(self, prompts: Seq[Prompt], params: SamplingParams | Seq[SamplingParams] | None
+                 = None, adapters: Seq[str | None] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """Run ``prompts`` to completion (one adapter per prompt, None = base model)."""
+        n = len(prompts)
+        params_list = list(params) if isinstance(params, Seq) else [params] * n
+        adapter_list = list(adapters) if adapters is not None else [None] * n
+        if len(params_list) != n or len(adapter_list) != n:
+            raise InvalidRequestError("params and adapters must have one entry per prompt")
+        seqs = [self.make_sequence(p, sp, a) for p, sp, a in zip(prompts, params_list,
+                                                                    adapter_list)]
+        for seq in seqs:
+            self.add_sequence(seq)
+        done: dict[str, RequestOutput] = {}
+        with tqdm(total=n, disable=not use_tqdm, desc="generating") as bar:
+            while len(done) < n:
+                for out in self.step():
+                    if out.finished:
+                        done[out.request_id] = out
+                        bar.update(1)
+        return [done[s.request_id] for s in seqs]
+
+    # ---- introspection ------------------------------------------------------------------
+    def stats(self) -> dict[str, int]:
+        bm = self.block_manager
+        return {
+            "num_waiting": len(self.scheduler.waiting),
+            "num_running": len(self.scheduler.running),
+            "kv_blocks_total": bm.num_blocks,
+            "kv_blocks_used": bm.num_used_blocks,
+            "prefix_cache_hits": bm.prefix_hits,
+            "prefix_cache_queries": bm.prefix_queries,
+        }
+
+    def __repr__(self) -> str:
+        return f"LLMEngine({self.base.path}, {self.base.dtype}, {self.base.device})"
+

@@ -1,0 +1,136 @@
+"""ModelRunner: owns the model and the KV cache; turns a ScheduledBatch into one forward
+pass (flat tokens, positions, slot mapping, block tables, built once per step) and samples."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from transformers import PretrainedConfig
+
+from .attention_metadata import AttentionMetadata
+from .config import DEFAULT_CPU_KV_BYTES, EngineConfig
+from .models.llama import LlamaForCausalLM, head_dim_of
+from .sampler import Sampler
+from .scheduler import ScheduledBatch
+from .sequence import Sequence
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    meta: AttentionMetadata
+    token_adapter_ids: list[int]  # [T], adapter id of every token (0 = base)
+    sample_rows: list[int]  # rows of the flat batch whose logits are sampled
+    sample_seqs: list[Sequence]
+
+
+def kv_bytes_per_block(config: PretrainedConfig, block_size: int, dtype: torch.dtype) -> int:
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    elem = torch.tensor([], dtype=dtype).element_size()
+    return 2 * config.num_hidden_layers * block_size * kv_heads * head_dim_of(config) * elem
+
+
+def num_kv_blocks(cfg: EngineConfig, config: PretrainedConfig, dtype: torch.dtype,
+                  device: torch.device) -> int:
+    """Blocks that fit the KV budget: ``num_kv_blocks``, else ``kv_cache_memory`` bytes, else
+    a fraction of free CUDA memory, else (CPU) enough for every sequence at full length,
+    capped at DEFAULT_CPU_KV_BYTES."""
+    if cfg.num_kv_blocks is not None:
+        return cfg.num_kv_blocks
+    per_block = kv_bytes_per_block(config, cfg.block_size, dtype)
+    if cfg.kv_cache_memory is not None:
+        budget = cfg.kv_cache_memory
+    elif device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        budget = int(total * cfg.gpu_memory_utilization) - (total - free)
+    else:
+        blocks_per_seq = -(-cfg.max_model_len // cfg.block_size)
+        budget = min(DEFAULT_CPU_KV_BYTES, cfg.max_num_seqs * blocks_per_seq * per_block)
+    blocks = budget // per_block
+    if blocks < 1:
+        raise ValueError(f"KV cache budget of {budget} bytes holds no block of {per_block} bytes")
+    return int(blocks)
+
+
+def _table(rows: list[list[int]], device: torch.device) -> torch.Tensor:
+    width = max((len(r) for r in rows), default=0)
+    return torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.int32,
+                        device=device).reshape(len(rows), width)
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaForCausalLM, cfg: EngineConfig, num_blocks: int,
+                 dtype: torch.dtype, device: torch.device):
+        self.model = model
+        self.cfg = cfg
+        self.device = device
+        self.block_size = cfg.block_size
+        self.sampler = Sampler(cfg.seed)
+        self.before_forward: list[Callable[[StepInputs], None]] = []  # e.g. LoRA segments
+        config = model.config
+        kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        shape = (num_blocks, cfg.block_size, kv_heads, head_dim_of(config))
+        for attn in model.attention_layers():
+            attn.k_cache = torch.zeros(shape, dtype=dtype, device=device)
+            attn.v_cache = torch.zeros(shape, dtype=dtype, device=device)
+
+    def prepare(self, batch: ScheduledBatch) -> StepInputs:
+        prefills = [(s, n) for s, n in batch.entries if n > 1]
+        decodes = [(s, n) for s, n in batch.entries if n == 1]
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        adapters: list[int] = []
+        sample_rows: list[int] = []
+        sample_seqs: list[Sequence] = []
+        starts = [0]
+        for seq, n in prefills + decodes:
+            c = seq.num_computed_tokens
+            ids += seq.token_slice(c, c + n)
+            positions += range(c, c + n)
+            bt, bs = seq.block_table, self.block_size
+            slots += [bt[p // bs] * bs + p % bs for p in range(c, c + n)]
+            adapters += [seq.adapter_id] * n
+            if c + n == seq.num_tokens:  # all its tokens computed: the last one samples
+                sample_rows.append(len(ids) - 1)
+                sample_seqs.append(seq)
+            starts.append(len(ids))
+        dev = self.device
+        num_prefill = starts[len(prefills)]
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            num_prefill_tokens=num_prefill,
+            prefill_block_tables=_table([s.block_table for s, _ in prefills], dev),
+            prefill_query_start_loc=torch.tensor(starts[: len(prefills) + 1], dtype=torch.int32,
+                                                 device=dev),
+            prefill_context_lens=torch.tensor(
+                [s.num_computed_tokens + n for s, n in prefills], dtype=torch.int32, device=dev),
+            decode_block_tables=_table([s.block_table for s, _ in decodes], dev),
+            decode_context_lens=torch.tensor(
+                [s.num_computed_tokens + 1 for s, _ in decodes], dtype=torch.int32, device=dev),
+        )
+        return StepInputs(
+            input_ids=torch.tensor(ids, dtype=torch.int64, device=dev),
+            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
+            meta=meta, token_adapter_ids=adapters, sample_rows=sample_rows,
+            sample_seqs=sample_seqs,
+        )
+
+    @torch.inference_mode()
+    def run(self, batch: ScheduledBatch) -> tuple[list[Sequence], list[int]]:
+        """One forward pass; returns the sequences that sampled and their new tokens."""
+        inputs = self.prepare(batch)
+        for hook in self.before_forward:
+            hook(inputs)
+        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
+        if not inputs.sample_rows:
+            return [], []
+        rows = torch.tensor(inputs.sample_rows, dtype=torch.int64, device=self.device)
+        logits = self.model.compute_logits(hidden[rows])  # [N, vocab] float32
+        return inputs.sample_seqs, self.sampler(logits, inputs.sample_seqs)

@@ -1,0 +1,208 @@
+"""Llama-family decoder for paged attention: Llama, Mistral, Qwen2 (q/k/v bias), Qwen3
+(q/k RMSNorm). Grouped-query attention, RoPE (with the rope_scaling types transformers
+knows), tied embeddings. LoRA-free: adapters are attached afterwards by module replacement
+(``loraplex.lora.layers.attach_lora``).
+
+q/k/v and gate/up are fused into one linear each; ``LORA_SLICES`` names their slices in
+PEFT's terms.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PretrainedConfig
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from ...kernels import dispatch
+from ..attention_metadata import AttentionMetadata
+
+# fused module name -> PEFT target names of its output slices, in order
+LORA_SLICES: dict[str, tuple[str, ...]] = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "o_proj": ("o_proj",),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+    "down_proj": ("down_proj",),
+}
+
+
+def head_dim_of(config: PretrainedConfig) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+class RMSNorm(nn.Module):
+    """Computed in float32 as transformers does, cast back to the input dtype."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for every position, computed as transformers computes them."""
+
+    def __init__(self, config: PretrainedConfig, max_positions: int):
+        super().__init__()
+        params = getattr(config, "rope_parameters", None) or {}
+        rope_type = params.get("rope_type", "default")
+        if rope_type == "dynamic":
+            raise ValueError("rope_type 'dynamic' is not supported; supported: default, "
+                             "linear, llama3, yarn, longrope")
+        if rope_type == "default":
+            theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+            dim = head_dim_of(config)
+            inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+            scaling = 1.0
+        else:
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
+        positions = torch.arange(max_positions, dtype=torch.float)
+        freqs = positions[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos", emb.cos() * scaling, persistent=False)  # [P, D]
+        self.register_buffer("sin", emb.sin() * scaling, persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        return self.cos[positions].to(dtype), self.sin[positions].to(dtype)  # [T, D] each
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, H, D]; cos/sin: [T, D]."""
+    return x * cos[:, None, :] + _rotate_half(x) * sin[:, None, :]
+
+
+class Attention(nn.Module):
+    def __init__(self, config: PretrainedConfig):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = head_dim_of(config)
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        bias = bool(getattr(config, "attention_bias", False)) or config.model_type == "qwen2"
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.qk_norm = config.model_type == "qwen3"
+        if self.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.scale = self.head_dim**-0.5
+        self.k_cache = torch.empty(0)  # [num_blocks, block_size, Hkv, D], set by ModelRunner
+        self.v_cache = torch.empty(0)
+
+    def forward(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(t, self.num_heads, self.head_dim)
+        k = k.reshape(t, self.num_kv_heads, self.head_dim)
+        v = v.reshape(t, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        dispatch.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        return self.o_proj(self._attend(q, meta).reshape(t, self.q_size))
+
+    def _attend(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        p = meta.num_prefill_tokens
+        if p == q.shape[0]:
+            return self._prefill(q, meta)
+        if p == 0:
+            return self._decode(q, meta)
+        return torch.cat((self._prefill(q[:p], meta), self._decode(q[p:], meta)))
+
+    def _prefill(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        return dispatch.paged_attention_prefill(
+            q, self.k_cache, self.v_cache, meta.prefill_block_tables,
+            meta.prefill_query_start_loc, meta.prefill_context_lens, self.scale,
+        )
+
+    def _decode(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        return dispatch.paged_attention_decode(
+            q, self.k_cache, self.v_cache, meta.decode_block_tables,
+            meta.decode_context_lens, self.scale,
+        )
+
+
+class MLP(nn.Module):
+    def __init__(self, config: PretrainedConfig):
+        super().__init__()
+        if getattr(config, "hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act={config.hidden_act!r} is not supported (only 'silu')")
+        self.intermediate = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.intermediate, bias=False)
+        self.down_proj = nn.Linear(self.intermediate, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: PretrainedConfig):
+        super().__init__()
+        self.self_attn = Attention(config)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: PretrainedConfig, max_positions: int):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary = RotaryEmbedding(config, max_positions)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)  # [T, hidden]
+        rope = self.rotary(positions, x.dtype)
+        for layer in self.layers:
+            x = layer(x, rope, meta)
+        return self.norm(x)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Runs a flat batch of tokens; ``compute_logits`` only on the rows that sample."""
+
+    def __init__(self, config: PretrainedConfig, max_positions: int):
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config, max_positions)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        if not self.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:  # [T, hidden]
+        return self.model(input_ids, positions, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, vocab] float32
+        weight = self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    def attention_layers(self) -> list[Attention]:
+        return [layer.self_attn for layer in self.model.layers]

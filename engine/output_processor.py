@@ -1,0 +1,77 @@
+"""OutputProcessor: appends sampled tokens, detokenizes, applies the stop rules and reports
+each request's progress as a RequestOutput."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .sequence import Sequence
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    adapter: str | None
+    prompt_token_ids: list[int]
+    token_ids: list[int]  # every generated token so far
+    text: str  # generated text so far (stop string cut)
+    new_token_ids: list[int] = field(default_factory=list)  # since the previous output
+    new_text: str = ""
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "eos" | "length" | "abort" | "error"
+    num_cached_tokens: int = 0
+    error: str | None = None
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: object | None, max_model_len: int):
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+
+    def append(self, seq: Sequence, token: int) -> str | None:
+        """Add ``token`` to ``seq``; return the finish reason if it must stop now."""
+        seq.append_token(token)
+        p = seq.params
+        if self.tokenizer is not None:
+            self._detokenize(seq)
+        allowed_to_stop = seq.num_output_tokens >= p.min_new_tokens
+        if allowed_to_stop and not p.ignore_eos and token in seq.eos_token_ids:
+            return "eos"
+        if allowed_to_stop and token in p.stop_token_ids:
+            return "stop"
+        if allowed_to_stop and p.stop and self._cut_stop_string(seq):
+            return "stop"
+        if seq.num_output_tokens >= p.max_new_tokens or seq.num_tokens >= seq.max_tokens:
+            return "length"
+        return None
+
+    def _detokenize(self, seq: Sequence) -> None:
+        seq.text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+
+    @staticmethod
+    def _cut_stop_string(seq: Sequence) -> bool:
+        """Cut the text at the first stop string; only the tail can hold a new match."""
+        longest = max(len(s) for s in seq.params.stop)
+        start = max(0, seq.sent_text - longest)
+        hits = [i for s in seq.params.stop if (i := seq.text.find(s, start)) >= 0]
+        if not hits:
+            return False
+        seq.text = seq.text[: min(hits)]
+        return True
+
+    @staticmethod
+    def report(seq: Sequence) -> RequestOutput:
+        """The request's state, with what is new since the last report."""
+        new_tokens = seq.output_token_ids[seq.sent_tokens:]
+        text = seq.text
+        stable = len(text) if seq.is_finished else len(text.rstrip("\ufffd"))  # no half chars
+        new_text = text[seq.sent_text:stable] if stable > seq.sent_text else ""
+        seq.sent_tokens = seq.num_output_tokens
+        seq.sent_text = max(seq.sent_text, stable)
+        return RequestOutput(
+            request_id=seq.request_id, adapter=seq.adapter_name,
+            prompt_token_ids=seq.prompt_token_ids, token_ids=list(seq.output_token_ids),
+            text=text, new_token_ids=new_tokens, new_text=new_text,
+            finished=seq.is_finished, finish_reason=seq.finish_reason,
+            num_cached_tokens=seq.num_cached_tokens, error=seq.error,
+        )

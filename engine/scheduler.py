@@ -1,0 +1,161 @@
+"""Scheduler: continuous batching over a token budget, chunked prefill, preemption by
+recompute, and adapter admission (at most ``max_loras`` distinct adapters run at once).
+Pure Python."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Protocol
+
+from .block_manager import BlockManager
+from .sequence import Sequence, SequenceStatus
+
+
+class AdapterSlots(Protocol):
+    """What the scheduler needs of the AdapterCache."""
+
+    def acquire(self, adapter_id: int) -> bool:
+        """Pin the adapter in a device slot for one more running sequence; False if it is
+        not resident yet (a load is started) or no slot can be freed now."""
+
+    def release(self, adapter_id: int) -> None:
+        """One running sequence of the adapter stopped running."""
+
+
+@dataclass
+class ScheduledBatch:
+    """Work of one step. Invariant: every entry's blocks are allocated for its tokens."""
+
+    entries: list[tuple[Sequence, int]]  # (sequence, number of new tokens to compute)
+    num_tokens: int
+    preempted: list[Sequence]
+
+    @property
+    def empty(self) -> bool:
+        return not self.entries
+
+
+class Scheduler:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        adapters: AdapterSlots | None = None,
+        starvation_steps: int = 16,
+    ):
+        self.blocks = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.adapters = adapters
+        self.starvation_steps = starvation_steps
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # arrival order: the last is preempted first
+
+    # ---- queues -------------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Finish ``seq`` wherever it is and free its blocks and adapter pin at once."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+            self._release(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        seq.finish(reason)
+
+    # ---- the step -----------------------------------------------------------------------
+    def schedule(self) -> ScheduledBatch:
+        budget = self.max_num_batched_tokens
+        entries: list[tuple[Sequence, int]] = []
+        preempted: list[Sequence] = []
+        for seq in list(self.running):
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            if budget == 0:
+                break
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if not self._make_room(seq, n, preempted):
+                continue
+            self.blocks.allocate(seq, n)
+            entries.append((seq, n))
+            budget -= n
+        if not preempted:
+            budget = self._admit_waiting(entries, budget)
+        return ScheduledBatch(entries, self.max_num_batched_tokens - budget, preempted)
+
+    def _make_room(self, seq: Sequence, n: int, preempted: list[Sequence]) -> bool:
+        """Preempt the newest running sequences until ``seq`` fits; False if ``seq`` itself
+        had to go."""
+        while not self.blocks.can_allocate(seq, n):
+            victim = self.running[-1]
+            self._preempt(victim)
+            preempted.append(victim)
+            if victim is seq:
+                return False
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self._release(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def _release(self, seq: Sequence) -> None:
+        self.blocks.free_seq(seq)
+        if seq.adapter_id and self.adapters is not None:
+            self.adapters.release(seq.adapter_id)
+
+    def _admit_waiting(self, entries: list[tuple[Sequence, int]], budget: int) -> int:
+        starving = self._starving_adapter()
+        for seq in list(self.waiting):
+            if budget == 0 or len(self.running) >= self.max_num_seqs:
+                break
+            if starving is not None and seq.adapter_id not in (0, starving):
+                seq.waiting_steps += 1
+                continue  # hold back other adapters until the starving one gets a slot
+            if seq.adapter_id and not self.adapters.acquire(seq.adapter_id):  # type: ignore[union-attr]
+                seq.waiting_steps += 1
+                continue
+            if not self._start(seq, budget, entries):
+                if seq.adapter_id:
+                    self.adapters.release(seq.adapter_id)  # type: ignore[union-attr]
+                break  # out of blocks: keep arrival order for the rest
+            budget -= entries[-1][1]
+        return budget
+
+    def _start(self, seq: Sequence, budget: int, entries: list[tuple[Sequence, int]]) -> bool:
+        self.blocks.match_prefix(seq)
+        n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+        if not self.blocks.can_allocate(seq, n):
+            self.blocks.free_seq(seq)
+            return False
+        self.blocks.allocate(seq, n)
+        self.waiting.remove(seq)
+        seq.status = SequenceStatus.RUNNING
+        seq.waiting_steps = 0
+        self.running.append(seq)
+        entries.append((seq, n))
+        return True
+
+    def _starving_adapter(self) -> int | None:
+        """The adapter of the oldest waiting sequence that has been passed over too long."""
+        for seq in self.waiting:
+            if seq.adapter_id and seq.waiting_steps >= self.starvation_steps:
+                return seq.adapter_id
+        return None
+
+    # ---- after the step -----------------------------------------------------------------
+    def postprocess(self, batch: ScheduledBatch) -> None:
+        """Advance progress; make newly full blocks findable by the prefix cache."""
+        for seq, n in batch.entries:
+            seq.num_computed_tokens += n
+            self.blocks.register_full_blocks(seq)

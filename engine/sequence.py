@@ -1,0 +1,80 @@
+"""Sequence: one request's tokens, progress, blocks and adapter. Pure Python."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from .sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    """Invariants: ``num_computed_tokens <= num_tokens``; the KV of the first
+    ``num_computed_tokens`` tokens lives in ``block_table``; ``len(block_table) * block_size``
+    covers every token that has been scheduled."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams  # already resolved: no None fields left that matter
+    adapter_name: str | None = None  # None = the base model
+    adapter_id: int = 0  # 0 = base model; new for every adapter load
+    eos_token_ids: frozenset[int] = frozenset()
+    max_tokens: int = 0  # prompt + generated never exceeds this
+    output_token_ids: list[int] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache on first schedule
+    block_table: list[int] = field(default_factory=list)
+    finish_reason: str | None = None  # "stop" | "eos" | "length" | "abort" | "error"
+    error: str | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+    waiting_steps: int = 0  # steps spent passed over while waiting (anti-starvation)
+    num_preemptions: int = 0
+    text: str = ""  # detokenized output (stop strings already cut)
+    sent_tokens: int = 0  # output tokens already reported to the caller
+    sent_text: int = 0  # characters of ``text`` already reported
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def token_slice(self, start: int, stop: int) -> list[int]:
+        n = len(self.prompt_token_ids)
+        if stop <= n:
+            return self.prompt_token_ids[start:stop]
+        if start >= n:
+            return self.output_token_ids[start - n : stop - n]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: stop - n]
+
+    def append_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        if self.first_token_time is None:
+            self.first_token_time = time.monotonic()
+
+    def finish(self, reason: str) -> None:
+        self.status = SequenceStatus.FINISHED
+        self.finish_reason = reason
