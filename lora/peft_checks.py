@@ -1,0 +1,171 @@
+"""The checks on a PEFT ``adapter_config.json``: what of it the engine can serve, and where.
+
+Matching follows PEFT itself: ``target_modules`` and ``layers_to_transform`` go through
+``peft.tuners.tuners_utils.check_target_module_exists`` and ``rank_pattern`` /
+``alpha_pattern`` through ``peft.utils.other.get_pattern_key``, both applied to the module
+keys PEFT sees on a Llama-family model (``model.layers.{i}.self_attn.q_proj``, ...).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+import re
+from pathlib import Path
+
+from peft import LoraConfig
+from peft.tuners.tuners_utils import check_target_module_exists
+from peft.utils.other import get_pattern_key, match_target_against_key
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+MODULE_PARENT = {
+    "q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
+    "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp",
+}
+ALL_LINEAR = "all-linear"
+SUPPORTED = f"supported target modules: {', '.join(LORA_TARGETS)}"
+SERVES = "loraplex serves plain LoRA and rsLoRA on the linear layers of the decoder"
+# Config fields that change the forward pass beyond `scaling * B(A(x))`, besides the ones PEFT
+# itself tags as LoRA variants (DoRA, aLoRA, KaSA, ...; see `_active_variants`).
+_UNSERVABLE_FIELDS = {
+    "lora_bias": "a bias on lora_B (lora_bias)",
+    "use_qalora": "QA-LoRA (use_qalora)",
+    "layer_replication": "layer replication (layer_replication)",
+    "target_parameters": "LoRA on parameters (target_parameters)",
+    "trainable_token_indices": "trainable tokens (trainable_token_indices)",
+}
+
+Plan = dict[tuple[int, str], tuple[int, float]]  # (layer, module) -> (r, alpha)
+
+
+class AdapterError(ValueError):
+    """An adapter that cannot be served; the message names the problem and what is allowed."""
+
+
+def module_key(layer: int, module: str) -> str:
+    """The base-model module name PEFT matches: ``model.layers.0.self_attn.q_proj``."""
+    return f"model.layers.{layer}.{MODULE_PARENT[module]}.{module}"
+
+
+def read_lora_config(adapter_dir: Path) -> LoraConfig:
+    """Read ``adapter_config.json`` through PEFT's own loader; refuse anything but a LoRA config."""
+    path = adapter_dir / "adapter_config.json"
+    if not path.is_file():
+        raise AdapterError(f"{path} is missing; a PEFT LoRA adapter directory holds "
+                           "adapter_config.json and adapter_model.safetensors")
+    if path.stat().st_size == 0:
+        raise AdapterError(f"{path} is empty; it must be the JSON object PEFT writes")
+    try:
+        raw = LoraConfig.from_json_file(str(path))
+    except (OSError, ValueError) as exc:  # JSONDecodeError, UnicodeDecodeError are ValueErrors
+        raise AdapterError(f"{path} is not readable JSON: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise AdapterError(f"{path} holds a JSON {type(raw).__name__}; it must be a JSON object")
+    if raw.get("peft_type") != "LORA":
+        raise AdapterError(f"{path}: peft_type is {raw.get('peft_type')!r}, not a LoRA adapter; "
+                           "only peft_type 'LORA' can be served")
+    try:
+        return LoraConfig.from_peft_type(**LoraConfig.check_kwargs(**raw))
+    except Exception as exc:  # PEFT validates in __post_init__ with ValueError/TypeError/...
+        raise AdapterError(f"{path}: PEFT rejects this LoRA config: {exc}") from exc
+
+
+def check_servable(config: LoraConfig, where: Path) -> None:
+    """Refuse the features that the engine's ``base(x) + scaling * B(A(x))`` cannot express."""
+    variants = _active_variants(config)
+    if variants:
+        name = variants[0]
+        raise AdapterError(f"{where}: the LoRA variant {name}={getattr(config, name)!r} is not "
+                           f"supported (DoRA and other variants change the forward pass); {SERVES}")
+    for name, what in _UNSERVABLE_FIELDS.items():
+        if getattr(config, name, None):
+            raise AdapterError(f"{where}: {what} is not supported; {SERVES}")
+    if config.modules_to_save:
+        raise AdapterError(f"{where}: modules_to_save={sorted(config.modules_to_save)} is not "
+                           "supported (it replaces whole base modules); it must be empty")
+    if config.bias != "none":
+        raise AdapterError(f"{where}: bias={config.bias!r} is not supported; only bias='none'")
+    _check_target_names(config, where)
+
+
+def _active_variants(config: LoraConfig) -> list[str]:
+    """The fields PEFT's own metadata marks as LoRA variants that this config switches on."""
+    active = []
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name, None)
+        flagged = bool(f.metadata.get("is_lora_variant") and value)
+        if flagged or value in f.metadata.get("lora_variants", ()):  # init_lora_weights="mica"
+            active.append(f.name)
+    return active
+
+
+def _check_target_names(config: LoraConfig, where: Path) -> None:
+    """Every listed target ends in a wrappable module; a regex matches no embedding or head."""
+    targets = config.target_modules
+    if not targets:
+        raise AdapterError(f"{where}: target_modules is empty; {SUPPORTED}")
+    if isinstance(targets, str):
+        if targets.lower() == ALL_LINEAR:
+            return
+        try:
+            re.compile(targets)
+        except re.error as exc:
+            raise AdapterError(f"{where}: target_modules {targets!r} is not a valid regex: "
+                               f"{exc}") from exc
+        for key in ("model.embed_tokens", "lm_head"):
+            if match_target_against_key(targets, key):
+                raise AdapterError(f"{where}: target_modules {targets!r} matches {key!r}, which "
+                                   f"the engine cannot wrap; {SUPPORTED}")
+        return
+    for target in sorted(targets):
+        if target.split(".")[-1] not in LORA_TARGETS:
+            raise AdapterError(f"{where}: target module {target!r} cannot be wrapped by the "
+                               f"engine; {SUPPORTED}")
+
+
+def plan_modules(config: LoraConfig, num_layers: int, max_lora_rank: int, where: Path) -> Plan:
+    """(layer, module) -> (r, alpha) for each module the config targets in ``num_layers`` layers."""
+    matcher = config
+    if isinstance(config.target_modules, str) and config.target_modules.lower() == ALL_LINEAR:
+        matcher = copy.copy(config)  # PEFT expands "all-linear" against the model; lm_head excluded
+        matcher.target_modules = set(LORA_TARGETS)
+    plan: Plan = {}
+    for layer in range(num_layers):
+        for module in LORA_TARGETS:
+            key = module_key(layer, module)
+            if check_target_module_exists(matcher, key):
+                plan[(layer, module)] = _rank_alpha(config, key, max_lora_rank, where)
+    if not plan:
+        raise AdapterError(f"{where}: target_modules={_shown(config.target_modules)} with "
+                           f"layers_to_transform={config.layers_to_transform} matches no module of "
+                           f"this {num_layers}-layer base model; {SUPPORTED}")
+    return plan
+
+
+def _rank_alpha(config: LoraConfig, key: str, max_lora_rank: int, where: Path) -> tuple[int, float]:
+    """The module's (r, alpha), with rank_pattern / alpha_pattern applied exactly as PEFT does."""
+    rank_pattern = config.rank_pattern or {}
+    alpha_pattern = config.alpha_pattern or {}
+    r = rank_pattern.get(get_pattern_key(rank_pattern.keys(), key), config.r)
+    alpha = alpha_pattern.get(get_pattern_key(alpha_pattern.keys(), key), config.lora_alpha)
+    if not isinstance(r, int) or r <= 0:
+        raise AdapterError(f"{where}: rank {r!r} of {key} must be a positive integer")
+    if r > max_lora_rank:
+        source = "rank_pattern" if key_matches(rank_pattern, key) else "r"
+        raise AdapterError(f"{where}: rank {r} of {key} (from {source}) is above max_lora_rank="
+                           f"{max_lora_rank}; serve it with --max-lora-rank {r} or more")
+    return r, float(alpha)
+
+
+def key_matches(pattern: dict, key: str) -> bool:
+    return get_pattern_key(pattern.keys(), key) in pattern
+
+
+def scaling(r: int, alpha: float, use_rslora: bool) -> float:
+    """PEFT's LoRA scaling: ``alpha / r``, or ``alpha / sqrt(r)`` with rsLoRA."""
+    return alpha / math.sqrt(r) if use_rslora else alpha / r
+
+
+def _shown(targets: object) -> object:
+    return sorted(targets) if isinstance(targets, (set, frozenset)) else targets

@@ -1,0 +1,92 @@
+"""BlockManager and Scheduler bookkeeping, pure Python."""
+
+from __future__ import annotations
+
+from loraplex.engine.block_manager import BlockManager
+from loraplex.engine.sampling_params import SamplingParams
+from loraplex.engine.scheduler import Scheduler
+from loraplex.engine.sequence import Sequence
+
+
+def seq(rid: str, tokens: list[int], adapter_id: int = 0, max_new: int = 4) -> Sequence:
+    return Sequence(rid, tokens, SamplingParams(temperature=0, max_new_tokens=max_new),
+                    adapter_id=adapter_id, max_tokens=len(tokens) + max_new)
+
+
+def compute_all(bm: BlockManager, s: Sequence) -> None:
+    bm.match_prefix(s)
+    n = s.num_tokens - s.num_computed_tokens
+    bm.allocate(s, n)
+    s.num_computed_tokens += n
+    bm.register_full_blocks(s)
+
+
+def test_shared_prefix_hits_and_refcounts():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    a = seq("a", list(range(10)))
+    compute_all(bm, a)
+    b = seq("b", list(range(8)) + [99, 98])
+    bm.match_prefix(b)
+    assert b.num_computed_tokens == 8 and b.block_table == a.block_table[:2]
+    assert bm.ref_counts[a.block_table[0]] == 2
+    bm.free_seq(a)
+    assert bm.ref_counts[b.block_table[0]] == 1
+    bm.free_seq(b)
+    assert bm.num_used_blocks == 0
+
+
+def test_other_adapter_never_shares_blocks():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    compute_all(bm, seq("a", list(range(10)), adapter_id=1))
+    for adapter_id in (0, 2):
+        other = seq(f"o{adapter_id}", list(range(10)), adapter_id=adapter_id)
+        bm.match_prefix(other)
+        assert other.num_computed_tokens == 0 and not other.block_table
+
+
+def test_at_least_one_token_is_left_to_compute():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    compute_all(bm, seq("a", list(range(8))))
+    again = seq("b", list(range(8)))
+    bm.match_prefix(again)
+    assert again.num_computed_tokens == 4  # the last full block is recomputed for its logits
+
+
+def test_freed_cached_blocks_are_reused_least_recently_freed_first():
+    bm = BlockManager(num_blocks=4, block_size=4)
+    a = seq("a", list(range(8)))
+    compute_all(bm, a)
+    cached = list(a.block_table)
+    bm.free_seq(a)
+    assert bm.num_used_blocks == 0 and len(bm.cached) == 2
+    fresh = seq("c", [50 + i for i in range(12)])
+    bm.allocate(fresh, 12)  # takes the 2 never-used blocks, then the tail block of "a"
+    assert cached[1] in fresh.block_table and cached[0] not in fresh.block_table
+    again = seq("d", list(range(8)) + [1])
+    bm.match_prefix(again)
+    assert again.block_table == [cached[0]]  # block 0 survived, block 1 was evicted
+
+
+def step(sched: Scheduler) -> list[tuple[str, int]]:
+    """One scheduler step; sequences that finished their tokens 'sample' token 7."""
+    batch = sched.schedule()
+    sched.postprocess(batch)
+    for s, _ in batch.entries:
+        if s.num_computed_tokens == s.num_tokens:
+            s.append_token(7)
+    return [(s.request_id, n) for s, n in batch.entries]
+
+
+def test_scheduler_chunks_limits_and_preempts_newest():
+    bm = BlockManager(num_blocks=3, block_size=4)
+    sched = Scheduler(bm, max_num_seqs=2, max_num_batched_tokens=6)
+    seqs = [seq(f"r{i}", [10 * i + j for j in range(4)], max_new=8) for i in range(3)]
+    for s in seqs:
+        sched.add(s)
+    assert step(sched) == [("r0", 4), ("r1", 2)]  # r1's prompt is chunked; r2 over max_num_seqs
+    assert step(sched) == [("r0", 1), ("r1", 2)]  # r0 takes the last free block
+    assert step(sched) == [("r0", 1)]  # r1 needs a block: it is the newest, so it is preempted
+    assert seqs[1].num_preemptions == 1 and seqs[1].block_table == []
+    assert list(sched.waiting)[:2] == [seqs[1], seqs[2]]  # preempted work goes first
+    sched.finish(seqs[0], "abort")
+    assert bm.num_used_blocks == 0
