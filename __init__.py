@@ -1,8 +1,30 @@
-"""loraplex: a multi-LoRA serving engine."""
+"""loraplex: a multi-LoRA serving engine.
 
-from .engine.config import EngineConfig
-from .engine.llm_engine import LLMEngine
-from .engine.output_processor import RequestOutput
-from .engine.sampling_params import SamplingParams
+The engine classes are imported lazily, so that ``loraplex.client`` (and the CLI's client
+commands) start without loading torch.
+"""
 
-__all__ = ["EngineConfig", "LLMEngine", "RequestOutput", "SamplingParams"]
+from __future__ import annotations
+
+from importlib import import_module
+from typing import TYPE_CHECKING, Any
+
+_EXPORTS = {
+    "EngineConfig": ".engine.config",
+    "LLMEngine": ".engine.llm_engine",
+    "RequestOutput": ".engine.output_processor",
+    "SamplingParams": ".engine.sampling_params",
+}
+__all__ = list(_EXPORTS)
+
+if TYPE_CHECKING:
+    from .engine.config import EngineConfig
+    from .engine.llm_engine import LLMEngine
+    from .engine.output_processor import RequestOutput
+    from .engine.sampling_params import SamplingParams
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(import_module(_EXPORTS[name], __name__), name)
+    raise AttributeError(f"module 'loraplex' has no attribute {name!r}")

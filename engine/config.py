@@ -34,7 +34,7 @@ class EngineConfig:
     seed: int = 0
     # LoRA
     max_loras: int = 4
-    max_lora_rank: int = 64
+    max_lora_rank: int = 16
     max_cpu_loras: int | None = None  # None: 2 × max_loras
     lora_modules: dict[str, str] = field(default_factory=dict)
     adapter_starvation_steps: int = 16  # a passed-over adapter gets the next free slot after this

@@ -13,7 +13,12 @@ from .block_manager import BlockManager
 from .config import EngineConfig
 from .errors import AdapterNotFoundError, InvalidRequestError
 from .base_model import BaseModel, load_base_model
-from .model_runner import ModelRunner, num_kv_blocks
+from ..lora.batch import LoRABatch
+from ..lora.cache import AdapterCache, AdapterInfo
+from ..lora.layers import attach_lora
+from ..lora.peft_format import BaseShapes, LoRAWeights, read_peft_adapter
+from ..lora.slots import SlotBuffers
+from .model_runner import ModelRunner, StepInputs, num_kv_blocks
 from .output_processor import OutputProcessor, RequestOutput
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
@@ -33,12 +38,23 @@ class LLMEngine:
         blocks = num_kv_blocks(cfg, self.base.hf_config, self.base.dtype, self.base.device)
         self.block_manager = BlockManager(blocks, cfg.block_size, cfg.enable_prefix_caching)
         self.runner = ModelRunner(self.base.model, cfg, blocks, self.base.dtype, self.base.device)
-        self.lora = None
+        self.lora_batch = LoRABatch(self.base.device)
+        self.slot_buffers = SlotBuffers(attach_lora(self.base.model, cfg.max_loras,
+                                                    cfg.max_lora_rank, self.lora_batch))
+        self.base_shapes = BaseShapes.from_hf_config(self.base.hf_config, str(self.base.path))
+        self.lora = AdapterCache(cfg.max_loras, cfg.max_cpu_loras,  # type: ignore[arg-type]
+                                 read=lambda name, path: self.read_adapter(path, name),
+                                 load_slot=self.slot_buffers.load,
+                                 clear_slot=self.slot_buffers.clear)
+        self.runner.before_forward.append(self._prepare_lora)
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs,
-                                   cfg.max_num_batched_tokens, None, cfg.adapter_starvation_steps)
+                                   cfg.max_num_batched_tokens, self.lora,
+                                   cfg.adapter_starvation_steps)
         self.outputs = OutputProcessor(self.tokenizer, self.max_model_len)
         self.requests: dict[str, Sequence] = {}
         self._ids = itertools.count()
+        for name, path in cfg.lora_modules.items():
+            self.add_adapter(name, path, preloaded=True)
         log.info("engine ready: %s, %s on %s, %d KV blocks of %d tokens, max_model_len %d",
                  self.base.path, self.base.dtype, self.base.device, blocks, cfg.block_size,
                  self.max_model_len)
@@ -96,15 +112,17 @@ class LLMEngine:
                 f"prompt may have at most {self.max_model_len - 1}")
 
     def _adapter_id(self, adapter: str | None) -> int:
-        if not adapter:
+        if not adapter or adapter == self.config.served_model_name:
             return 0
-        if self.lora is None:
-            raise AdapterNotFoundError(f"unknown adapter {adapter!r}: none are loaded")
-        return self.lora.acquire_name(adapter)
+        return self.lora.lookup(adapter)
 
     def add_sequence(self, seq: Sequence) -> str:
         if seq.request_id in self.requests:
             raise InvalidRequestError(f"request_id {seq.request_id!r} is already in use")
+        if seq.adapter_id:
+            if seq.adapter_id not in self.lora.by_id:
+                raise AdapterNotFoundError(f"adapter {seq.adapter_name!r} was unloaded")
+            self.lora.request_started(seq.adapter_id)
         self.requests[seq.request_id] = seq
         self.scheduler.add(seq)
         return seq.request_id
@@ -125,7 +143,7 @@ class LLMEngine:
         self.scheduler.finish(seq, reason)
         self.runner.sampler.forget(seq.request_id)
         self.requests.pop(seq.request_id, None)
-        if self.lora is not None and seq.adapter_id:
+        if seq.adapter_id:
             self.lora.request_done(seq.adapter_id)
 
     def has_unfinished_requests(self) -> bool:
@@ -133,12 +151,12 @@ class LLMEngine:
 
     # ---- the step -----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        outputs = self._fail_broken_adapters()
         batch = self.scheduler.schedule()
         if batch.empty:
-            return []
+            return outputs
         seqs, tokens = self.runner.run(batch)
         self.scheduler.postprocess(batch)
-        outputs = []
         for seq, token in zip(seqs, tokens):
             reason = self.outputs.append(seq, token)
             if reason is not None:
@@ -168,6 +186,42 @@ class LLMEngine:
                         bar.update(1)
         return [done[s.request_id] for s in seqs]
 
+    def _fail_broken_adapters(self) -> list[RequestOutput]:
+        """Waiting requests whose adapter could not be reloaded from disk end with an error."""
+        outputs = []
+        for seq in list(self.scheduler.waiting):
+            error = seq.adapter_id and self.lora.failed(seq.adapter_id)
+            if error:
+                seq.error = error
+                self._finish(seq, "error")
+                outputs.append(self.outputs.report(seq))
+        return outputs
+
+    def _prepare_lora(self, inputs: StepInputs) -> None:
+        slot_of = {a: self.lora.slot_of(a) for a in set(inputs.token_adapter_ids) if a}
+        slot_of[0] = -1
+        self.lora_batch.prepare([slot_of[a] for a in inputs.token_adapter_ids])
+
+    # ---- adapters -----------------------------------------------------------------------
+    def read_adapter(self, path: str | Path, name: str = "") -> LoRAWeights:
+        """Read and validate a PEFT adapter dir for this base model (safe on any thread)."""
+        return read_peft_adapter(path, self.base_shapes, self.config.max_lora_rank, name)
+
+    def add_adapter(self, name: str, path: str | Path, replace: bool = False, pin: bool = False,
+                    preloaded: bool = False, weights: LoRAWeights | None = None) -> AdapterInfo:
+        """Register an adapter; ``weights`` already read by ``read_adapter`` skip the disk."""
+        if not name or name == self.config.served_model_name:
+            raise InvalidRequestError(f"adapter name {name!r} is empty or the base model's")
+        if weights is None:
+            weights = self.read_adapter(path, name)
+        return self.lora.register(name, weights, replace=replace, pin=pin, preloaded=preloaded)
+
+    def remove_adapter(self, name: str) -> None:
+        self.lora.remove(name)
+
+    def list_adapters(self) -> list[AdapterInfo]:
+        return self.lora.list()
+
     # ---- introspection ------------------------------------------------------------------
     def stats(self) -> dict[str, int]:
         bm = self.block_manager
@@ -178,6 +232,9 @@ class LLMEngine:
             "kv_blocks_used": bm.num_used_blocks,
             "prefix_cache_hits": bm.prefix_hits,
             "prefix_cache_queries": bm.prefix_queries,
+            "lora_slots_total": self.lora.max_loras,
+            "lora_slots_in_use": self.lora.slots_in_use,
+            "adapters_loaded": len(self.lora.names),
         }
 
     def __repr__(self) -> str:

@@ -12,30 +12,95 @@ from types import ModuleType
 import torch
 
 from . import reference
+from .segments import LoRASegments
+
+
+def _use_triton(device: torch.device) -> bool:
+    choice = os.environ.get("LORAPLEX_KERNELS", "").lower()
+    if choice not in ("", "torch", "triton"):
+        raise ValueError(f"LORAPLEX_KERNELS={choice!r}; allowed: triton, torch, or unset")
+    return choice == "triton" or (choice == "" and device.type == "cuda")
 
 
 def _backend(device: torch.device) -> ModuleType:
-    choice = os.environ.get("LORAPLEX_KERNELS", "").lower()
-    if choice == "torch" or (choice == "" and device.type != "cuda"):
+    if not _use_triton(device):
         return reference
     from . import attention  # Triton; imported lazily so CPU users never need a GPU toolchain
 
     return attention
 
 
-def store_kv(key, value, k_cache, v_cache, slot_mapping) -> None:  # noqa: ANN001
+def _lora_backend(device: torch.device) -> ModuleType:
+    if not _use_triton(device):
+        return reference
+    from . import sgmv
+
+    return sgmv
+
+
+def store_kv(
+    key: torch.Tensor,  # [T, Hkv, D]
+    value: torch.Tensor,  # [T, Hkv, D]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    slot_mapping: torch.Tensor,  # [T] int64; -1 = skip
+) -> None:
     _backend(key.device).store_kv(key, value, k_cache, v_cache, slot_mapping)
 
 
-def paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, scale):  # noqa: ANN001
+def paged_attention_decode(
+    q: torch.Tensor,  # [B, Hq, D]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [B, max_blocks] int32
+    context_lens: torch.Tensor,  # [B] int32
+    scale: float,
+) -> torch.Tensor:  # [B, Hq, D]
     return _backend(q.device).paged_attention_decode(
         q, k_cache, v_cache, block_tables, context_lens, scale
     )
 
 
-def paged_attention_prefill(  # noqa: ANN201
-    q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale  # noqa: ANN001
-):
+def paged_attention_prefill(
+    q: torch.Tensor,  # [T, Hq, D]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [S, max_blocks] int32
+    query_start_loc: torch.Tensor,  # [S + 1] int32
+    context_lens: torch.Tensor,  # [S] int32
+    scale: float,
+) -> torch.Tensor:  # [T, Hq, D]
     return _backend(q.device).paged_attention_prefill(
         q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale
     )
+
+
+def lora_shrink(
+    x: torch.Tensor,  # [T, in]
+    lora_a: list[torch.Tensor],  # num_slices × [max_loras, r_max, in]
+    ranks: torch.Tensor,  # [num_slices, max_loras] int32
+    seg: LoRASegments,
+) -> torch.Tensor:  # [num_slices, T, r_max] float32
+    return _lora_backend(x.device).lora_shrink(x, lora_a, ranks, seg)
+
+
+def lora_expand(
+    h: torch.Tensor,  # [num_slices, T, r_max] float32
+    lora_b: list[torch.Tensor],  # num_slices × [max_loras, out_i, r_max]
+    ranks: torch.Tensor,  # [num_slices, max_loras] int32
+    seg: LoRASegments,
+    out: torch.Tensor,  # [T, sum(out_i)]
+) -> None:
+    _lora_backend(h.device).lora_expand(h, lora_b, ranks, seg, out)
+
+
+def add_lora(
+    out: torch.Tensor,  # [T, sum(out_i)]
+    x: torch.Tensor,  # [T, in]
+    lora_a: list[torch.Tensor],  # num_slices × [max_loras, r_max, in]
+    lora_b: list[torch.Tensor],  # num_slices × [max_loras, out_i, r_max]
+    ranks: torch.Tensor,  # [num_slices, max_loras] int32
+    seg: LoRASegments,
+) -> None:
+    """out += Σ_i (x @ A_i[slot]ᵀ) @ B_i[slot]ᵀ into out's column slice i, per token."""
+    _lora_backend(x.device).add_lora(out, x, lora_a, lora_b, ranks, seg)

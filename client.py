@@ -1,0 +1,271 @@
+"""loraplex.client: sync and async gRPC clients for a loraplex server (uses proto/ only).
+
+    with Client("127.0.0.1:50051") as c:
+        print(c.generate("the capital of france is", max_new_tokens=8, temperature=0).text)
+        for chunk in c.generate_stream("hello", adapter="sql"):
+            print(chunk.text, end="", flush=True)
+
+Readiness probe: ``python -m loraplex.client health --server HOST:PORT`` exits 0 only when
+the server reports SERVING. Tokens go out as ``authorization: Bearer <token>``: ``api_token``
+on Inference and ServerInfo, ``admin_token`` on AdapterAdmin.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from .proto import loraplex_pb2 as pb
+from .proto import loraplex_pb2_grpc as pb_grpc
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
+
+DEFAULT_TARGET = "127.0.0.1:50051"
+Pem = bytes | str | Path | None  # PEM bytes, or the path of a PEM file
+
+
+def sampling_params(temperature: float | None = None, top_p: float | None = None,
+                    top_k: int | None = None, seed: int | None = None,
+                    max_new_tokens: int | None = None, min_new_tokens: int = 0,
+                    stop: Sequence[str] = (), stop_token_ids: Sequence[int] = (),
+                    ignore_eos: bool = False) -> pb.SamplingParams:
+    """A SamplingParams message; None leaves a field unset (the model's default)."""
+    msg = pb.SamplingParams(min_new_tokens=min_new_tokens, stop=list(stop),
+                            stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos)
+    for name, value in (("temperature", temperature), ("top_p", top_p), ("top_k", top_k),
+                        ("seed", seed), ("max_new_tokens", max_new_tokens)):
+        if value is not None:
+            setattr(msg, name, value)
+    return msg
+
+
+def generate_request(prompt: str | None = None, *, prompt_token_ids: Sequence[int] | None = None,
+                     adapter: str = "", request_id: str = "", apply_chat_template: bool = False,
+                     **sampling: object) -> pb.GenerateRequest:
+    return pb.GenerateRequest(
+        request_id=request_id, adapter=adapter, prompt=prompt or "",
+        prompt_token_ids=list(prompt_token_ids or ()), apply_chat_template=apply_chat_template,
+        params=sampling_params(**sampling))  # type: ignore[arg-type]
+
+
+def _pem(value: Pem) -> bytes | None:
+    if value is None or isinstance(value, bytes):
+        return value
+    return Path(value).read_bytes()
+
+
+@dataclass
+class ChannelOptions:
+    """Where and how to connect. TLS is on when ``tls`` or any certificate is given;
+    ``certificate_chain`` + ``private_key`` are the client's own (mutual TLS)."""
+
+    target: str = DEFAULT_TARGET
+    api_token: str | None = None
+    admin_token: str | None = None
+    tls: bool = False
+    root_certificates: Pem = None
+    certificate_chain: Pem = None
+    private_key: Pem = None
+    server_name: str | None = None  # the name the server certificate must carry
+    timeout: float | None = None  # default deadline per call, seconds
+
+    @property
+    def secure(self) -> bool:
+        return self.tls or any(x is not None for x in (
+            self.root_certificates, self.certificate_chain, self.private_key))
+
+    def credentials(self) -> grpc.ChannelCredentials:
+        return grpc.ssl_channel_credentials(_pem(self.root_certificates), _pem(self.private_key),
+                                            _pem(self.certificate_chain))
+
+    def channel_args(self) -> list[tuple[str, str]]:
+        return [("grpc.ssl_target_name_override", self.server_name)] if self.server_name else []
+
+    def metadata(self, token: str | None) -> tuple[tuple[str, str], ...]:
+        return (("authorization", f"Bearer {token}"),) if token else ()
+
+
+class _Stubs:
+    def __init__(self, channel: grpc.Channel | grpc.aio.Channel, options: ChannelOptions):
+        self.options = options
+        self.inference = pb_grpc.InferenceStub(channel)
+        self.admin = pb_grpc.AdapterAdminStub(channel)
+        self.info = pb_grpc.ServerInfoStub(channel)
+        self.health = health_pb2_grpc.HealthStub(channel)
+
+    def api(self, timeout: float | None) -> dict:
+        return {"metadata": self.options.metadata(self.options.api_token),
+                    "timeout": timeout if timeout is not None else self.options.timeout}
+
+    def adm(self, timeout: float | None) -> dict:
+        return {"metadata": self.options.metadata(self.options.admin_token),
+                    "timeout": timeout if timeout is not None else self.options.timeout}
+
+
+def _health_name(status: int) -> str:
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(status)
+
+
+class Client:
+    """Blocking client. Errors are ``grpc.RpcError`` with ``.code()`` and ``.details()``."""
+
+    def __init__(self, target: str = DEFAULT_TARGET, **options: object):
+        self.options = ChannelOptions(target, **options)  # type: ignore[arg-type]
+        o = self.options
+        self.channel = (grpc.secure_channel(o.target, o.credentials(), o.channel_args())
+                        if o.secure else grpc.insecure_channel(o.target))
+        self._s = _Stubs(self.channel, o)
+
+    def generate(self, prompt: str | None = None, *, timeout: float | None = None,
+                 **kwargs: object) -> pb.GenerateResponse:
+        return self._s.inference.Generate(generate_request(prompt, **kwargs), **self._s.api(timeout))
+
+    def generate_stream(self, prompt: str | None = None, *, timeout: float | None = None,
+                        **kwargs: object) -> Iterator[pb.GenerateStreamResponse]:
+        """The stream's messages; ``.cancel()`` on the returned call stops the request."""
+        return self._s.inference.GenerateStream(generate_request(prompt, **kwargs),
+                                                **self._s.api(timeout))
+
+    def load_adapter(self, name: str, path: str | Path, replace: bool = False,
+                     pin: bool = False, timeout: float | None = None) -> pb.AdapterInfo:
+        request = pb.LoadAdapterRequest(name=name, path=str(path), replace=replace, pin=pin)
+        return self._s.admin.LoadAdapter(request, **self._s.adm(timeout))
+
+    def unload_adapter(self, name: str, timeout: float | None = None
+                       ) -> pb.UnloadAdapterResponse:
+        return self._s.admin.UnloadAdapter(pb.UnloadAdapterRequest(name=name),
+                                           **self._s.adm(timeout))
+
+    def list_adapters(self, timeout: float | None = None) -> list[pb.AdapterInfo]:
+        reply = self._s.admin.ListAdapters(pb.ListAdaptersRequest(), **self._s.adm(timeout))
+        return list(reply.adapters)
+
+    def server_info(self, timeout: float | None = None) -> pb.GetServerInfoResponse:
+        return self._s.info.GetServerInfo(pb.GetServerInfoRequest(), **self._s.api(timeout))
+
+    def stats(self, timeout: float | None = None) -> pb.GetStatsResponse:
+        return self._s.info.GetStats(pb.GetStatsRequest(), **self._s.api(timeout))
+
+    def health(self, service: str = "", timeout: float | None = 5.0) -> str:
+        """"SERVING", "NOT_SERVING", ... for ``service`` ("" = the whole server)."""
+        reply = self._s.health.Check(health_pb2.HealthCheckRequest(service=service),
+                                     timeout=timeout)
+        return _health_name(reply.status)
+
+    def wait_until_serving(self, timeout: float = 60.0) -> None:
+        """Poll health until SERVING; TimeoutError after ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                if self.health(timeout=1.0) == "SERVING":
+                    return
+            except grpc.RpcError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.options.target} not SERVING after {timeout}s")
+            time.sleep(0.1)
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class AsyncClient:
+    """asyncio client (grpc.aio); the same methods as Client, awaited."""
+
+    def __init__(self, target: str = DEFAULT_TARGET, **options: object):
+        self.options = ChannelOptions(target, **options)  # type: ignore[arg-type]
+        o = self.options
+        self.channel = (grpc.aio.secure_channel(o.target, o.credentials(), o.channel_args())
+                        if o.secure else grpc.aio.insecure_channel(o.target))
+        self._s = _Stubs(self.channel, o)
+
+    async def generate(self, prompt: str | None = None, *, timeout: float | None = None,
+                       **kwargs: object) -> pb.GenerateResponse:
+        return await self._s.inference.Generate(generate_request(prompt, **kwargs),
+                                                **self._s.api(timeout))
+
+    async def generate_stream(self, prompt: str | None = None, *, timeout: float | None = None,
+                              **kwargs: object) -> AsyncIterator[pb.GenerateStreamResponse]:
+        call = self._s.inference.GenerateStream(generate_request(prompt, **kwargs),
+                                                **self._s.api(timeout))
+        try:
+            async for chunk in call:
+                yield chunk
+        finally:
+            call.cancel()  # no-op once finished; stops the request if the caller left early
+
+    async def load_adapter(self, name: str, path: str | Path, replace: bool = False,
+                           pin: bool = False, timeout: float | None = None) -> pb.AdapterInfo:
+        request = pb.LoadAdapterRequest(name=name, path=str(path), replace=replace, pin=pin)
+        return await self._s.admin.LoadAdapter(request, **self._s.adm(timeout))
+
+    async def unload_adapter(self, name: str, timeout: float | None = None
+                             ) -> pb.UnloadAdapterResponse:
+        return await self._s.admin.UnloadAdapter(pb.UnloadAdapterRequest(name=name),
+                                                 **self._s.adm(timeout))
+
+    async def list_adapters(self, timeout: float | None = None) -> list[pb.AdapterInfo]:
+        reply = await self._s.admin.ListAdapters(pb.ListAdaptersRequest(),
+                                                 **self._s.adm(timeout))
+        return list(reply.adapters)
+
+    async def server_info(self, timeout: float | None = None) -> pb.GetServerInfoResponse:
+        return await self._s.info.GetServerInfo(pb.GetServerInfoRequest(),
+                                                **self._s.api(timeout))
+
+    async def stats(self, timeout: float | None = None) -> pb.GetStatsResponse:
+        return await self._s.info.GetStats(pb.GetStatsRequest(), **self._s.api(timeout))
+
+    async def health(self, service: str = "", timeout: float | None = 5.0) -> str:
+        reply = await self._s.health.Check(health_pb2.HealthCheckRequest(service=service),
+                                           timeout=timeout)
+        return _health_name(reply.status)
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m loraplex.client health``: exit 0 when SERVING (a readiness probe)."""
+    parser = argparse.ArgumentParser(prog="python -m loraplex.client")
+    parser.add_argument("command", choices=["health"])
+    parser.add_argument("--server", default=DEFAULT_TARGET, help="HOST:PORT")
+    parser.add_argument("--ssl-ca-certs", help="CA bundle of the server certificate (TLS)")
+    parser.add_argument("--ssl-certfile", help="client certificate (mutual TLS)")
+    parser.add_argument("--ssl-keyfile", help="client key (mutual TLS)")
+    parser.add_argument("--timeout", type=float, default=5.0)
+    args = parser.parse_args(argv)
+    with Client(args.server, root_certificates=args.ssl_ca_certs,
+                certificate_chain=args.ssl_certfile, private_key=args.ssl_keyfile) as client:
+        try:
+            status = client.health(timeout=args.timeout)
+        except grpc.RpcError as e:
+            print(f"UNREACHABLE: {e.code().name}: {e.details()}", file=sys.stderr)
+            return 2
+    print(status)
+    return 0 if status == "SERVING" else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,104 @@
+"""Paged causal prefill attention in Triton (twin: ``reference.paged_attention_prefill``)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from .attention import _load_kv
+
+BLOCK_M = 16  # query rows per program
+BLOCK_N = 32  # context positions per inner step
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, tables_ptr, qsl_ptr, ctx_ptr,
+    scale, group, head_dim, block_size,
+    stride_qt, stride_qh, stride_qd, stride_ot, stride_oh, stride_od, stride_tb,
+    stride_cb, stride_co, stride_ch, stride_cd,
+    D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """out[t, h] = softmax(scale · q[t, h] K[s]ᵀ + causal mask) V[s] for BLOCK_M new tokens t
+    of sequence s. Shapes: q, out [T, Hq, D]; caches [NB, bs, Hkv, D]; tables [S, max_blocks];
+    qsl [S + 1]; ctx [S] (cached prefix + new tokens)."""
+    s = tl.program_id(0)
+    m0 = tl.program_id(1) * BLOCK_M
+    head = tl.program_id(2)
+    kv_head = head // group
+    q_start = tl.load(qsl_ptr + s)
+    q_len = tl.load(qsl_ptr + s + 1) - q_start
+    if m0 >= q_len:
+        return
+    ctx = tl.load(ctx_ptr + s)
+    prefix = ctx - q_len  # positions of the new tokens: prefix ... ctx - 1
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, D_PAD)
+    mask_m = offs_m < q_len
+    mask_d = offs_d < head_dim
+    rows = (q_start + offs_m).to(tl.int64)  # [BM]
+    q = tl.load(q_ptr + rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :] * stride_qd,
+                mask=mask_m[:, None] & mask_d[None, :], other=0.0)  # [BM, D_PAD]
+    if UPCAST:
+        q = q.to(tl.float32)
+    pos_m = prefix + offs_m  # [BM]
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+    table = tables_ptr + s.to(tl.int64) * stride_tb
+    hi = tl.minimum(ctx, prefix + m0 + BLOCK_M)  # causal: nothing past the block's last row
+    qk_scale = scale * 1.4426950408889634
+    for n0 in range(0, hi, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < ctx
+        k = _load_kv(k_cache_ptr, table, offs_n, mask_n, kv_head, offs_d, mask_d,
+                     block_size, stride_cb, stride_co, stride_ch, stride_cd).to(q.dtype)
+        v = _load_kv(v_cache_ptr, table, offs_n, mask_n, kv_head, offs_d, mask_d,
+                     block_size, stride_cb, stride_co, stride_ch, stride_cd).to(q.dtype)
+        sc = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [BM, BN]
+        visible = (offs_n[None, :] <= pos_m[:, None]) & mask_n[None, :]
+        sc = tl.where(visible, sc, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+        p = tl.exp2(sc - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(out_ptr + rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :] * stride_od,
+             out.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
+
+
+def paged_attention_prefill(
+    q: torch.Tensor,  # [T, Hq, D], the new tokens of S sequences, concatenated
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D], new tokens already stored
+    v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    block_tables: torch.Tensor,  # [S, max_blocks] int32
+    query_start_loc: torch.Tensor,  # [S + 1] int32, rows of q per sequence
+    context_lens: torch.Tensor,  # [S] int32, cached prefix + new tokens
+    scale: float,
+) -> torch.Tensor:  # [T, Hq, D]
+    """Causal attention: sequence s's new tokens sit at positions
+    context_lens[s] - q_len_s ... context_lens[s] - 1 and see every earlier position."""
+    num_tokens, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    assert k_cache.stride() == v_cache.stride(), "k and v caches must share a layout"
+    out = torch.empty_like(q)
+    num_seqs = context_lens.shape[0]
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    max_q_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())  # one host sync
+    grid = (num_seqs, triton.cdiv(max_q_len, BLOCK_M), num_heads)
+    _prefill_kernel[grid](
+        q, k_cache, v_cache, out, block_tables, query_start_loc, context_lens,
+        scale, num_heads // num_kv_heads, head_dim, block_size,
+        *q.stride(), *out.stride(), block_tables.stride(0), *k_cache.stride(),
+        D_PAD=max(16, triton.next_power_of_2(head_dim)), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+        UPCAST=os.environ.get("TRITON_INTERPRET", "0") == "1",
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+    )
+    return out

@@ -1,0 +1,246 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class SamplingParams(_message.Message):
+    __slots__ = ("temperature", "top_p", "top_k", "seed", "max_new_tokens", "min_new_tokens", "stop", "stop_token_ids", "ignore_eos")
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MIN_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int
+    max_new_tokens: int
+    min_new_tokens: int
+    stop: _containers.RepeatedScalarFieldContainer[str]
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    ignore_eos: bool
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., min_new_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
+
+class GenerateRequest(_message.Message):
+    __slots__ = ("request_id", "adapter", "prompt", "prompt_token_ids", "params", "apply_chat_template")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_FIELD_NUMBER: _ClassVar[int]
+    APPLY_CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    adapter: str
+    prompt: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    params: SamplingParams
+    apply_chat_template: bool
+    def __init__(self, request_id: _Optional[str] = ..., adapter: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., apply_chat_template: _Optional[bool] = ...) -> None: ...
+
+class Usage(_message.Message):
+    __slots__ = ("prompt_tokens", "completion_tokens", "cached_prompt_tokens")
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    prompt_tokens: int
+    completion_tokens: int
+    cached_prompt_tokens: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
+
+class GenerateResponse(_message.Message):
+    __slots__ = ("request_id", "adapter", "text", "token_ids", "finish_reason", "usage")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    adapter: str
+    text: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    finish_reason: str
+    usage: Usage
+    def __init__(self, request_id: _Optional[str] = ..., adapter: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
+
+class GenerateStreamResponse(_message.Message):
+    __slots__ = ("request_id", "adapter", "text", "token_ids", "finish_reason", "usage", "finished")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    adapter: str
+    text: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    finish_reason: str
+    usage: Usage
+    finished: bool
+    def __init__(self, request_id: _Optional[str] = ..., adapter: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., finished: _Optional[bool] = ...) -> None: ...
+
+class AdapterInfo(_message.Message):
+    __slots__ = ("name", "path", "state", "rank", "target_modules", "size_bytes", "active_requests", "pinned", "preloaded", "error")
+    class State(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        STATE_UNSPECIFIED: _ClassVar[AdapterInfo.State]
+        ON_DISK: _ClassVar[AdapterInfo.State]
+        LOADING: _ClassVar[AdapterInfo.State]
+        ON_CPU: _ClassVar[AdapterInfo.State]
+        ON_DEVICE: _ClassVar[AdapterInfo.State]
+        FAILED: _ClassVar[AdapterInfo.State]
+    STATE_UNSPECIFIED: AdapterInfo.State
+    ON_DISK: AdapterInfo.State
+    LOADING: AdapterInfo.State
+    ON_CPU: AdapterInfo.State
+    ON_DEVICE: AdapterInfo.State
+    FAILED: AdapterInfo.State
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    TARGET_MODULES_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    PINNED_FIELD_NUMBER: _ClassVar[int]
+    PRELOADED_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    path: str
+    state: AdapterInfo.State
+    rank: int
+    target_modules: _containers.RepeatedScalarFieldContainer[str]
+    size_bytes: int
+    active_requests: int
+    pinned: bool
+    preloaded: bool
+    error: str
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., state: _Optional[_Union[AdapterInfo.State, str]] = ..., rank: _Optional[int] = ..., target_modules: _Optional[_Iterable[str]] = ..., size_bytes: _Optional[int] = ..., active_requests: _Optional[int] = ..., pinned: _Optional[bool] = ..., preloaded: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...
+
+class LoadAdapterRequest(_message.Message):
+    __slots__ = ("name", "path", "replace", "pin")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    REPLACE_FIELD_NUMBER: _ClassVar[int]
+    PIN_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    path: str
+    replace: bool
+    pin: bool
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., replace: _Optional[bool] = ..., pin: _Optional[bool] = ...) -> None: ...
+
+class UnloadAdapterRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class UnloadAdapterResponse(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class ListAdaptersRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListAdaptersResponse(_message.Message):
+    __slots__ = ("adapters",)
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    adapters: _containers.RepeatedCompositeFieldContainer[AdapterInfo]
+    def __init__(self, adapters: _Optional[_Iterable[_Union[AdapterInfo, _Mapping]]] = ...) -> None: ...
+
+class GetServerInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetServerInfoResponse(_message.Message):
+    __slots__ = ("version", "model", "served_model_name", "dtype", "device", "max_model_len", "kv_cache_tokens", "block_size", "max_num_seqs", "max_queue", "max_num_batched_tokens", "max_loras", "max_lora_rank", "max_cpu_loras", "kv_cache_memory", "gpu_memory_utilization", "vocab_size", "api_token_required", "admin_token_required", "tls", "adapter_roots", "status")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    SERVED_MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
+    MAX_QUEUE_FIELD_NUMBER: _ClassVar[int]
+    MAX_NUM_BATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_LORAS_FIELD_NUMBER: _ClassVar[int]
+    MAX_LORA_RANK_FIELD_NUMBER: _ClassVar[int]
+    MAX_CPU_LORAS_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_MEMORY_FIELD_NUMBER: _ClassVar[int]
+    GPU_MEMORY_UTILIZATION_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    API_TOKEN_REQUIRED_FIELD_NUMBER: _ClassVar[int]
+    ADMIN_TOKEN_REQUIRED_FIELD_NUMBER: _ClassVar[int]
+    TLS_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_ROOTS_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    version: str
+    model: str
+    served_model_name: str
+    dtype: str
+    device: str
+    max_model_len: int
+    kv_cache_tokens: int
+    block_size: int
+    max_num_seqs: int
+    max_queue: int
+    max_num_batched_tokens: int
+    max_loras: int
+    max_lora_rank: int
+    max_cpu_loras: int
+    kv_cache_memory: int
+    gpu_memory_utilization: float
+    vocab_size: int
+    api_token_required: bool
+    admin_token_required: bool
+    tls: bool
+    adapter_roots: _containers.RepeatedScalarFieldContainer[str]
+    status: str
+    def __init__(self, version: _Optional[str] = ..., model: _Optional[str] = ..., served_model_name: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., max_model_len: _Optional[int] = ..., kv_cache_tokens: _Optional[int] = ..., block_size: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_queue: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., max_loras: _Optional[int] = ..., max_lora_rank: _Optional[int] = ..., max_cpu_loras: _Optional[int] = ..., kv_cache_memory: _Optional[int] = ..., gpu_memory_utilization: _Optional[float] = ..., vocab_size: _Optional[int] = ..., api_token_required: _Optional[bool] = ..., admin_token_required: _Optional[bool] = ..., tls: _Optional[bool] = ..., adapter_roots: _Optional[_Iterable[str]] = ..., status: _Optional[str] = ...) -> None: ...
+
+class GetStatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetStatsResponse(_message.Message):
+    __slots__ = ("num_waiting", "num_running", "num_in_flight", "kv_blocks_total", "kv_blocks_used", "prefix_cache_hits", "prefix_cache_queries", "num_adapters", "requests_total", "lora_slots_total", "lora_slots_in_use", "adapters_loaded")
+    NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
+    NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    NUM_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_USED_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_QUERIES_FIELD_NUMBER: _ClassVar[int]
+    NUM_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    LORA_SLOTS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    LORA_SLOTS_IN_USE_FIELD_NUMBER: _ClassVar[int]
+    ADAPTERS_LOADED_FIELD_NUMBER: _ClassVar[int]
+    num_waiting: int
+    num_running: int
+    num_in_flight: int
+    kv_blocks_total: int
+    kv_blocks_used: int
+    prefix_cache_hits: int
+    prefix_cache_queries: int
+    num_adapters: int
+    requests_total: int
+    lora_slots_total: int
+    lora_slots_in_use: int
+    adapters_loaded: int
+    def __init__(self, num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_in_flight: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., num_adapters: _Optional[int] = ..., requests_total: _Optional[int] = ..., lora_slots_total: _Optional[int] = ..., lora_slots_in_use: _Optional[int] = ..., adapters_loaded: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,80 @@
+"""Proto messages <-> engine values. Request fields are checked here; what only the engine
+can judge (prompt length, vocabulary, adapter names) it checks itself."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..engine.output_processor import RequestOutput
+from ..engine.sampling_params import SamplingParams
+from ..proto import loraplex_pb2 as pb
+from .chat import chat_prompt_ids
+
+_OPTIONAL_PARAMS = ("temperature", "top_p", "top_k", "seed", "max_new_tokens")
+MAX_REQUEST_ID_LEN = 256
+
+
+def sampling_params(msg: pb.SamplingParams) -> SamplingParams:
+    """Unset optional fields stay None, so the model's defaults apply."""
+    optional = {name: getattr(msg, name) if msg.HasField(name) else None
+                for name in _OPTIONAL_PARAMS}
+    return SamplingParams(**optional, min_new_tokens=msg.min_new_tokens, stop=list(msg.stop),
+                          stop_token_ids=list(msg.stop_token_ids), ignore_eos=msg.ignore_eos)
+
+
+def prompt_of(request: pb.GenerateRequest, tokenizer: Any | None) -> str | list[int]:
+    """The prompt as text or token ids; exactly one of the two fields must be set."""
+    has_text, has_ids = bool(request.prompt), len(request.prompt_token_ids) > 0
+    if has_text and has_ids:
+        raise ValueError("both prompt and prompt_token_ids are set: give exactly one")
+    if not has_text and not has_ids:
+        raise ValueError("the request has no prompt: set prompt (text) or prompt_token_ids")
+    if request.apply_chat_template:
+        if not has_text:
+            raise ValueError("apply_chat_template needs a text prompt, not prompt_token_ids")
+        return chat_prompt_ids(tokenizer, request.prompt)
+    return request.prompt if has_text else list(request.prompt_token_ids)
+
+
+def request_id_of(request: pb.GenerateRequest) -> str | None:
+    rid = request.request_id
+    if len(rid) > MAX_REQUEST_ID_LEN:
+        raise ValueError(f"request_id has {len(rid)} characters; at most {MAX_REQUEST_ID_LEN}")
+    return rid or None
+
+
+def adapter_of(name: str, served_model_name: str | None) -> str | None:
+    """None for the base model ("" or its served name), else the adapter name."""
+    if name == "" or (served_model_name is not None and name == served_model_name):
+        return None
+    return name
+
+
+def _usage(out: RequestOutput) -> pb.Usage:
+    return pb.Usage(prompt_tokens=len(out.prompt_token_ids), completion_tokens=len(out.token_ids),
+                    cached_prompt_tokens=out.num_cached_tokens)
+
+
+def generate_response(out: RequestOutput, adapter: str) -> pb.GenerateResponse:
+    return pb.GenerateResponse(request_id=out.request_id, adapter=adapter, text=out.text,
+                               token_ids=out.token_ids, finish_reason=out.finish_reason or "",
+                               usage=_usage(out))
+
+
+def stream_response(out: RequestOutput, adapter: str) -> pb.GenerateStreamResponse:
+    return pb.GenerateStreamResponse(
+        request_id=out.request_id, adapter=adapter, text=out.new_text,
+        token_ids=out.new_token_ids, finish_reason=out.finish_reason or "",
+        usage=_usage(out), finished=out.finished)
+
+
+def adapter_info(info: Any) -> pb.AdapterInfo:
+    """From the engine's AdapterInfo dataclass (name, path, state, rank, ...)."""
+    states = pb.AdapterInfo.State.DESCRIPTOR.values_by_name
+    state = states[info.state].number if info.state in states else \
+        pb.AdapterInfo.STATE_UNSPECIFIED
+    return pb.AdapterInfo(
+        name=info.name, path=str(info.path), state=state, rank=info.rank or 0,
+        target_modules=list(info.target_modules or []), size_bytes=info.size_bytes or 0,
+        active_requests=info.active_requests or 0, pinned=bool(info.pinned),
+        preloaded=bool(info.preloaded), error=info.error or "")

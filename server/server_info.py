@@ -1,0 +1,72 @@
+"""ServerInfo service: what is served with which capacity knobs, and how busy it is."""
+
+from __future__ import annotations
+
+from importlib import metadata
+from typing import Any
+
+import grpc
+
+from ..engine.llm_engine import LLMEngine
+from ..proto import loraplex_pb2 as pb
+from ..proto import loraplex_pb2_grpc as pb_grpc
+from .options import ServerOptions
+from .state import ServerState
+from .status import unary
+
+
+def version() -> str:
+    try:
+        return metadata.version("loraplex")
+    except metadata.PackageNotFoundError:
+        return "0+unknown"
+
+
+def describe(engine: LLMEngine, options: ServerOptions) -> dict[str, Any]:
+    """Every capacity knob and the KV-cache size in tokens: GetServerInfo's fields, also
+    logged at start. Reads only what is fixed once the engine is built."""
+    cfg = engine.config
+    return {
+        "version": version(), "model": str(engine.base.path),
+        "served_model_name": options.served_model_name or "",
+        "dtype": str(engine.base.dtype).removeprefix("torch."), "device": str(engine.base.device),
+        "max_model_len": engine.max_model_len, "kv_cache_tokens": engine.kv_cache_tokens,
+        "block_size": cfg.block_size, "max_num_seqs": cfg.max_num_seqs, "max_queue": options.max_queue,
+        "max_num_batched_tokens": cfg.max_num_batched_tokens, "max_loras": cfg.max_loras,
+        "max_lora_rank": cfg.max_lora_rank, "max_cpu_loras": cfg.max_cpu_loras or 0,
+        "kv_cache_memory": cfg.kv_cache_memory or 0,
+        "gpu_memory_utilization": cfg.gpu_memory_utilization,
+        "vocab_size": engine.base.hf_config.vocab_size,
+        "api_token_required": options.api_token is not None,
+        "admin_token_required": options.admin_token is not None, "tls": options.tls,
+        "adapter_roots": [str(r) for r in options.adapter_roots],
+    }
+
+
+def _engine_stats(engine: LLMEngine) -> dict[str, int]:
+    stats = dict(engine.stats())
+    list_adapters = getattr(engine, "list_adapters", None)
+    stats["num_adapters"] = len(list_adapters()) if list_adapters is not None else 0
+    return stats
+
+
+class ServerInfoServicer(pb_grpc.ServerInfoServicer):
+    def __init__(self, state: ServerState):
+        self.state = state
+
+    @unary
+    async def GetServerInfo(self, request: pb.GetServerInfoRequest,
+                            context: grpc.aio.ServicerContext) -> pb.GetServerInfoResponse:
+        engine = self.state.require_engine(while_draining=True)
+        info = describe(engine.engine, self.state.options)
+        return pb.GetServerInfoResponse(**info, status=self.state.phase.value)
+
+    @unary
+    async def GetStats(self, request: pb.GetStatsRequest,
+                       context: grpc.aio.ServicerContext) -> pb.GetStatsResponse:
+        engine = self.state.require_engine(while_draining=True)
+        stats = await engine.run(_engine_stats)
+        known = set(pb.GetStatsResponse.DESCRIPTOR.fields_by_name)
+        return pb.GetStatsResponse(**{k: v for k, v in stats.items() if k in known},
+                                   num_in_flight=self.state.in_flight,
+                                   requests_total=self.state.requests_total)

@@ -1,0 +1,104 @@
+"""ServerState: the serving phase, the engine once loaded, admission and health.
+
+Invariants: health says SERVING exactly while the phase is SERVING; ``in_flight`` counts the
+generate calls admitted and not yet finished and never exceeds ``options.max_queue``. All of
+it is touched from the server's event loop only (the engine thread reaches it through
+``call_soon_threadsafe``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import grpc
+from grpc_health.v1 import health_pb2
+from grpc_health.v1._async import HealthServicer
+
+from ..engine.async_engine import AsyncEngine
+from .options import ServerOptions
+from .status import ServiceError
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAMES = ("loraplex.v1.Inference", "loraplex.v1.AdapterAdmin", "loraplex.v1.ServerInfo")
+_SERVING = health_pb2.HealthCheckResponse.SERVING
+_NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+class Phase(enum.Enum):
+    STARTING = "STARTING"  # listening; the model is loading or warming up
+    SERVING = "SERVING"
+    DRAINING = "DRAINING"  # shutting down: new calls refused, in-flight ones finish
+    DEAD = "DEAD"  # the engine loop died
+
+
+_UNAVAILABLE_WHY = {
+    Phase.STARTING: "the server is starting (the model is loading); retry when health "
+                    "reports SERVING",
+    Phase.DRAINING: "the server is shutting down and accepts no new requests; retry on "
+                    "another replica",
+    Phase.DEAD: "the engine has stopped after an internal fault; the server must be restarted",
+}
+
+
+class ServerState:
+    def __init__(self, options: ServerOptions):
+        self.options = options
+        self.phase = Phase.STARTING
+        self.engine: AsyncEngine | None = None
+        self.health = HealthServicer()
+        self.in_flight = 0
+        self.requests_total = 0
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    # ---- phase --------------------------------------------------------------------------
+    async def set_phase(self, phase: Phase) -> None:
+        if phase is not self.phase:
+            log.info("server phase: %s -> %s", self.phase.value, phase.value)
+        self.phase = phase
+        status = _SERVING if phase is Phase.SERVING else _NOT_SERVING
+        for service in ("", *SERVICE_NAMES):
+            await self.health.set(service, status)
+
+    def attach(self, engine: AsyncEngine) -> None:
+        """Serve ``engine``; its loop's death turns health NOT_SERVING (from any thread)."""
+        self.engine = engine
+        self.loop = asyncio.get_running_loop()
+        loop = self.loop
+
+        def on_death(exc: BaseException) -> None:
+            log.error("engine loop died: %r; health is NOT_SERVING", exc)
+            loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self.set_phase(Phase.DEAD)))
+
+        engine.on_death = on_death
+
+    # ---- admission ----------------------------------------------------------------------
+    def require_engine(self, while_draining: bool = False) -> AsyncEngine:
+        """The engine, if calls are accepted now; UNAVAILABLE (or INTERNAL if dead) if not.
+        ``while_draining``: read-only calls (info, stats) still work during a drain."""
+        accepted = (Phase.SERVING, Phase.DRAINING) if while_draining else (Phase.SERVING,)
+        if self.phase not in accepted or self.engine is None:
+            code = grpc.StatusCode.INTERNAL if self.phase is Phase.DEAD else \
+                grpc.StatusCode.UNAVAILABLE
+            raise ServiceError(code, _UNAVAILABLE_WHY.get(self.phase, "not serving"))
+        return self.engine
+
+    @contextmanager
+    def admit(self) -> Iterator[AsyncEngine]:
+        """Hold one of the ``max_queue`` in-flight places for a generate call."""
+        engine = self.require_engine()
+        limit = self.options.max_queue
+        if self.in_flight >= limit:
+            raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                               f"the server has {self.in_flight} requests in flight, the most "
+                               f"it takes (--max-queue {limit}); retry later")
+        self.in_flight += 1
+        self.requests_total += 1
+        try:
+            yield engine
+        finally:
+            self.in_flight -= 1

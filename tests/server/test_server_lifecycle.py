@@ -1,0 +1,142 @@
+"""Start-up, draining, shutdown and engine death: health and status codes in each phase,
+and `loraplex serve` in a subprocess stopped by SIGTERM while a stream runs."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from loraplex.client import Client
+from loraplex.server.state import Phase
+
+
+def wait_until(predicate, timeout: float = 10.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def error_of(fn, *args: Any, **kwargs: Any) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as info:
+        fn(*args, **kwargs)
+    return info.value
+
+
+def test_not_serving_and_unavailable_while_loading(serve, make_engine, tiny_llama) -> None:
+    release = threading.Event()
+
+    def slow_engine() -> Any:
+        assert release.wait(30)
+        return make_engine(tiny_llama)
+
+    server = serve(slow_engine, load=False)
+    loading = server.submit(server.server.load())
+    with server.client() as client:
+        assert client.health() == "NOT_SERVING"
+        err = error_of(client.generate, "the cat", max_new_tokens=2)
+        assert err.code() == grpc.StatusCode.UNAVAILABLE and "starting" in err.details()
+        assert error_of(client.server_info).code() == grpc.StatusCode.UNAVAILABLE
+        release.set()
+        loading.result(30)
+        assert client.health() == "SERVING"
+        assert client.generate("the cat", max_new_tokens=2).usage.completion_tokens == 2
+
+
+def test_draining_phase_refuses_new_calls(serve, make_engine, tiny_llama) -> None:
+    server = serve(lambda: make_engine(tiny_llama))
+    state = server.server.state
+    with server.client() as client:
+        server.call(state.set_phase(Phase.DRAINING))
+        assert client.health() == "NOT_SERVING"
+        for method in (client.generate, lambda *a, **k: list(client.generate_stream(*a, **k))):
+            err = error_of(method, "the cat", max_new_tokens=2)
+            assert err.code() == grpc.StatusCode.UNAVAILABLE
+            assert "shutting down" in err.details()
+        assert client.stats().num_in_flight == 0  # info and stats still answer
+        server.call(state.set_phase(Phase.SERVING))
+        assert client.health() == "SERVING"
+
+
+def test_stop_lets_in_flight_stream_finish(serve, make_engine, tiny_llama) -> None:
+    server = serve(lambda: make_engine(tiny_llama))
+    with server.client() as client:
+        call = client.generate_stream("the cat", max_new_tokens=120, ignore_eos=True)
+        chunks = [next(call)]
+        stopping = server.submit(server.server.stop(grace=20))
+        wait_until(lambda: server.server.state.phase is Phase.DRAINING, what="DRAINING")
+        chunks += list(call)
+        assert chunks[-1].finished and chunks[-1].finish_reason == "length"
+        assert sum(len(c.token_ids) for c in chunks) == 120
+        stopping.result(20)
+        server.stopped = True
+        assert error_of(client.health, timeout=2.0).code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_stop_cancels_what_outlives_the_grace_period(serve, make_engine, tiny_llama) -> None:
+    server = serve(lambda: make_engine(tiny_llama))
+    with server.client() as client:
+        call = client.generate_stream("the cat", max_new_tokens=240, ignore_eos=True)
+        next(call)
+        started = time.monotonic()
+        server.call(server.server.stop(grace=0.1))
+        server.stopped = True
+        assert time.monotonic() - started < 5.0
+        with pytest.raises(grpc.RpcError):
+            list(call)
+        assert not server.server.state.engine.alive
+
+
+def test_engine_death_turns_health_not_serving(serve, make_engine, tiny_llama) -> None:
+    server = serve(lambda: make_engine(tiny_llama))
+
+    def broken_step() -> list:
+        raise RuntimeError("simulated device fault")
+
+    server.engine.step = broken_step
+    with server.client() as client:
+        err = error_of(client.generate, "the cat", max_new_tokens=2)
+        assert err.code() == grpc.StatusCode.INTERNAL and "simulated" in err.details()
+        wait_until(lambda: client.health() == "NOT_SERVING", what="NOT_SERVING")
+        err = error_of(client.generate, "the cat", max_new_tokens=2)
+        assert err.code() == grpc.StatusCode.INTERNAL and "restarted" in err.details()
+
+
+def test_cli_serve_drains_on_sigterm(tiny_llama: Path, tmp_path: Path) -> None:
+    """The real entry point: logs its capacity, reports SERVING, and on SIGTERM finishes the
+    running stream before it exits 0."""
+    log_path = tmp_path / "serve.log"
+    cmd = [sys.executable, "-m", "loraplex.cli", "serve", "--model", str(tiny_llama),
+           "--port", "0", "--device", "cpu", "--dtype", "float32", "--max-model-len", "256",
+           "--max-queue", "8"]
+    with log_path.open("w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        wait_until(lambda: "listening on" in log_path.read_text() or proc.poll() is not None,
+                   timeout=90, what="listening")
+        port = int(re.search(r"listening on 127\.0\.0\.1:(\d+)", log_path.read_text())[1])
+        with Client(f"127.0.0.1:{port}") as client:
+            client.wait_until_serving(timeout=60)
+            call = client.generate_stream("the cat", max_new_tokens=200, ignore_eos=True)
+            chunks = [next(call)]
+            proc.send_signal(signal.SIGTERM)
+            chunks += list(call)
+        assert chunks[-1].finish_reason == "length"
+        assert sum(len(c.token_ids) for c in chunks) == 200
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = log_path.read_text()
+    assert "kv_cache_tokens=" in text and "max_queue=8" in text and "max_num_seqs=32" in text
+    assert "SIGTERM: draining" in text

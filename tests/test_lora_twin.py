@@ -1,0 +1,187 @@
+"""The LoRA torch twin (the CPU path) against a dense per-token oracle, its routes against
+each other, and the per-step segment metadata."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from loraplex.kernels import dispatch, reference
+from loraplex.kernels.lora_cpu import ROUTES, add_lora_fast, choose_route
+from loraplex.kernels.segments import LoRASegments
+from loraplex.kernels.testing import (
+    dense_lora_oracle,
+    make_lora_weights,
+    random_token_slots,
+    segments,
+)
+
+MIXED = [1, 8, 16, 64, 0]  # slot ranks; each slice rotates them so slots differ per slice
+SLICE_OUTS = {1: [200], 2: [136, 72], 3: [200, 72, 72]}
+TOL = {
+    torch.float32: dict(rtol=1e-4, atol=1e-4),
+    torch.float16: dict(rtol=2e-2, atol=2e-2),
+    torch.bfloat16: dict(rtol=4e-2, atol=4e-2),
+}
+
+
+def _case(din: int, num_slices: int, dtype: torch.dtype, seed: int = 0):
+    outs = SLICE_OUTS[num_slices]
+    slot_ranks = [MIXED[i:] + MIXED[:i] for i in range(num_slices)]
+    return (outs, *make_lora_weights(din, outs, slot_ranks, 64, dtype, seed=seed))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("num_tokens", [1, 7, 64])
+@pytest.mark.parametrize("num_slices", [1, 2, 3])
+def test_twin_shrink_expand_matches_dense_oracle(dtype: torch.dtype, num_tokens: int,
+                                                 num_slices: int) -> None:
+    outs, lora_a, lora_b, ranks = _case(200, num_slices, dtype)
+    slots = random_token_slots(num_tokens, len(MIXED), seed=num_tokens)
+    seg = segments(slots)
+    x = torch.randn(num_tokens, 200).to(dtype)
+    h = reference.lora_shrink(x, lora_a, ranks, seg)
+    assert h.shape == (num_slices, num_tokens, 64) and h.dtype == torch.float32
+    assert not h[:, [t for t, s in enumerate(slots) if s < 0]].any()
+    base = torch.randn(num_tokens, sum(outs)).to(dtype)
+    out = base.clone()
+    reference.lora_expand(h, lora_b, ranks, seg, out)
+    want = base.float() + dense_lora_oracle(x, lora_a, lora_b, ranks, slots)
+    torch.testing.assert_close(out.float(), want, **TOL[dtype])
+
+
+CASES = {  # name: token slots
+    "decode-unsorted": [3, 0, 2, -1, 1, 3, 0, 2, 1, -1, 0, 3],
+    "decode-all-distinct": [0, 1, 2, 3, 4],
+    "prefill-contiguous": [0] * 40 + [-1] * 9 + [2] * 33 + [3] * 20,
+    "one-adapter": [1] * 30,
+    "none": [-1, -1, -1],
+    "mixed-random": random_token_slots(64, 5, seed=3),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("route", list(ROUTES))
+def test_every_route_matches_dense_oracle(route: str, case: str, dtype: torch.dtype) -> None:
+    outs, lora_a, lora_b, ranks = _case(576, 3, dtype, seed=1)
+    slots = CASES[case]
+    x = torch.randn(len(slots), 576).to(dtype)
+    base = torch.randn(len(slots), sum(outs)).to(dtype)
+    out = base.clone()
+    add_lora_fast(out, x, lora_a, lora_b, ranks, segments(slots), route=route,
+                  compute_dtype=dtype)  # the half-precision GEMMs too, even where emulated
+    want = base.float() + dense_lora_oracle(x, lora_a, lora_b, ranks, slots)
+    torch.testing.assert_close(out.float(), want, **TOL[dtype])
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_routes_agree_with_each_other(case: str) -> None:
+    outs, lora_a, lora_b, ranks = _case(200, 2, torch.float32, seed=2)
+    slots = CASES[case]
+    x = torch.randn(len(slots), 200)
+    results = {}
+    for route in ROUTES:
+        out = torch.zeros(len(slots), sum(outs))
+        add_lora_fast(out, x, lora_a, lora_b, ranks, segments(slots), route=route)
+        results[route] = out
+    for route, out in results.items():
+        torch.testing.assert_close(out, results["loop"], rtol=1e-5, atol=1e-5, msg=route)
+
+
+def test_rank_exact_paths_never_read_past_the_rank() -> None:
+    """The loop route and shrink/expand do r columns of work: NaN past the rank stays unseen."""
+    outs = SLICE_OUTS[3]
+    slot_ranks = [MIXED[i:] + MIXED[:i] for i in range(3)]
+    lora_a, lora_b, ranks = make_lora_weights(64, outs, slot_ranks, 64, torch.float32,
+                                              past_rank=float("nan"))
+    slots = CASES["mixed-random"]
+    seg, x = segments(slots), torch.randn(len(slots), 64)
+    out = torch.zeros(len(slots), sum(outs))
+    add_lora_fast(out, x, lora_a, lora_b, ranks, seg, route="loop")
+    assert torch.isfinite(out).all()
+    out2 = torch.zeros_like(out)
+    reference.lora_expand(reference.lora_shrink(x, lora_a, ranks, seg), lora_b, ranks, seg, out2)
+    torch.testing.assert_close(out2, out, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("slots", "dtype", "route"),
+    [
+        ([t % 32 for t in range(32)], torch.float32, "grouped"),  # decode, 32 adapters
+        ([t % 8 for t in range(32)], torch.float32, "grouped"),  # decode, 8 adapters
+        ([t % 32 for t in range(32)], torch.bfloat16, "dense"),  # native bf16 decode
+        ([t * 8 // 2048 for t in range(2048)], torch.float32, "grouped"),  # prefill, 8 long
+        ([0] * 5 + [1] * 3, torch.bfloat16, "loop"),  # two segments
+    ],
+)
+def test_choose_route_by_shape(slots: list[int], dtype: torch.dtype, route: str) -> None:
+    assert choose_route(segments(slots), dtype) == route
+
+
+def test_long_segments_of_mixed_ranks_take_the_rank_exact_loop() -> None:
+    seg = segments([t * 8 // 2048 for t in range(2048)])
+    assert choose_route(seg, torch.float32, mixed_ranks=True) == "loop"
+    assert choose_route(segments([t % 8 for t in range(32)]), mixed_ranks=True) == "grouped"
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_compute_in_fp32_matches_oracle(dtype: torch.dtype) -> None:
+    outs, lora_a, lora_b, ranks = _case(200, 3, dtype)
+    slots = CASES["mixed-random"]
+    x = torch.randn(len(slots), 200).to(dtype)
+    out = torch.zeros(len(slots), sum(outs), dtype=dtype)
+    add_lora_fast(out, x, lora_a, lora_b, ranks, segments(slots), compute_dtype=torch.float32)
+    torch.testing.assert_close(out.float(), dense_lora_oracle(x, lora_a, lora_b, ranks, slots),
+                               **TOL[dtype])
+
+
+def test_segments_group_tokens_by_slot() -> None:
+    seg = LoRASegments.from_token_slots([2, -1, 0, 2, 0, -1, 5], torch.device("cpu"))
+    assert seg.num_tokens == 7 and seg.num_lora_tokens == 5 and seg.first_lora_row == 2
+    assert seg.token_indices.tolist() == [1, 5, 2, 4, 0, 3, 6]
+    assert seg.seg_slots_host == [-1, 0, 2, 5] == seg.seg_slots.tolist()
+    assert seg.seg_starts_host == [0, 2, 4, 6, 7] == seg.seg_starts.tolist()
+    assert seg.token_slots.dtype == torch.int32 and seg.token_indices.dtype == torch.int64
+    assert seg.max_seg_len == 2 and seg.num_groups == 6
+    assert seg.group_offsets.tolist() == [2, 2, 4, 4, 4, 5]
+    assert seg.lora_rows.tolist() == [2, 4, 0, 3, 6]
+    assert seg.lora_row_slots.tolist() == [0, 0, 2, 2, 5]
+    assert seg.seg_row_start_host == [-1, -1, -1, 6]
+    assert not seg.lora_rows_identity
+    assert seg.lora_segments_host == [(0, 2, 4), (2, 4, 6), (5, 6, 7)]
+
+
+@pytest.mark.parametrize("slots", [[], [-1, -1]])
+def test_segments_without_adapters(slots: list[int]) -> None:
+    seg = segments(slots)
+    assert seg.max_seg_len == 0 and seg.num_lora_tokens == 0 and seg.num_groups == 0
+    out = torch.zeros(len(slots), 8)
+    lora_a, lora_b, ranks = make_lora_weights(16, [8], [[4, 4]], 8, torch.float32)
+    dispatch.add_lora(out, torch.randn(len(slots), 16), lora_a, lora_b, ranks, seg)
+    assert not out.any()
+
+
+def test_segments_sorted_batch_is_identity() -> None:
+    seg = segments([0, 0, 1, 1, 1, 3])
+    assert seg.lora_rows_identity and seg.seg_row_start_host == [0, 2, 5]
+
+
+def test_dispatch_add_lora_on_cpu_uses_the_twin() -> None:
+    outs, lora_a, lora_b, ranks = _case(200, 3, torch.float32)
+    slots = CASES["decode-unsorted"]
+    x = torch.randn(len(slots), 200)
+    out = torch.zeros(len(slots), sum(outs))
+    dispatch.add_lora(out, x, lora_a, lora_b, ranks, segments(slots))
+    torch.testing.assert_close(out, dense_lora_oracle(x, lora_a, lora_b, ranks, slots),
+                               rtol=1e-4, atol=1e-4)
+    h = dispatch.lora_shrink(x, lora_a, ranks, segments(slots))
+    out2 = torch.zeros_like(out)
+    dispatch.lora_expand(h, lora_b, ranks, segments(slots), out2)
+    torch.testing.assert_close(out2, out, rtol=1e-4, atol=1e-4)
+
+
+def test_dispatch_rejects_unknown_backend(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LORAPLEX_KERNELS", "cuda")
+    with pytest.raises(ValueError, match="LORAPLEX_KERNELS='cuda'; allowed: triton, torch"):
+        dispatch.lora_shrink(torch.zeros(1, 4), [torch.zeros(1, 1, 4)],
+                             torch.zeros(1, 1, dtype=torch.int32), segments([0]))
