@@ -11,6 +11,7 @@ from safetensors import safe_open
 from tqdm import tqdm
 from transformers import AutoConfig, PretrainedConfig
 
+from ...kernels.lora_cpu import HALF_NATIVE
 from .llama import LlamaForCausalLM, RotaryEmbedding
 
 SUPPORTED_ARCHITECTURES = {
@@ -70,7 +71,7 @@ def _slice_rows(model: LlamaForCausalLM, name: str, index: int) -> tuple[int, in
     return start, start + sizes[index]
 
 
-def _destination(model: LlamaForCausalLM, params: dict, key: str) -> tuple[str, slice | None]:
+def _destination(model: LlamaForCausalLM, key: str) -> tuple[str, slice | None]:
     parts = key.split(".")
     for i, part in enumerate(parts):
         if part in FUSED:
@@ -89,7 +90,7 @@ def load_weights(model: LlamaForCausalLM, files: list[Path], progress: bool = Fa
             for key in f.keys():
                 if "rotary_emb" in key or (key == "lm_head.weight" and model.tie_word_embeddings):
                     continue
-                name, rows = _destination(model, params, key)
+                name, rows = _destination(model, key)
                 if name not in params:
                     raise ValueError(f"unexpected tensor {key!r} in {path.name}")
                 target = params[name].data if rows is None else params[name].data[rows]
@@ -112,8 +113,9 @@ def resolve_dtype(config: PretrainedConfig, dtype: str, device: torch.device) ->
         native = getattr(torch, native, None)
     if native not in (torch.float32, torch.bfloat16, torch.float16):
         return torch.float32
-    if native is torch.float16 and device.type == "cpu":
-        return torch.bfloat16  # fp16 matmuls are slow on CPU; bf16 has the same memory cost
+    if device.type == "cpu" and native in (torch.float16, torch.bfloat16):
+        # half GEMMs are fast on CPU only with AVX-512-BF16/AMX; elsewhere emulated (5x slower)
+        return torch.bfloat16 if HALF_NATIVE else torch.float32
     return native
 
 

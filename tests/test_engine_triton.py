@@ -1,0 +1,41 @@
+"""The engine's exactness with the Triton kernels, run on CPU through the interpreter."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from peft import PeftModel
+from transformers import AutoModelForCausalLM
+
+from loraplex import LLMEngine, SamplingParams
+from tests.conftest import ALL_TARGETS, make_adapter
+
+NEW = 5
+
+
+@pytest.mark.triton
+def test_mixed_adapters_exact_with_triton_kernels(monkeypatch, tiny_llama, tmp_path):
+    monkeypatch.setenv("LORAPLEX_KERNELS", "triton")
+    adapters = {
+        "qv": make_adapter(tiny_llama, tmp_path / "qv", r=4, target_modules=["q_proj", "v_proj"]),
+        "all": make_adapter(tiny_llama, tmp_path / "all", r=16, target_modules=ALL_TARGETS,
+                            seed=1),
+    }
+    shared = list(range(10, 42))  # two full blocks: the second request hits the prefix cache
+    items = [(None, shared + [5]), ("qv", [7, 8, 9]), ("all", list(range(50, 75))),
+             (None, shared + [6, 7]), ("all", [5])]
+    engine = LLMEngine(model=tiny_llama, dtype="float32", max_lora_rank=16, max_model_len=128,
+                       max_num_batched_tokens=24, lora_modules={k: str(v) for k, v in
+                                                                adapters.items()})
+    params = SamplingParams(temperature=0.0, max_new_tokens=NEW, min_new_tokens=NEW)
+    first = engine.generate([items[0][1]], params)[0]
+    outs = engine.generate([p for _, p in items[1:]], params, adapters=[a for a, _ in items[1:]])
+    assert outs[2].num_cached_tokens == 32
+    for (adapter, prompt), out in zip(items, [first, *outs]):
+        model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
+        if adapter:
+            model = PeftModel.from_pretrained(model, adapters[adapter])
+        ref = model.eval().generate(torch.tensor([prompt]), max_new_tokens=NEW,
+                                    min_new_tokens=NEW, do_sample=False, pad_token_id=0)
+        assert out.token_ids == ref[0, len(prompt):].tolist(), adapter
+    assert engine.block_manager.num_used_blocks == 0 and engine.lora.slots_in_use == 0
