@@ -80,6 +80,8 @@ def route_grouped(out: torch.Tensor, x: torch.Tensor, lora_a: list, lora_b: list
                   seg: LoRASegments, cdt: torch.dtype) -> None:
     """grouped_mm over the rows sorted by slot; slices share the shrink GEMM."""
     rs, g, offs = _used_rank(rk, seg), seg.num_groups, seg.group_offsets
+    if not any(rs):  # no slot in this step adapts this layer (other adapters target others)
+        return
     per16 = 16 // x.element_size()  # grouped_mm wants 16-byte strides
     r_max = lora_a[0].shape[1]
     rs = [min(-(-r // per16) * per16, r_max) if r else 0 for r in rs]

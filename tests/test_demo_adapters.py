@@ -34,11 +34,6 @@ def _load(path: Path, name: str) -> ModuleType:
 train = _load(ADAPTERS / "train.py", "_loraplex_demo_train")  # data + checks, torch-free
 PROMPTS = train.HELD_OUT[:6]
 
-pytestmark = pytest.mark.skipif(
-    any(not (ADAPTERS / n / "adapter_model.safetensors").is_file() for n in NAMES),
-    reason="demo adapters not trained (python adapters/train.py)")
-
-
 @pytest.fixture(scope="module")
 def model_dir() -> Path:
     from loraplex.engine.models.embedded import ensure_default_model
