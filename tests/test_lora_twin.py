@@ -185,3 +185,16 @@ def test_dispatch_rejects_unknown_backend(monkeypatch: pytest.MonkeyPatch) -> No
     with pytest.raises(ValueError, match="LORAPLEX_KERNELS='cuda'; allowed: triton, torch"):
         dispatch.lora_shrink(torch.zeros(1, 4), [torch.zeros(1, 1, 4)],
                              torch.zeros(1, 1, dtype=torch.int32), segments([0]))
+
+
+@pytest.mark.parametrize("route", sorted(ROUTES))
+def test_routes_skip_a_layer_no_present_adapter_targets(route: str) -> None:
+    """Adapters in the batch target other modules: every slot's rank here is 0, out is kept."""
+    lora_a, lora_b, ranks = make_lora_weights(64, [32, 16], [[0, 0, 0, 0], [0, 0, 0, 0]], 8,
+                                              torch.float32)
+    x = torch.randn(6, 64)
+    out = torch.randn(6, 48)
+    before = out.clone()
+    add_lora_fast(out, x, lora_a, lora_b, ranks, LoRASegments.from_token_slots(
+        [0, 1, 2, 3, 0, 1], torch.device("cpu")), route=route)
+    torch.testing.assert_close(out, before)
