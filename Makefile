@@ -26,8 +26,13 @@ serve: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
+# the serving benchmark with its baselines (~15 min on 2 cores): bench/results/<date>.{json,md,png}
 bench: $(STAMP)
-	$(PY) -m loraplex.bench.engine_throughput
+	$(PY) -m loraplex.bench.run_all $(BENCH_ARGS)
+
+# Churn soak against a real server (~5 minutes): SOAK_ARGS="--duration 60" for a short one.
+soak: $(STAMP)
+	$(PY) -m loraplex.bench.soak $(SOAK_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -1,4 +1,4 @@
-"""``loraplex serve | generate | adapters``: parse flags, hand off to server/, client, engine.
+"""``loraplex serve | generate | adapters | bench``: parse flags, hand off to server/, client, engine.
 
 Each subcommand is one ``add_<name>(subparsers)`` function that registers its flags and sets
 ``handler`` and ``command_parser`` defaults; ``SUBCOMMANDS`` lists them (a new subcommand such as ``bench`` adds its own
@@ -300,9 +300,62 @@ def _adapter_line(info: Any) -> str:
             f"\t{info.path}" + (f"\terror={info.error}" if info.error else ""))
 
 
+# ---- bench -------------------------------------------------------------------------------
+def add_bench(sub: argparse._SubParsersAction) -> None:
+    """Flags follow vLLM ``benchmark_serving``; the work is in bench/command.py."""
+    from .bench.flags import float_list, int_list, length_range
+
+    p = sub.add_parser("bench", help="serving benchmark against a running server (vLLM-style "
+                       "metrics, S-LoRA workloads)")
+    w = p.add_argument_group("workload")
+    w.add_argument("--num-prompts", type=int, default=32, help="requests per run")
+    w.add_argument("--adapters", nargs="+", metavar="NAME",
+                   help="adapter names, hottest first (default: the server's, sorted)")
+    w.add_argument("--base-only", action="store_true", help="every request on the base model")
+    w.add_argument("--num-adapters", type=int_list, metavar="N[,N...]",
+                   help="one run per N, each on the first N adapters (default: all)")
+    w.add_argument("--alpha", type=float, default=1.0, help="popularity: adapter = "
+                   "floor(n*power(alpha)); 1 = uniform, < 1 = skewed towards the first")
+    w.add_argument("--input-len", type=length_range, default=(32, 32), metavar="N|LO:HI",
+                   help="prompt tokens (random ids), fixed or uniform in LO:HI")
+    w.add_argument("--output-len", type=length_range, default=(32, 32), metavar="N|LO:HI",
+                   help="max new tokens, fixed or uniform in LO:HI")
+    w.add_argument("--dataset-path", type=Path, metavar="TRACE.jsonl", help="replay a trace: "
+                   "{timestamp, adapter, prompt | prompt_len, output_len} per line")
+    w.add_argument("--time-scale", type=float, default=1.0,
+                   help="multiply trace timestamps (0 = all at once)")
+    w.add_argument("--seed", type=int, default=0, help="fresh prompts per seed (and per run)")
+    load = p.add_argument_group("load")
+    load.add_argument("--request-rate", type=float, default=float("inf"),
+                      help="requests/s (inf = all at once)")
+    load.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the "
+                      "gaps = 1/cv^2 (1 = Poisson, < 1 burstier)")
+    load.add_argument("--max-concurrency", type=int, help="requests in flight at most")
+    load.add_argument("--sweep-concurrency", type=int_list, metavar="C[,C...]",
+                      help="one run per max concurrency, tabled (find the knee)")
+    load.add_argument("--ignore-eos", action="store_true", help="exact output lengths")
+    load.add_argument("--num-warmups", type=int, default=2, help="unmeasured requests first")
+    out = p.add_argument_group("results")
+    out.add_argument("--metric-percentiles", type=float_list, default=[50.0, 95.0, 99.0],
+                     metavar="P[,P...]")
+    out.add_argument("--goodput", nargs="+", default=[], metavar="METRIC:MS",
+                     help="SLOs for goodput, e.g. ttft:500 tpot:50 (ttft, tpot, e2el)")
+    out.add_argument("--result-dir", type=Path, help="write JSON, markdown and PNG plots here")
+    out.add_argument("--result-filename", help="file stem (default: bench-<date>-<time>)")
+    out.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
+    _add_client_flags(p)
+    p.set_defaults(handler=run_bench, command_parser=p)
+
+
+def run_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from .bench.command import run
+
+    return run(args, parser)
+
+
 # ---- entry point -------------------------------------------------------------------------
 SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
-    add_serve, add_generate, add_adapters,
+    add_serve, add_generate, add_adapters, add_bench,
 ]
 
 
