@@ -20,10 +20,12 @@ def store_kv(
     slot_mapping: torch.Tensor,  # [T] int64, block * block_size + offset; -1 = skip
 ) -> None:
     """k_cache.flat[slot_mapping[t]] = key[t] (and likewise for value)."""
-    keep = slot_mapping >= 0
-    slots = slot_mapping[keep]
-    k_cache.view(-1, *k_cache.shape[2:])[slots] = key[keep].to(k_cache.dtype)
-    v_cache.view(-1, *v_cache.shape[2:])[slots] = value[keep].to(v_cache.dtype)
+    slots = slot_mapping
+    if bool((slot_mapping < 0).any()):  # rare: padding tokens; the engine never sends them
+        keep = slot_mapping >= 0
+        slots, key, value = slot_mapping[keep], key[keep], value[keep]
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, key.to(k_cache.dtype))
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, value.to(v_cache.dtype))
 
 
 def _gather_context(
@@ -55,6 +57,11 @@ def paged_attention_decode(
     values = v_cache[tables].reshape(batch, -1, num_kv_heads, head_dim)[:, :max_len]
     positions = torch.arange(max_len, device=q.device)
     mask = positions[None, :] < context_lens[:, None].to(q.device)  # [B, L]
+    # Positions past a sequence's context hold another request's KV (or stale KV) that may
+    # be NaN / Inf; a masked score is 0 but 0 * NaN is NaN, so they are zeroed, as the
+    # Triton kernel never loads them.
+    hidden = ~mask[:, :, None, None]  # [B, L, 1, 1]
+    keys, values = keys.masked_fill(hidden, 0.0), values.masked_fill(hidden, 0.0)
     out = F.scaled_dot_product_attention(
         q.unsqueeze(2),  # [B, Hq, 1, D]
         keys.transpose(1, 2).to(q.dtype),  # [B, Hkv, L, D]
