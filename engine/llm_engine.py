@@ -87,6 +87,12 @@ class LLMEngine:
             raise InvalidRequestError(
                 f"max_new_tokens={max_new} does not fit: the prompt has {len(ids)} tokens and "
                 f"max_model_len is {self.max_model_len}, so at most {room} new tokens")
+        if params.min_new_tokens > max_new:
+            raise InvalidRequestError(
+                f"min_new_tokens={params.min_new_tokens} cannot be reached: the prompt has "
+                f"{len(ids)} tokens and max_model_len is {self.max_model_len}, so at most "
+                f"{max_new} new tokens")
+        self._check_stop_token_ids(params.stop_token_ids)
         params.max_new_tokens = max_new
         if params.temperature is None:
             params.temperature = 1.0
@@ -110,6 +116,13 @@ class LLMEngine:
             raise InvalidRequestError(
                 f"the prompt has {len(ids)} tokens; max_model_len is {self.max_model_len}, so a "
                 f"prompt may have at most {self.max_model_len - 1}")
+
+    def _check_stop_token_ids(self, ids: list[int]) -> None:
+        vocab = self.base.hf_config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequestError(
+                f"stop_token_ids holds {bad[0]}, out of range: ids must be in [0, {vocab})")
 
     def _adapter_id(self, adapter: str | None) -> int:
         if not adapter or adapter == self.config.served_model_name:
@@ -158,11 +171,19 @@ class LLMEngine:
         seqs, tokens = self.runner.run(batch)
         self.scheduler.postprocess(batch)
         for seq, token in zip(seqs, tokens):
-            reason = self.outputs.append(seq, token)
+            reason = self._fail_non_finite(seq) if token is None else \
+                self.outputs.append(seq, token)
             if reason is not None:
                 self._finish(seq, reason)
             outputs.append(self.outputs.report(seq))
         return outputs
+
+    @staticmethod
+    def _fail_non_finite(seq: Sequence) -> str:
+        where = f"adapter {seq.adapter_name!r}" if seq.adapter_name else "the base model"
+        seq.error = (f"its logits hold NaN or Inf after {seq.num_output_tokens} generated "
+                     f"tokens ({where}); no token can be sampled from them")
+        return "error"
 
     def generate(self, prompts: Seq[Prompt], params: SamplingParams | Seq[SamplingParams] | None
                  = None, adapters: Seq[str | None] | None = None,

@@ -123,8 +123,9 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> tuple[list[Sequence], list[int]]:
-        """One forward pass; returns the sequences that sampled and their new tokens."""
+    def run(self, batch: ScheduledBatch) -> tuple[list[Sequence], list[int | None]]:
+        """One forward pass; returns the sequences that sampled and their new tokens (None
+        where the sequence's logits were not finite)."""
         inputs = self.prepare(batch)
         for hook in self.before_forward:
             hook(inputs)

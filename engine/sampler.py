@@ -20,13 +20,17 @@ class Sampler:
     def forget(self, request_id: str) -> None:
         self.seeded.pop(request_id, None)
 
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
-        """logits: [N, vocab] float32, one row per sequence that samples this step."""
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int | None]:
+        """logits: [N, vocab] float32, one row per sequence that samples this step.
+        A row holding NaN or Inf samples nothing (None): that request has failed, the
+        others are unaffected."""
         logits = logits.cpu()
+        finite = torch.isfinite(logits).all(dim=-1).tolist()  # before -inf masking
         self._mask_banned(logits, seqs)
         greedy = logits.argmax(dim=-1).tolist()
         return [
-            greedy[i] if seq.params.greedy else self._sample(logits[i], seq)
+            None if not finite[i] else greedy[i] if seq.params.greedy
+            else self._sample(logits[i], seq)
             for i, seq in enumerate(seqs)
         ]
 

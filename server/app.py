@@ -21,6 +21,7 @@ from grpc_health.v1 import health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from ..engine.async_engine import AsyncEngine
+from ..engine.errors import EngineDeadError
 from ..engine.llm_engine import LLMEngine
 from ..engine.sampling_params import SamplingParams
 from ..proto import loraplex_pb2_grpc as pb_grpc
@@ -133,21 +134,29 @@ def _log_capacity(engine: LLMEngine, options: ServerOptions) -> None:
 
 
 async def serve(options: ServerOptions, engine: EngineSource) -> None:
-    """Run until SIGTERM or SIGINT, then drain; a second signal cancels in-flight calls now."""
+    """Run until SIGTERM or SIGINT, then drain; a second signal cancels in-flight calls now.
+    If the engine loop dies, stop and raise EngineDeadError (the process exits non-zero
+    instead of hanging on with health NOT_SERVING)."""
     server = LoraplexServer(options, engine)
     await server.start()
     stop = asyncio.Event()
     signals = _install_signal_handlers(stop, server)
+    stopping = asyncio.ensure_future(stop.wait())
     try:
         loading = asyncio.ensure_future(server.load())
-        stopping = asyncio.ensure_future(stop.wait())
         await asyncio.wait({loading, stopping}, return_when=asyncio.FIRST_COMPLETED)
         if loading.done():
             loading.result()  # a load failure ends serve with its error
-            await stopping
+            dying = asyncio.ensure_future(server.state.died.wait())
+            await asyncio.wait({stopping, dying}, return_when=asyncio.FIRST_COMPLETED)
+            dying.cancel()
+            if server.state.phase is Phase.DEAD:
+                error = server.state.engine.error if server.state.engine else None
+                raise EngineDeadError(f"the engine loop died: {error!r}")
         else:
             loading.cancel()
     finally:
+        stopping.cancel()
         await server.stop()
         for sig in signals:
             asyncio.get_running_loop().remove_signal_handler(sig)

@@ -54,12 +54,17 @@ class ServerState:
         self.in_flight = 0
         self.requests_total = 0
         self.loop: asyncio.AbstractEventLoop | None = None
+        self.died = asyncio.Event()  # set with phase DEAD: ``serve`` then exits non-zero
 
     # ---- phase --------------------------------------------------------------------------
     async def set_phase(self, phase: Phase) -> None:
+        if self.phase is Phase.DEAD:  # final: a late SERVING (load racing a death) is ignored
+            return
         if phase is not self.phase:
             log.info("server phase: %s -> %s", self.phase.value, phase.value)
         self.phase = phase
+        if phase is Phase.DEAD:
+            self.died.set()
         status = _SERVING if phase is Phase.SERVING else _NOT_SERVING
         for service in ("", *SERVICE_NAMES):
             await self.health.set(service, status)

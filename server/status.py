@@ -56,9 +56,20 @@ def _text(exc: BaseException) -> str:
     return exc.args[0] if len(exc.args) == 1 and isinstance(exc.args[0], str) else str(exc)
 
 
+# Messages may quote what the caller sent (an adapter name, a path); the status travels in
+# a trailer, and one past a client's metadata limit (16 KiB by default) loses its status.
+MAX_MESSAGE_CHARS = 2000
+
+
+def shorten(message: str, limit: int = MAX_MESSAGE_CHARS) -> str:
+    if len(message) <= limit:
+        return message
+    return f"{message[:limit]}... [message cut: {len(message)} characters]"
+
+
 async def abort(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
     code, message = status_of(exc)
-    await context.abort(code, message)
+    await context.abort(code, shorten(message))
 
 
 Unary = Callable[[Any, Any, grpc.aio.ServicerContext], Awaitable[T]]
