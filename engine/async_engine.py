@@ -125,7 +125,7 @@ class AsyncEngine:
                 else:
                     self._wake.wait(0.05)
                     self._wake.clear()
-        except BaseException as e:  # noqa: BLE001 - the loop must report its death
+        except BaseException as e:
             log.exception("engine loop died")
             self.error = e
             for stream in list(self._streams.values()):

@@ -9,15 +9,15 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from .block_manager import BlockManager
-from .config import EngineConfig
-from .errors import AdapterNotFoundError, InvalidRequestError
-from .base_model import BaseModel, load_base_model
 from ..lora.batch import LoRABatch
 from ..lora.cache import AdapterCache, AdapterInfo
 from ..lora.layers import attach_lora
 from ..lora.peft_format import BaseShapes, LoRAWeights, read_peft_adapter
 from ..lora.slots import SlotBuffers
+from .base_model import BaseModel, load_base_model
+from .block_manager import BlockManager
+from .config import EngineConfig
+from .errors import AdapterNotFoundError, InvalidRequestError
 from .model_runner import ModelRunner, StepInputs, num_kv_blocks
 from .output_processor import OutputProcessor, RequestOutput
 from .sampling_params import SamplingParams

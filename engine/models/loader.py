@@ -63,7 +63,7 @@ def weight_files(model_dir: Path) -> list[Path]:
 
 def _slice_rows(model: LlamaForCausalLM, name: str, index: int) -> tuple[int, int]:
     attn = model.model.layers[0].self_attn
-    if name.endswith("qkv_proj.weight") or name.endswith("qkv_proj.bias"):
+    if name.endswith(("qkv_proj.weight", "qkv_proj.bias")):
         sizes = [attn.q_size, attn.kv_size, attn.kv_size]
     else:
         sizes = [model.model.layers[0].mlp.intermediate] * 2
@@ -87,7 +87,7 @@ def load_weights(model: LlamaForCausalLM, files: list[Path], progress: bool = Fa
     filled: set[str] = set()
     for path in tqdm(files, desc="loading weights", disable=not progress, unit="file"):
         with safe_open(str(path), framework="pt") as f:
-            for key in f.keys():
+            for key in f.keys():  # noqa: SIM118 - safe_open is not a dict
                 if "rotary_emb" in key or (key == "lm_head.weight" and model.tie_word_embeddings):
                     continue
                 name, rows = _destination(model, key)
