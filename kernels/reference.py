@@ -50,27 +50,30 @@ def paged_attention_decode(
     """out[b] = softmax(scale · q[b] K[b]ᵀ) V[b] over the context_lens[b] cached tokens."""
     batch, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
     max_len = int(context_lens.max())
     num_blocks = (max_len + block_size - 1) // block_size
-    tables = block_tables[:, :num_blocks].long()  # [B, nb]
-    keys = k_cache[tables].reshape(batch, -1, num_kv_heads, head_dim)[:, :max_len]
-    values = v_cache[tables].reshape(batch, -1, num_kv_heads, head_dim)[:, :max_len]
+    flat = block_tables[:, :num_blocks].long().reshape(-1)  # [B * nb]
+
+    def gather(cache: torch.Tensor) -> torch.Tensor:  # [B, Hkv, L, D], one contiguous copy
+        blocks = cache.index_select(0, flat).view(batch, -1, num_kv_heads, head_dim)
+        return blocks[:, :max_len].transpose(1, 2).contiguous().to(q.dtype)
+
+    keys, values = gather(k_cache), gather(v_cache)
     positions = torch.arange(max_len, device=q.device)
-    mask = positions[None, :] < context_lens[:, None].to(q.device)  # [B, L]
-    # Positions past a sequence's context hold another request's KV (or stale KV) that may
-    # be NaN / Inf; a masked score is 0 but 0 * NaN is NaN, so they are zeroed, as the
-    # Triton kernel never loads them.
-    hidden = ~mask[:, :, None, None]  # [B, L, 1, 1]
-    keys, values = keys.masked_fill(hidden, 0.0), values.masked_fill(hidden, 0.0)
-    out = F.scaled_dot_product_attention(
-        q.unsqueeze(2),  # [B, Hq, 1, D]
-        keys.transpose(1, 2).to(q.dtype),  # [B, Hkv, L, D]
-        values.transpose(1, 2).to(q.dtype),
-        attn_mask=mask[:, None, None, :],
-        scale=scale,
-        enable_gqa=num_heads != num_kv_heads,
-    )
-    return out.squeeze(2)
+    hidden = positions[None, :] >= context_lens[:, None].to(q.device)  # [B, L]
+    if bool(hidden.any()):
+        # Positions past a sequence's context hold another request's (or stale) KV that may
+        # be NaN / Inf. Their scores are replaced by -inf below, but 0 * NaN is NaN in the
+        # second matmul, so those values are zeroed in the copy, as the Triton kernel never
+        # loads them.
+        values.masked_fill_(hidden[:, None, :, None], 0.0)
+    qg = q.view(batch, num_kv_heads, group, head_dim)  # query heads grouped by their KV head
+    scores = torch.matmul(qg, keys.transpose(2, 3)).float() * scale  # [B, Hkv, G, L]
+    scores.masked_fill_(hidden[:, None, None, :], float("-inf"))  # also drops NaN scores
+    probs = torch.softmax(scores, dim=-1).to(q.dtype)
+    out = torch.matmul(probs, values)  # [B, Hkv, G, D]
+    return out.reshape(batch, num_heads, head_dim)
 
 
 def paged_attention_prefill(
