@@ -1,8 +1,9 @@
-"""argparse types of ``loraplex bench``'s flags (light: cli.py imports this for every command)."""
+"""The flags of ``loraplex bench`` and their argparse types (light: cli.py imports this)."""
 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 
 def int_list(text: str) -> list[int]:
@@ -36,3 +37,43 @@ def length_range(text: str) -> tuple[int, int]:
     if not 1 <= span[0] <= span[1]:
         raise argparse.ArgumentTypeError(f"{text!r}: need 1 <= LO <= HI")
     return span
+
+
+def add_bench_arguments(p: argparse.ArgumentParser) -> None:
+    """The workload, load and results flags of ``loraplex bench`` (vLLM's names)."""
+    w = p.add_argument_group("workload")
+    w.add_argument("--num-prompts", type=int, default=32, help="requests per run")
+    w.add_argument("--adapters", nargs="+", metavar="NAME",
+                   help="adapter names, hottest first (default: the server's, sorted)")
+    w.add_argument("--base-only", action="store_true", help="every request on the base model")
+    w.add_argument("--num-adapters", type=int_list, metavar="N[,N...]",
+                   help="one run per N, each on the first N adapters (default: all)")
+    w.add_argument("--alpha", type=float, default=1.0, help="popularity: adapter = "
+                   "floor(n*power(alpha)); 1 = uniform, < 1 = skewed towards the first")
+    w.add_argument("--input-len", type=length_range, default=(32, 32), metavar="N|LO:HI",
+                   help="prompt tokens (random ids), fixed or uniform in LO:HI")
+    w.add_argument("--output-len", type=length_range, default=(32, 32), metavar="N|LO:HI",
+                   help="max new tokens, fixed or uniform in LO:HI")
+    w.add_argument("--dataset-path", type=Path, metavar="TRACE.jsonl", help="replay a trace: "
+                   "{timestamp, adapter, prompt | prompt_len, output_len} per line")
+    w.add_argument("--time-scale", type=float, default=1.0,
+                   help="multiply trace timestamps (0 = all at once)")
+    w.add_argument("--seed", type=int, default=0, help="fresh prompts per seed (and per run)")
+    load = p.add_argument_group("load")
+    load.add_argument("--request-rate", type=float, default=float("inf"),
+                      help="requests/s (inf = all at once)")
+    load.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the "
+                      "gaps = 1/cv^2 (1 = Poisson, < 1 burstier)")
+    load.add_argument("--max-concurrency", type=int, help="requests in flight at most")
+    load.add_argument("--sweep-concurrency", type=int_list, metavar="C[,C...]",
+                      help="one run per max concurrency, tabled (find the knee)")
+    load.add_argument("--ignore-eos", action="store_true", help="exact output lengths")
+    load.add_argument("--num-warmups", type=int, default=2, help="unmeasured requests first")
+    out = p.add_argument_group("results")
+    out.add_argument("--metric-percentiles", type=float_list, default=[50.0, 95.0, 99.0],
+                     metavar="P[,P...]")
+    out.add_argument("--goodput", nargs="+", default=[], metavar="METRIC:MS",
+                     help="SLOs for goodput, e.g. ttft:500 tpot:50 (ttft, tpot, e2el)")
+    out.add_argument("--result-dir", type=Path, help="write JSON, markdown and PNG plots here")
+    out.add_argument("--result-filename", help="file stem (default: bench-<date>-<time>)")
+    out.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
