@@ -4,7 +4,8 @@ Pure Python."""
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -115,13 +116,13 @@ class Scheduler:
             self.adapters.release(seq.adapter_id)
 
     def _admit_waiting(self, entries: list[tuple[Sequence, int]], budget: int) -> int:
-        starving = self._starving_adapter()
+        allowed = self._admission_filter()
         for seq in list(self.waiting):
             if budget == 0 or len(self.running) >= self.max_num_seqs:
                 break
-            if starving is not None and seq.adapter_id not in (0, starving):
+            if not allowed(seq.adapter_id):
                 seq.waiting_steps += 1
-                continue  # hold back other adapters until the starving one gets a slot
+                continue
             if seq.adapter_id and not self.adapters.acquire(seq.adapter_id):  # type: ignore[union-attr]
                 seq.waiting_steps += 1
                 continue
@@ -146,10 +147,24 @@ class Scheduler:
         entries.append((seq, n))
         return True
 
-    def _starving_adapter(self) -> int | None:
-        """The adapter of the oldest waiting sequence that has been passed over too long."""
+    def _admission_filter(self) -> Callable[[int], bool]:
+        """Which adapters' waiting requests may start now. Normally all. While an adapter
+        starves (passed over ``starvation_steps`` times for want of a slot), only it may
+        take a new slot, and the running adapter with the fewest running sequences admits
+        no new ones, so that its slot frees within one request's lifetime: a bounded wait,
+        while requests for the other running adapters keep flowing."""
+        running = Counter(s.adapter_id for s in self.running if s.adapter_id)
+        starving = self._starving_adapter(running)
+        if starving is None:
+            return lambda adapter_id: True
+        drain = min(running, key=lambda a: (running[a], a)) if running else None
+        return lambda a: a in (0, starving) or (a in running and a != drain)
+
+    def _starving_adapter(self, running: Counter) -> int | None:
+        """The adapter, not running now, of the oldest waiting sequence passed over too long."""
         for seq in self.waiting:
-            if seq.adapter_id and seq.waiting_steps >= self.starvation_steps:
+            if (seq.adapter_id and seq.adapter_id not in running
+                    and seq.waiting_steps >= self.starvation_steps):
                 return seq.adapter_id
         return None
 

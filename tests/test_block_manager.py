@@ -90,3 +90,61 @@ def test_scheduler_chunks_limits_and_preempts_newest():
     assert list(sched.waiting)[:2] == [seqs[1], seqs[2]]  # preempted work goes first
     sched.finish(seqs[0], "abort")
     assert bm.num_used_blocks == 0
+
+
+class FakeSlots:
+    """AdapterSlots with ``capacity`` slots: an adapter holds one while it has runners."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.runners: dict[int, int] = {}
+
+    def acquire(self, adapter_id: int) -> bool:
+        if adapter_id not in self.runners and len(self.runners) >= self.capacity:
+            return False
+        self.runners[adapter_id] = self.runners.get(adapter_id, 0) + 1
+        return True
+
+    def release(self, adapter_id: int) -> None:
+        self.runners[adapter_id] -= 1
+        if self.runners[adapter_id] == 0:
+            del self.runners[adapter_id]
+
+
+def run_with_traffic(starvation_steps: int, steps: int) -> tuple[Scheduler, Sequence, list]:
+    """Two slots held by adapters 1 and 2, which get a new request every step; adapter 3
+    waits for a slot. Requests finish 3 steps after they start."""
+    slots = FakeSlots(2)
+    sched = Scheduler(BlockManager(num_blocks=400, block_size=4), max_num_seqs=64,
+                      max_num_batched_tokens=256, adapters=slots,
+                      starvation_steps=starvation_steps)
+    sched.add(seq("hot1-0", [1, 2], adapter_id=1))
+    sched.add(seq("hot2-0", [1, 2], adapter_id=2))
+    cold = seq("cold", [1, 2], adapter_id=3)
+    sched.add(cold)
+    admitted_hot = []
+    for i in range(steps):
+        for s in [s for s in sched.running if s.num_output_tokens >= 3]:
+            sched.finish(s, "length")
+        sched.add(seq(f"hot1-{i + 1}", [1, 2], adapter_id=1))
+        sched.add(seq(f"hot2-{i + 1}", [1, 2], adapter_id=2))
+        waiting = {s.request_id for s in sched.waiting if s.adapter_id in (1, 2)}
+        step(sched)
+        admitted_hot += [s.request_id for s in sched.running if s.request_id in waiting]
+    return sched, cold, admitted_hot
+
+
+def test_starving_adapter_gets_a_slot_in_bounded_time():
+    _, cold, _ = run_with_traffic(starvation_steps=4, steps=12)
+    assert cold.num_output_tokens > 0, "adapter 3 never got a slot under steady traffic"
+
+
+def test_without_the_guard_steady_traffic_would_starve_it():
+    _, cold, _ = run_with_traffic(starvation_steps=10_000, steps=12)
+    assert cold.num_output_tokens == 0  # the guard, not luck, is what lets it in
+
+
+def test_requests_of_other_running_adapters_keep_flowing_while_one_starves():
+    sched, _, admitted = run_with_traffic(starvation_steps=4, steps=8)
+    late = [r for r in admitted if int(r.split("-")[1]) >= 5]  # admitted after starvation began
+    assert late, "every running adapter was held back while adapter 3 starved"
