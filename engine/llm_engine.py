@@ -50,7 +50,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs,
                                    cfg.max_num_batched_tokens, self.lora,
                                    cfg.adapter_starvation_steps)
-        self.outputs = OutputProcessor(self.tokenizer, self.max_model_len)
+        self.outputs = OutputProcessor(self.tokenizer)
         self.requests: dict[str, Sequence] = {}
         self._ids = itertools.count()
         for name, path in cfg.lora_modules.items():

@@ -24,9 +24,8 @@ class RequestOutput:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: object | None, max_model_len: int):
+    def __init__(self, tokenizer: object | None):
         self.tokenizer = tokenizer
-        self.max_model_len = max_model_len
 
     def append(self, seq: Sequence, token: int) -> str | None:
         """Add ``token`` to ``seq``; return the finish reason if it must stop now."""
