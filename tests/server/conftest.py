@@ -6,8 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import os
+import re
+import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Coroutine, Iterator
 from concurrent.futures import Future
 from pathlib import Path
@@ -18,6 +22,30 @@ import pytest
 from loraplex import LLMEngine
 from loraplex.client import Client
 from loraplex.server import LoraplexServer, ServerOptions
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float = 10.0,
+               what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def launch_serve(cmd: list[str], log_path: Path) -> tuple[subprocess.Popen, int]:
+    """Start a ``loraplex serve`` process (output to ``log_path``); its port once listening."""
+    with log_path.open("w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        wait_until(lambda: "listening on" in log_path.read_text() or proc.poll() is not None,
+                   timeout=90, what="listening")
+        port = int(re.search(r"listening on 127\.0\.0\.1:(\d+)", log_path.read_text())[1])
+    except BaseException:
+        proc.kill()
+        raise
+    return proc, port
+
 
 ENGINE_KW = {"dtype": "float32", "device": "cpu", "max_model_len": 256, "max_num_seqs": 32,
                  "max_num_batched_tokens": 256}

@@ -7,9 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import math
-import os
-import re
-import subprocess
 import sys
 import textwrap
 import threading
@@ -23,6 +20,8 @@ from loraplex import SamplingParams
 from loraplex.client import AsyncClient, Client
 from loraplex.engine.errors import EngineDeadError
 from loraplex.server import ServerOptions, serve
+
+from tests.server.conftest import launch_serve, wait_until
 
 GOOD, HUGE = "good", "huge"
 NUM_KV_BLOCKS = 24  # small: blocks of a failed request are soon handed to healthy ones
@@ -54,12 +53,6 @@ def reference(make_engine, tiny_llama: Path, adapters: dict[str, str]) -> dict[t
     outs = engine.generate([p for p, _ in HEALTHY], params, adapters=[a for _, a in HEALTHY])
     return {(tuple(p), a): o.token_ids for (p, a), o in zip(HEALTHY, outs)}
 
-
-def wait_until(predicate, timeout: float = 10.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
 
 
 def idle(client: Client) -> bool:
@@ -215,13 +208,8 @@ def test_cli_serve_exits_non_zero_when_the_engine_dies(tiny_llama: Path, tmp_pat
     log_path = tmp_path / "serve.log"
     cmd = [sys.executable, "-c", FAULTY_CLI, "serve", "--model", str(tiny_llama), "--port", "0",
            "--device", "cpu", "--dtype", "float32", "--max-model-len", "256"]
-    with log_path.open("w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    proc, port = launch_serve(cmd, log_path)
     try:
-        wait_until(lambda: "listening on" in log_path.read_text() or proc.poll() is not None,
-                   timeout=90, what="listening")
-        port = int(re.search(r"listening on 127\.0\.0\.1:(\d+)", log_path.read_text())[1])
         with Client(f"127.0.0.1:{port}") as client:
             client.wait_until_serving(timeout=60)
             assert client.generate("the cat", max_new_tokens=2).usage.completion_tokens == 2

@@ -3,10 +3,7 @@ and `loraplex serve` in a subprocess stopped by SIGTERM while a stream runs."""
 
 from __future__ import annotations
 
-import os
-import re
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -18,12 +15,7 @@ import pytest
 from loraplex.client import Client
 from loraplex.server.state import Phase
 
-
-def wait_until(predicate, timeout: float = 10.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
+from tests.server.conftest import launch_serve, wait_until
 
 
 def error_of(fn, *args: Any, **kwargs: Any) -> grpc.RpcError:
@@ -118,13 +110,8 @@ def test_cli_serve_drains_on_sigterm(tiny_llama: Path, tmp_path: Path) -> None:
     cmd = [sys.executable, "-m", "loraplex.cli", "serve", "--model", str(tiny_llama),
            "--port", "0", "--device", "cpu", "--dtype", "float32", "--max-model-len", "256",
            "--max-queue", "8"]
-    with log_path.open("w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    proc, port = launch_serve(cmd, log_path)
     try:
-        wait_until(lambda: "listening on" in log_path.read_text() or proc.poll() is not None,
-                   timeout=90, what="listening")
-        port = int(re.search(r"listening on 127\.0\.0\.1:(\d+)", log_path.read_text())[1])
         with Client(f"127.0.0.1:{port}") as client:
             client.wait_until_serving(timeout=60)
             call = client.generate_stream("the cat", max_new_tokens=200, ignore_eos=True)
