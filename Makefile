@@ -7,7 +7,7 @@ HOST ?= 127.0.0.1
 PORT ?= 50051
 PYTEST_ARGS ?=
 
-.PHONY: venv serve test bench soak clean
+.PHONY: venv kernels serve test bench soak clean
 
 venv: $(STAMP)
 
@@ -20,18 +20,23 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[dev]'
 	touch $(STAMP)
 
-serve: $(STAMP)
+# The C++ CPU kernels (kernels/csrc), built once per machine into torch's extension cache
+# (about a minute; a no-op afterwards), so no test, server start or benchmark pays for it.
+kernels: $(STAMP)
+	$(PY) -m loraplex.kernels.cpu_ext
+
+serve: kernels
 	$(VENV)/bin/loraplex serve --host $(HOST) --port $(PORT) $(SERVE_ARGS)
 
-test: $(STAMP)
+test: kernels
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
 # the serving benchmark with its baselines (~15 min on 2 cores): bench/results/<date>.{json,md,png}
-bench: $(STAMP)
+bench: kernels
 	$(PY) -m loraplex.bench.run_all $(BENCH_ARGS)
 
 # Churn soak against a real server (~5 minutes): SOAK_ARGS="--duration 60" for a short one.
-soak: $(STAMP)
+soak: kernels
 	$(PY) -m loraplex.bench.soak $(SOAK_ARGS)
 
 clean:

@@ -1,10 +1,11 @@
 """CPU figures for the LoRA delta of one wrapped linear, every route of the torch twin.
 
-    .venv/bin/python -m loraplex.bench.lora_cpu [--threads 2] [--reps 20] [--compile]
+    .venv/bin/python -m loraplex.bench.lora_cpu [--threads 2] [--reps 20]
 
 SmolLM2-135M shapes (hidden 576, intermediate 1536, q 576→576, k/v 576→192), rank 8,
-32 adapter slots; decode (32 tokens over 32 and over 8 adapters, unsorted) and prefill
-(2048 tokens, 8 sequences of 256, one adapter each); fp32 and bf16. Prints µs per call
+32 adapter slots; decode (32 tokens over 32, 8 and 2 adapters, unsorted), mixed steps
+(128 and 256 tokens over 32 adapters) and prefill (512 tokens over 32 adapters, 2048
+over 8, contiguous); fp32 and bf16. Prints µs per call
 (the minimum over reps: the machine is shared, and the minimum is the least disturbed
 figure) of the base linear and of each route, and which route ``add_lora`` chooses.
 """
@@ -31,6 +32,10 @@ LAYERS = {  # name: (in, [out_i per slice])
 CASES = {  # name: (tokens, distinct adapters, contiguous sequences)
     "decode 32x32": (32, 32, False),
     "decode 32x8": (32, 8, False),
+    "decode 32x2": (32, 2, False),
+    "mixed 128x32": (128, 32, False),
+    "mixed 256x32": (256, 32, True),
+    "prefill 512x32": (512, 32, True),
     "prefill 2048x8": (2048, 8, True),
 }
 MAX_LORAS, RANK = 32, 8
@@ -60,22 +65,9 @@ def token_slots(tokens: int, adapters: int, contiguous: bool) -> list[int]:
     return [(t * 5) % adapters for t in range(tokens)]  # interleaved, unsorted
 
 
-def compiled_gather() -> Callable:
-    """torch.compile of the per-token gather-elementwise form (for reference only)."""
-
-    def delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-              slots: torch.Tensor) -> torch.Tensor:
-        h = (a[slots].float() * x.float()[:, None, :]).sum(-1)  # [T, r]
-        return (b[slots].float() * h[:, None, :]).sum(-1).to(x.dtype)  # [T, out]
-
-    return torch.compile(delta, dynamic=True)
-
-
-def run(reps: int, with_compile: bool, only: str, dtypes: list[torch.dtype],
+def run(reps: int, only: str, dtypes: list[torch.dtype],
         routes: list[str]) -> None:
-    comp = compiled_gather() if with_compile else None
     cols = ["base", *routes, *(f"{r}/f32" for r in routes), "shrink+expand"]
-    cols += ["compiled"] if comp else []
     print(f"{'dtype':8s} {'case':15s} {'layer':8s} " + " ".join(f"{c:>13s}" for c in cols)
           + "  chosen")
     for dtype in dtypes:
@@ -98,14 +90,6 @@ def run(reps: int, with_compile: bool, only: str, dtypes: list[torch.dtype],
                                                         compute_dtype=torch.float32), reps)
                 row["shrink+expand"] = best_us(lambda: reference.lora_expand(
                     reference.lora_shrink(x, a, ranks, seg), b, ranks, seg, out), reps)
-                if comp is not None:
-                    slots = seg.token_slots_long
-
-                    def compiled() -> None:
-                        for ai, bi in zip(a, b):
-                            comp(x, ai, bi, slots)
-
-                    row["compiled"] = best_us(compiled, reps)
                 print(f"{str(dtype)[6:]:8s} {case:15s} {layer:8s} "
                       + " ".join(f"{row[c]:13.0f}" for c in cols)
                       + f"  {choose_route(seg, _compute_dtype(x))}",
@@ -116,14 +100,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--reps", type=int, default=20)
-    parser.add_argument("--compile", action="store_true", help="also time torch.compile")
     parser.add_argument("--only", default="", help="cases whose name contains this")
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--routes", default=",".join(ROUTES))
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     dtypes = [getattr(torch, d) for d in args.dtypes.split(",")]
-    run(args.reps, args.compile, args.only, dtypes, args.routes.split(","))
+    run(args.reps, args.only, dtypes, args.routes.split(","))
 
 
 if __name__ == "__main__":

@@ -1,4 +1,6 @@
-"""The engine's only door to the kernels: Triton for CUDA tensors, the torch twin otherwise.
+"""The engine's only door to the kernels: Triton for CUDA tensors, the torch twin otherwise
+(with the C++ CPU kernels of cpu_ext.py where they are built: LoRA decode routes inside
+the twin's add_lora, paged decode attention here).
 
 ``LORAPLEX_KERNELS=triton|torch`` overrides the choice (tests run the Triton kernels on
 CPU with ``TRITON_INTERPRET=1``).
@@ -56,6 +58,13 @@ def paged_attention_decode(
     context_lens: torch.Tensor,  # [B] int32
     scale: float,
 ) -> torch.Tensor:  # [B, Hq, D]
+    if q.device.type == "cpu" and not _use_triton(q.device):
+        from . import cpu_ext
+
+        out = cpu_ext.paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens,
+                                             scale)
+        if out is not None:
+            return out
     return _backend(q.device).paged_attention_decode(
         q, k_cache, v_cache, block_tables, context_lens, scale
     )

@@ -1,8 +1,9 @@
 """The CPU routes of ``add_lora``: one exact formulation per shape, chosen per call.
 
-Measured with ``bench/lora_cpu.py`` (and /work/shared/notes/cpu-lora.md): in fp32,
-grouped matmul over the sorted rows wins decode and prefill; the rank-exact per-segment
-loop wins with few segments, or long ones of mixed ranks. Without AVX-512-BF16/AMX,
+Measured with ``bench/lora_cpu.py`` (and /work/shared/notes/cpu-lora.md): the C++
+per-token kernel (cpu_ext.py) wins decode with many adapters, grouped matmul over
+the sorted rows wins longer segments up to prefill; the rank-exact per-segment loop wins
+with few segments, or long ones of mixed ranks. Without AVX-512-BF16/AMX,
 bf16 GEMMs are emulated and 5-20x slower than fp32, so half-precision deltas are then
 computed in fp32.
 Routes are rank-aware on the host: a rank-r slot costs r columns (loop), or at most the
@@ -16,6 +17,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from . import cpu_ext
 from .reference import host_ranks
 from .segments import LoRASegments
 
@@ -137,7 +139,17 @@ def route_dense(out: torch.Tensor, x: torch.Tensor, lora_a: list, lora_b: list, 
         col += b.shape[1]
 
 
+def route_kernel(out: torch.Tensor, x: torch.Tensor, lora_a: list, lora_b: list, rk: list,
+                 seg: LoRASegments, cdt: torch.dtype) -> None:
+    """Per token, in C++: each token reads its own A and B in place (cpu_ext.py); grouped
+    matmul where the kernel cannot be built."""
+    ranks = torch.tensor(rk, dtype=torch.int32)
+    if not cpu_ext.add_lora(out, x, lora_a, lora_b, ranks, seg):
+        route_grouped(out, x, lora_a, lora_b, rk, seg, cdt)
+
+
 ROUTES: dict[str, Route] = {
+    "kernel": route_kernel,
     "loop": route_loop,
     "grouped": route_grouped,
     "gather": route_gather,
@@ -146,16 +158,23 @@ ROUTES: dict[str, Route] = {
 
 
 def choose_route(seg: LoRASegments, compute_dtype: torch.dtype = torch.float32,
-                 mixed_ranks: bool = False) -> str:
-    """The fastest exact route for this step's shape and compute dtype (bench/lora_cpu.py).
+                 mixed_ranks: bool = False, rank: int = 8) -> str:
+    """The fastest exact route for this step's shape, compute dtype and largest used
+    ``rank`` (bench/lora_cpu.py).
 
-    Grouped matmul over the sorted rows wins in fp32 from decode to prefill. The
-    rank-exact per-segment loop wins with one or two segments, and for long segments whose
-    ranks differ (grouped pads every slot to the largest rank in use). Half-precision
-    decode (native bf16 CPUs only) prefers a dense shrink over all slots: CPU grouped_mm
-    is slow in bf16 there (notes/cpu-lora.md)."""
+    The C++ per-token kernel reads each token's A and B in place: it costs tokens × rank ×
+    (in + out) and wins while segments are short (decode: 3-8x faster than grouped matmul
+    at 32 tokens of 32 rank-8 adapters, 2-3x at rank 64); tokens per adapter × rank = 512
+    is where it stops winning with margin (rank 8: 64 tokens, it is even at 128). Longer
+    segments take grouped matmul over the sorted
+    rows, or the rank-exact per-segment loop with one or two segments, or long ones whose
+    ranks differ (grouped pads every slot to the largest rank in use). Without the kernel,
+    decode in half precision (native bf16 CPUs) takes a dense shrink over all slots: CPU
+    grouped_mm is slow in bf16 there (notes/cpu-lora.md)."""
     n_seg = sum(1 for s in seg.seg_slots_host if s >= 0)
     per_seg = seg.num_lora_tokens / max(n_seg, 1)
+    if per_seg * rank <= 512 and cpu_ext.available():
+        return "kernel"
     if n_seg <= 2 or (mixed_ranks and per_seg >= 64):
         return "loop"
     if compute_dtype != torch.float32 and per_seg < 4:
@@ -163,14 +182,16 @@ def choose_route(seg: LoRASegments, compute_dtype: torch.dtype = torch.float32,
     return "grouped"
 
 
-def _mixed_ranks(rk: list[list[int]], seg: LoRASegments) -> bool:
-    """Whether the used slots' ranks differ by 2x or more in some slice."""
+def _mixed_ranks(rk: list[list[int]], seg: LoRASegments) -> tuple[bool, int]:
+    """Whether the used slots' ranks differ by 2x or more in some slice, and the largest."""
     used = [s for s in seg.seg_slots_host if s >= 0]
+    mixed, largest = False, 0
     for row in rk:
         ranks = [row[s] for s in used if row[s]]
-        if ranks and max(ranks) >= 2 * min(ranks):
-            return True
-    return False
+        if ranks:
+            mixed = mixed or max(ranks) >= 2 * min(ranks)
+            largest = max(largest, max(ranks))
+    return mixed, largest
 
 
 def add_lora_fast(
@@ -187,10 +208,24 @@ def add_lora_fast(
     matmuls in ``compute_dtype`` (default: x's dtype, fp32 where half GEMMs are emulated)."""
     if seg.num_lora_tokens == 0:
         return
-    rk = host_ranks(ranks, lora_a[0].shape[1])
     cdt = compute_dtype or _compute_dtype(x)
-    route = route or choose_route(seg, cdt, _mixed_ranks(rk, seg))
-    ROUTES[route](out, x, lora_a, lora_b, rk, seg, cdt)
+    route = route or _memo_route(seg, ranks, cdt)
+    if route == "kernel" and cpu_ext.add_lora(out, x, lora_a, lora_b, ranks, seg):
+        return  # the hot decode path: no host copy of the ranks needed
+    ROUTES[route](out, x, lora_a, lora_b, host_ranks(ranks, lora_a[0].shape[1]), seg, cdt)
+
+
+def _memo_route(seg: LoRASegments, ranks: torch.Tensor, cdt: torch.dtype) -> str:
+    """choose_route for this layer's ranks, memoised on the step's segments: layers whose
+    ranks tensor holds the same values share one choice (the ranks change only when a slot
+    is loaded, never within a step)."""
+    rk = host_ranks(ranks, 0)
+    key = (str(rk), cdt)
+    route = seg.route_memo.get(key)
+    if route is None:
+        mixed, largest = _mixed_ranks(rk, seg)
+        route = seg.route_memo[key] = choose_route(seg, cdt, mixed, largest)
+    return route
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:

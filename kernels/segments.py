@@ -8,7 +8,7 @@ ever synchronises the device.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -36,6 +36,7 @@ class LoRASegments:
     num_groups: int  # max_slot + 1 (0 when no token has an adapter)
     seg_row_start_host: list[int]  # first row of each segment if its rows are a range, else -1
     lora_rows_identity: bool  # lora_rows == arange(T): every token has a slot, batch is sorted
+    route_memo: dict = field(default_factory=dict)  # CPU twin: route per layer ranks, this step
 
     @property
     def num_segments(self) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from loraplex.kernels import dispatch, reference
+from loraplex.kernels import dispatch, cpu_ext, reference
 from loraplex.kernels.lora_cpu import ROUTES, add_lora_fast, choose_route
 from loraplex.kernels.segments import LoRASegments
 from loraplex.kernels.testing import (
@@ -88,8 +88,10 @@ def test_routes_agree_with_each_other(case: str) -> None:
         torch.testing.assert_close(out, results["loop"], rtol=1e-5, atol=1e-5, msg=route)
 
 
-def test_rank_exact_paths_never_read_past_the_rank() -> None:
-    """The loop route and shrink/expand do r columns of work: NaN past the rank stays unseen."""
+@pytest.mark.parametrize("route", ["loop", "kernel"])
+def test_rank_exact_paths_never_read_past_the_rank(route: str) -> None:
+    """The loop and kernel routes and shrink/expand do r columns of work: NaN past the rank
+    stays unseen."""
     outs = SLICE_OUTS[3]
     slot_ranks = [MIXED[i:] + MIXED[:i] for i in range(3)]
     lora_a, lora_b, ranks = make_lora_weights(64, outs, slot_ranks, 64, torch.float32,
@@ -97,7 +99,7 @@ def test_rank_exact_paths_never_read_past_the_rank() -> None:
     slots = CASES["mixed-random"]
     seg, x = segments(slots), torch.randn(len(slots), 64)
     out = torch.zeros(len(slots), sum(outs))
-    add_lora_fast(out, x, lora_a, lora_b, ranks, seg, route="loop")
+    add_lora_fast(out, x, lora_a, lora_b, ranks, seg, route=route)
     assert torch.isfinite(out).all()
     out2 = torch.zeros_like(out)
     reference.lora_expand(reference.lora_shrink(x, lora_a, ranks, seg), lora_b, ranks, seg, out2)
@@ -105,23 +107,66 @@ def test_rank_exact_paths_never_read_past_the_rank() -> None:
 
 
 @pytest.mark.parametrize(
+    ("slots", "dtype", "rank", "route"),
+    [
+        ([t % 32 for t in range(32)], torch.float32, 8, "kernel"),  # decode, 32 adapters
+        ([t % 8 for t in range(32)], torch.float32, 8, "kernel"),  # decode, 8 adapters
+        ([t % 8 for t in range(32)], torch.float32, 64, "kernel"),  # 4 tokens each, rank 64
+        ([t % 8 for t in range(256)], torch.float32, 64, "grouped"),  # 32 each, rank 64
+        ([t % 32 for t in range(32)], torch.bfloat16, 64, "kernel"),  # decode, rank 64
+        ([t * 8 // 2048 for t in range(2048)], torch.float32, 8, "grouped"),  # prefill
+        ([0] * 50 + [1] * 30, torch.bfloat16, 8, "kernel"),  # two segments of 40 on average
+        ([0] * 500 + [1] * 300, torch.bfloat16, 8, "loop"),  # two long segments
+    ],
+)
+def test_choose_route_by_shape(slots: list[int], dtype: torch.dtype, rank: int,
+                               route: str) -> None:
+    assert choose_route(segments(slots), dtype, rank=rank) == route
+
+
+@pytest.mark.parametrize(
     ("slots", "dtype", "route"),
     [
         ([t % 32 for t in range(32)], torch.float32, "grouped"),  # decode, 32 adapters
-        ([t % 8 for t in range(32)], torch.float32, "grouped"),  # decode, 8 adapters
         ([t % 32 for t in range(32)], torch.bfloat16, "dense"),  # native bf16 decode
-        ([t * 8 // 2048 for t in range(2048)], torch.float32, "grouped"),  # prefill, 8 long
-        ([0] * 5 + [1] * 3, torch.bfloat16, "loop"),  # two segments
+        ([0] * 5 + [1] * 3, torch.float32, "loop"),  # two segments
     ],
 )
-def test_choose_route_by_shape(slots: list[int], dtype: torch.dtype, route: str) -> None:
+def test_choose_route_without_the_cpu_kernel(monkeypatch: pytest.MonkeyPatch,
+                                             slots: list[int], dtype: torch.dtype,
+                                             route: str) -> None:
+    monkeypatch.setattr(cpu_ext, "available", lambda: False)
     assert choose_route(segments(slots), dtype) == route
+
+
+def test_kernel_route_falls_back_to_grouped_where_it_cannot_build(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    outs, lora_a, lora_b, ranks = _case(200, 3, torch.float32)
+    slots = CASES["decode-unsorted"]
+    x = torch.randn(len(slots), 200)
+    monkeypatch.setattr(cpu_ext, "load", lambda: None)
+    out = torch.zeros(len(slots), sum(outs))
+    add_lora_fast(out, x, lora_a, lora_b, ranks, segments(slots), route="kernel")
+    torch.testing.assert_close(out, dense_lora_oracle(x, lora_a, lora_b, ranks, slots),
+                               rtol=1e-4, atol=1e-4)
+
+
+def test_cpu_kernel_refuses_out_of_range_slots() -> None:
+    module = cpu_ext.load()
+    assert module is not None, "the C++ CPU kernels did not build on this machine"
+    lora_a, lora_b, ranks = make_lora_weights(16, [8], [[4, 4]], 8, torch.float32)
+    x, out = torch.randn(2, 16), torch.zeros(2, 8)
+    rows, bad_slots = torch.tensor([0, 1]), torch.tensor([0, 2])
+    with pytest.raises(RuntimeError, match="slot 2 out of range"):
+        module.add_lora_gather(out, x, rows, bad_slots, lora_a, lora_b, ranks)
+    assert not out.any()
 
 
 def test_long_segments_of_mixed_ranks_take_the_rank_exact_loop() -> None:
     seg = segments([t * 8 // 2048 for t in range(2048)])
     assert choose_route(seg, torch.float32, mixed_ranks=True) == "loop"
-    assert choose_route(segments([t % 8 for t in range(32)]), mixed_ranks=True) == "grouped"
+    assert choose_route(segments([t % 8 for t in range(256)]), mixed_ranks=True,
+                        rank=64) == "grouped"
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

@@ -1,0 +1,18 @@
+// The loraplex CPU kernels as one Python extension module (built by kernels/cpu_ext.py).
+#include <torch/extension.h>
+
+#include <vector>
+
+void add_lora_gather(torch::Tensor out, torch::Tensor x, torch::Tensor rows,
+                     torch::Tensor row_slots, std::vector<torch::Tensor> lora_a,
+                     std::vector<torch::Tensor> lora_b, torch::Tensor ranks);
+torch::Tensor paged_attention_decode(torch::Tensor q, torch::Tensor k_cache,
+                                     torch::Tensor v_cache, torch::Tensor block_tables,
+                                     torch::Tensor context_lens, double scale);
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("add_lora_gather", &add_lora_gather,
+        "out[rows] += per-row LoRA delta of the row's slot (CPU, fp32 accumulation)");
+  m.def("paged_attention_decode", &paged_attention_decode,
+        "one-token-per-sequence attention over the paged KV cache (CPU, fp32 softmax)");
+}

@@ -1,0 +1,92 @@
+"""The C++ CPU kernels (kernels/cpu_ext.py) against their torch twins: paged decode
+attention here; the LoRA kernel is one of the routes in test_lora_twin.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from loraplex.kernels import cpu_ext, dispatch, reference
+from loraplex.kernels.testing import make_paged_cache
+
+TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2e-2, atol=2e-2),
+       torch.float16: dict(rtol=2e-3, atol=2e-3)}
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    module = cpu_ext.load()
+    assert module is not None, "the C++ CPU kernels did not build on this machine"
+    return module
+
+
+def _inputs(context_lens: list[int], block_size: int, kv_heads: int, group: int,
+            head_dim: int, dtype: torch.dtype, seed: int = 0):
+    k_cache, v_cache, tables = make_paged_cache(context_lens, block_size, kv_heads, head_dim,
+                                                dtype, seed=seed)
+    q = torch.randn(len(context_lens), kv_heads * group, head_dim,
+                    generator=torch.Generator().manual_seed(seed + 1)).to(dtype)
+    return q, k_cache, v_cache, tables, torch.tensor(context_lens, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("block_size", "kv_heads", "group", "head_dim"),
+                         [(16, 2, 1, 40), (16, 3, 3, 64), (32, 1, 4, 8), (1, 2, 2, 16)])
+def test_decode_matches_twin(kernels, dtype: torch.dtype, block_size: int, kv_heads: int,
+                             group: int, head_dim: int) -> None:
+    lens = [1, block_size + 1, 3 * block_size - 1, 77]  # ending mid-block, one token
+    q, k_cache, v_cache, tables, context_lens = _inputs(lens, block_size, kv_heads, group,
+                                                        head_dim, dtype)
+    scale = head_dim**-0.5
+    got = kernels.paged_attention_decode(q, k_cache, v_cache, tables, context_lens, scale)
+    want = reference.paged_attention_decode(q, k_cache, v_cache, tables, context_lens, scale)
+    assert got.dtype == dtype and got.shape == q.shape
+    torch.testing.assert_close(got.float(), want.float(), **TOL[dtype])
+
+
+def test_decode_never_reads_past_a_context(kernels) -> None:
+    """Cache rows past each context (another request's, or stale) may be NaN: unseen."""
+    lens = [5, 20, 33]
+    q, k_cache, v_cache, tables, context_lens = _inputs(lens, 16, 2, 2, 32, torch.float32)
+    want = reference.paged_attention_decode(q, k_cache, v_cache, tables, context_lens, 0.2)
+    for b, n in enumerate(lens):
+        for pos in range(n, tables.shape[1] * 16):
+            block = int(tables[b, pos // 16])
+            if pos // 16 < (n + 15) // 16:  # the tail of the last block a context uses
+                k_cache[block, pos % 16] = float("nan")
+                v_cache[block, pos % 16] = float("inf")
+    got = kernels.paged_attention_decode(q, k_cache, v_cache, tables, context_lens, 0.2)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_dispatch_uses_the_kernel_on_cpu(kernels, monkeypatch: pytest.MonkeyPatch) -> None:
+    q, k_cache, v_cache, tables, context_lens = _inputs([9, 40], 16, 2, 3, 16, torch.float32)
+    calls = []
+    real = kernels.paged_attention_decode
+    monkeypatch.setattr(cpu_ext, "load", lambda: type("M", (), {
+        "paged_attention_decode": staticmethod(lambda *a: calls.append(1) or real(*a))}))
+    got = dispatch.paged_attention_decode(q, k_cache, v_cache, tables, context_lens, 0.25)
+    assert calls == [1]
+    want = reference.paged_attention_decode(q, k_cache, v_cache, tables, context_lens, 0.25)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_dispatch_falls_back_to_the_twin(monkeypatch: pytest.MonkeyPatch) -> None:
+    q, k_cache, v_cache, tables, context_lens = _inputs([9, 40], 16, 2, 3, 16, torch.float32)
+    monkeypatch.setattr(cpu_ext, "load", lambda: None)
+    got = dispatch.paged_attention_decode(q, k_cache, v_cache, tables, context_lens, 0.25)
+    want = reference.paged_attention_decode(q, k_cache, v_cache, tables, context_lens, 0.25)
+    torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize(("lens", "table_value", "message"), [
+    ([0], 0, "context length 0 does not fit"),
+    ([40], 0, "context length 40 does not fit"),  # 3 blocks needed, the table has 2
+    ([5], 99, "block 99 out of range"),
+])
+def test_decode_refuses_out_of_range_inputs(kernels, lens: list[int], table_value: int,
+                                            message: str) -> None:
+    k_cache = torch.zeros(4, 16, 1, 8)
+    tables = torch.full((1, 2), table_value, dtype=torch.int32)
+    with pytest.raises(RuntimeError, match=message):
+        kernels.paged_attention_decode(torch.zeros(1, 1, 8), k_cache, k_cache.clone(), tables,
+                                       torch.tensor(lens, dtype=torch.int32), 1.0)
