@@ -194,6 +194,7 @@ class LlamaForCausalLM(nn.Module):
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if not self.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.logits_head: nn.Module | None = None  # set to replace the F.linear below
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
@@ -201,8 +202,12 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, vocab] float32
-        weight = self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        if self.logits_head is not None:
+            return self.logits_head(hidden).float()
+        return F.linear(hidden, self.head_weight()).float()
+
+    def head_weight(self) -> torch.Tensor:  # [vocab, hidden]
+        return self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn for layer in self.model.layers]
