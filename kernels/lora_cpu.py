@@ -216,14 +216,12 @@ def add_lora_fast(
 
 
 def _memo_route(seg: LoRASegments, ranks: torch.Tensor, cdt: torch.dtype) -> str:
-    """choose_route for this layer's ranks, memoised on the step's segments: layers whose
-    ranks tensor holds the same values share one choice (the ranks change only when a slot
-    is loaded, never within a step)."""
-    rk = host_ranks(ranks, 0)
-    key = (str(rk), cdt)
+    """choose_route for this layer's ranks, memoised on the step's segments per ranks
+    tensor and version: the version moves whenever a slot load rewrites the ranks."""
+    key = (ranks.data_ptr(), ranks._version, cdt)
     route = seg.route_memo.get(key)
     if route is None:
-        mixed, largest = _mixed_ranks(rk, seg)
+        mixed, largest = _mixed_ranks(host_ranks(ranks, 0), seg)
         route = seg.route_memo[key] = choose_route(seg, cdt, mixed, largest)
     return route
 
