@@ -43,7 +43,9 @@ def _build() -> ModuleType:
     log.info("CPU kernels: loading the cached build, or compiling csrc/ (about a minute, "
              "once per machine)")
     flags = ["-O3", "-march=native", "-fopenmp"]
-    return load(name="loraplex_cpu_kernels", sources=[str(p) for p in SOURCES],
+    # -march=native code must not be picked up by another kind of CPU sharing the cache
+    name = f"loraplex_cpu_kernels_{torch.backends.cpu.get_cpu_capability().lower()}"
+    return load(name=name, sources=[str(p) for p in SOURCES],
                 extra_cflags=flags, extra_ldflags=["-fopenmp"], verbose=False)
 
 
