@@ -9,6 +9,7 @@
 
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <type_traits>
 #include <vector>
 
@@ -60,6 +61,45 @@ void expand_row(const scalar_t* b, int64_t ld, const float* h, int64_t r, int64_
   }
 }
 
+constexpr int64_t kBlock = 4;          // rows of one slot that share each weight read
+constexpr int64_t kExpandChunk = 256;  // B rows per chunk: 8 KB at rank 8, L1-resident
+
+// h[q * r + k] = a[k] · x[q] for the block's cnt <= kBlock rows (x rows already fp32):
+// every A row is loaded once for all of them.
+template <typename scalar_t>
+void shrink_block(const scalar_t* a, int64_t in, const float* x, int64_t cnt, int64_t r,
+                  float* h) {
+  if (cnt == 1) {
+    for (int64_t k = 0; k < r; ++k) {
+      const scalar_t* a_k = a + k * in;
+      float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+      for (int64_t c = 0; c < in; ++c) acc += static_cast<float>(a_k[c]) * x[c];
+      h[k] = acc;
+    }
+    return;
+  }
+  // Rows past cnt repeat the last row; their sums are computed and dropped.
+  const float* x0 = x;
+  const float* x1 = x + std::min<int64_t>(1, cnt - 1) * in;
+  const float* x2 = x + std::min<int64_t>(2, cnt - 1) * in;
+  const float* x3 = x + std::min<int64_t>(3, cnt - 1) * in;
+  for (int64_t k = 0; k < r; ++k) {
+    const scalar_t* a_k = a + k * in;
+    float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
+#pragma omp simd reduction(+ : s0, s1, s2, s3)
+    for (int64_t c = 0; c < in; ++c) {
+      const float av = static_cast<float>(a_k[c]);
+      s0 += av * x0[c];
+      s1 += av * x1[c];
+      s2 += av * x2[c];
+      s3 += av * x3[c];
+    }
+    const float sums[4] = {s0, s1, s2, s3};
+    for (int64_t q = 0; q < cnt; ++q) h[q * r + k] = sums[q];
+  }
+}
+
 template <typename scalar_t>
 void add_lora_rows(torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& rows,
                    const torch::Tensor& row_slots, const std::vector<torch::Tensor>& lora_a,
@@ -82,30 +122,39 @@ void add_lora_rows(torch::Tensor& out, const torch::Tensor& x, const torch::Tens
     col[i] = next_col;
     next_col += width[i];
   }
-  // One work item = (lora row, slice); rows are sorted by slot, so a thread's contiguous
-  // chunk reuses an adapter's weights while they are in cache.
-  at::parallel_for(0, num_rows * num_slices, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> xf(in), h;
-    int64_t x_row = -1;
+  // Rows are sorted by slot: up to kBlock consecutive rows of one slot form a block that
+  // reads its adapter's A and B once (from memory) for all its rows.
+  std::vector<int64_t> block_start;
+  for (int64_t j = 0; j < num_rows; ++j)
+    if (j == 0 || slot_p[j] != slot_p[j - 1] || j - block_start.back() == kBlock)
+      block_start.push_back(j);
+  const int64_t num_blocks = block_start.size();
+  block_start.push_back(num_rows);
+  // One work item = (block, slice); a thread's contiguous chunk of items keeps one
+  // adapter's weights in cache across its blocks.
+  at::parallel_for(0, num_blocks * num_slices, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> xf(kBlock * in), h(kBlock * 256);
+    int64_t x_block = -1;
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t j = item / num_slices, i = item % num_slices;
-      const int64_t t = row_p[j], s = slot_p[j], r = rank_p[i * max_loras + s];
+      const int64_t blk = item / num_slices, i = item % num_slices;
+      const int64_t j0 = block_start[blk], cnt = block_start[blk + 1] - j0;
+      const int64_t s = slot_p[j0], r = rank_p[i * max_loras + s];
       if (r == 0) continue;
-      if (x_row != t) {  // x[t] in fp32, once per row
-        for (int64_t c = 0; c < in; ++c) xf[c] = static_cast<float>(x_p[t * ld_x + c]);
-        x_row = t;
+      if (x_block != blk) {  // the block's x rows in fp32, once per block
+        for (int64_t q = 0; q < cnt; ++q)
+          for (int64_t c = 0; c < in; ++c)
+            xf[q * in + c] = static_cast<float>(x_p[row_p[j0 + q] * ld_x + c]);
+        x_block = blk;
       }
-      h.assign(r, 0.f);
-      const scalar_t* a = a_p[i] + s * r_max[i] * in;  // [r_max, in]
-      for (int64_t k = 0; k < r; ++k) {
-        const scalar_t* a_k = a + k * in;
-        float acc = 0.f;
-#pragma omp simd reduction(+ : acc)
-        for (int64_t c = 0; c < in; ++c) acc += static_cast<float>(a_k[c]) * xf[c];
-        h[k] = acc;
-      }
+      if (r * kBlock > (int64_t)h.size()) h.resize(r * kBlock);
+      shrink_block(a_p[i] + s * r_max[i] * in, in, xf.data(), cnt, r, h.data());
       const scalar_t* b = b_p[i] + s * width[i] * r_max[i];  // [out_i, r_max]
-      expand_row(b, r_max[i], h.data(), r, width[i], out_p + t * ld_out + col[i]);
+      for (int64_t n0 = 0; n0 < width[i]; n0 += kExpandChunk) {  // B chunk stays in L1
+        const int64_t w = std::min(kExpandChunk, width[i] - n0);
+        for (int64_t q = 0; q < cnt; ++q)
+          expand_row(b + n0 * r_max[i], r_max[i], h.data() + q * r, r, w,
+                     out_p + row_p[j0 + q] * ld_out + col[i] + n0);
+      }
     }
   });
 }
