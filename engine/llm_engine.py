@@ -169,7 +169,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         outputs = self._fail_broken_adapters()
         batch = self.scheduler.schedule()
-        if batch.empty:
+        if batch.empty:  # requests wait on adapter reads: block briefly rather than spin
+            self.lora.wait_for_loads(0.01)
             return outputs
         seqs, tokens = self.runner.run(batch)
         self.scheduler.postprocess(batch)

@@ -23,6 +23,9 @@ class AdapterSlots(Protocol):
     def release(self, adapter_id: int) -> None:
         """One running sequence of the adapter stopped running."""
 
+    def ready(self, adapter_id: int) -> bool:
+        """Read from disk already: all it may lack is a slot."""
+
 
 @dataclass
 class ScheduledBatch:
@@ -124,7 +127,8 @@ class Scheduler:
                 seq.waiting_steps += 1
                 continue
             if seq.adapter_id and not self.adapters.acquire(seq.adapter_id):  # type: ignore[union-attr]
-                seq.waiting_steps += 1
+                if self.adapters.ready(seq.adapter_id):  # type: ignore[union-attr]
+                    seq.waiting_steps += 1  # passed over for a slot (not waiting on the disk)
                 continue
             if not self._start(seq, budget, entries):
                 if seq.adapter_id:

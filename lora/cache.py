@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -181,6 +181,20 @@ class AdapterCache:
         a = self.by_id[adapter_id]
         a.running -= 1
         a.last_used = next(self._clock)
+
+    def ready(self, adapter_id: int) -> bool:
+        """In host memory (or in a slot): what it may still lack is a free slot."""
+        a = self.by_id.get(adapter_id)
+        return a is not None and (a.weights is not None
+                                  or (a.loading is not None and a.loading.done()))
+
+    def wait_for_loads(self, timeout: float) -> None:
+        """Block up to ``timeout`` seconds until a read from disk finishes; return at once
+        when none is in flight. The engine calls this when a step has nothing to run, so
+        that it does not spin (holding the GIL) while the loader thread reads."""
+        pending = [a.loading for a in self.by_id.values() if a.loading is not None]
+        if pending:
+            wait(pending, timeout, return_when=FIRST_COMPLETED)
 
     def slot_of(self, adapter_id: int) -> int:
         return self.by_id[adapter_id].slot  # type: ignore[return-value]

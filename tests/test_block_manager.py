@@ -98,8 +98,11 @@ class FakeSlots:
     def __init__(self, capacity: int):
         self.capacity = capacity
         self.runners: dict[int, int] = {}
+        self.on_disk: set[int] = set()  # adapters still being read from disk
 
     def acquire(self, adapter_id: int) -> bool:
+        if adapter_id in self.on_disk:
+            return False
         if adapter_id not in self.runners and len(self.runners) >= self.capacity:
             return False
         self.runners[adapter_id] = self.runners.get(adapter_id, 0) + 1
@@ -109,6 +112,9 @@ class FakeSlots:
         self.runners[adapter_id] -= 1
         if self.runners[adapter_id] == 0:
             del self.runners[adapter_id]
+
+    def ready(self, adapter_id: int) -> bool:
+        return adapter_id not in self.on_disk
 
 
 def run_with_traffic(starvation_steps: int, steps: int) -> tuple[Scheduler, Sequence, list]:
@@ -148,3 +154,20 @@ def test_requests_of_other_running_adapters_keep_flowing_while_one_starves():
     sched, _, admitted = run_with_traffic(starvation_steps=4, steps=8)
     late = [r for r in admitted if int(r.split("-")[1]) >= 5]  # admitted after starvation began
     assert late, "every running adapter was held back while adapter 3 starved"
+
+
+def test_waiting_on_the_disk_is_not_starving():
+    """Passed-over steps count toward starvation only once the adapter is read: a slow read
+    must not make it 'starving' and hold every other adapter back the moment it lands."""
+    slots = FakeSlots(2)
+    slots.on_disk.add(3)  # an adapter on disk cannot take a slot yet
+    sched = Scheduler(BlockManager(num_blocks=100, block_size=4), max_num_seqs=8,
+                      max_num_batched_tokens=64, adapters=slots, starvation_steps=2)
+    slow = seq("slow", [1, 2], adapter_id=3)
+    sched.add(slow)
+    for _ in range(5):
+        step(sched)
+    assert slow.waiting_steps == 0 and slow in sched.waiting
+    slots.on_disk.clear()
+    step(sched)
+    assert slow in sched.running

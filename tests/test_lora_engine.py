@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import time
 from pathlib import Path
 
 import pytest
@@ -129,6 +130,31 @@ def test_cache_eviction_order_and_pins(tiny_llama, adapters):
     assert len(out.token_ids) == NEW
     states = {a.name: a.state for a in engine.list_adapters()}
     assert states["a"] == "ON_DEVICE" and states["b"] == "ON_DEVICE" and states["c"] != "ON_DEVICE"
+    assert_clean(engine)
+
+
+def test_engine_waits_for_a_slow_read_instead_of_spinning(tiny_llama, adapters):
+    """While every request waits on an adapter read, step() blocks briefly on the loader
+    instead of returning at once: a spinning engine thread holds the GIL and starves the
+    loader thread (reads took seconds under serving load before this)."""
+    engine = LLMEngine(model=tiny_llama, dtype="float32", max_loras=1, max_cpu_loras=1,
+                       max_lora_rank=64, max_model_len=128)
+    engine.add_adapter("a", adapters["qv4"])
+    engine.add_adapter("b", adapters["all8"])  # host holds 1: a drops to disk
+    read = engine.lora._read
+
+    def slow_read(name: str, path: Path):
+        time.sleep(0.5)
+        return read(name, path)
+
+    engine.lora._read = slow_read
+    engine.add_request([5, 6], greedy(), adapter="a")
+    steps, start = 0, time.monotonic()
+    while engine.has_unfinished_requests():
+        engine.step()
+        steps += 1
+    assert time.monotonic() - start >= 0.5
+    assert steps < 100 + NEW, f"{steps} steps: the engine spun while the adapter was read"
     assert_clean(engine)
 
 

@@ -10,9 +10,13 @@ torch::Tensor paged_attention_decode(torch::Tensor q, torch::Tensor k_cache,
                                      torch::Tensor v_cache, torch::Tensor block_tables,
                                      torch::Tensor context_lens, double scale);
 
+// Both release the GIL while they run (arguments are converted before, the result after),
+// as torch's own ops do: the gRPC loop and the adapter loader thread keep running.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_lora_gather", &add_lora_gather,
-        "out[rows] += per-row LoRA delta of the row's slot (CPU, fp32 accumulation)");
+        "out[rows] += per-row LoRA delta of the row's slot (CPU, fp32 accumulation)",
+        py::call_guard<py::gil_scoped_release>());
   m.def("paged_attention_decode", &paged_attention_decode,
-        "one-token-per-sequence attention over the paged KV cache (CPU, fp32 softmax)");
+        "one-token-per-sequence attention over the paged KV cache (CPU, fp32 softmax)",
+        py::call_guard<py::gil_scoped_release>());
 }
