@@ -210,8 +210,10 @@ def add_lora_fast(
         return
     cdt = compute_dtype or _compute_dtype(x)
     route = route or _memo_route(seg, ranks, cdt)
-    if route == "kernel" and cpu_ext.add_lora(out, x, lora_a, lora_b, ranks, seg):
-        return  # the hot decode path: no host copy of the ranks needed
+    if route == "kernel":  # the hot decode path: no host copy of the ranks needed
+        if cpu_ext.add_lora(out, x, lora_a, lora_b, ranks, seg):
+            return
+        route = "grouped"  # the kernel is not built here
     ROUTES[route](out, x, lora_a, lora_b, host_ranks(ranks, lora_a[0].shape[1]), seg, cdt)
 
 
