@@ -11,11 +11,16 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import json  # noqa: E402
+import shutil  # noqa: E402
 from collections.abc import Callable, Sequence  # noqa: E402
 from pathlib import Path  # noqa: E402
+from typing import TYPE_CHECKING  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
+if TYPE_CHECKING:
+    from loraplex.lora.peft_format import BaseShapes
 
 TINY_COMMON = dict(
     vocab_size=384,
@@ -169,3 +174,26 @@ def adapter_factory(tmp_path: Path) -> Callable[..., Path]:
 
 def read_json(path: Path) -> dict:
     return json.loads(path.read_text())
+
+
+# ---- PEFT-format tests: one real adapter directory and copies of it to break ----------
+
+
+@pytest.fixture(scope="module")
+def good(tiny_models: Callable[[str], Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One real llama adapter, r=8 on q_proj and v_proj of both layers; copied, never edited."""
+    return make_adapter(tiny_models("llama"), tmp_path_factory.mktemp("good") / "adapter")
+
+
+@pytest.fixture()
+def ad(good: Path, tmp_path: Path) -> Path:
+    """A private copy of ``good`` to break."""
+    return Path(shutil.copytree(good, tmp_path / "adapter"))
+
+
+@pytest.fixture()
+def llama(tiny_models: Callable[[str], Path]) -> BaseShapes:
+    """The tiny llama's shapes, as adapters are checked against them."""
+    from tests.adapter_dirs import shapes_of
+
+    return shapes_of(tiny_models("llama"))

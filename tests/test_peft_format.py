@@ -1,9 +1,8 @@
-"""lora/peft_format.py: real PEFT adapters load as PEFT's own A, B and scaling; bad dirs refused."""
+"""lora/peft_format.py: real PEFT adapters load as PEFT's own A, B and scaling (refusals of
+broken directories: test_peft_refusals.py)."""
 
 from __future__ import annotations
 
-import json
-import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -12,23 +11,14 @@ import pytest
 import torch
 from loraplex.lora.peft_format import (
     LORA_TARGETS,
-    AdapterError,
     BaseShapes,
     LoRAWeights,
     read_peft_adapter,
 )
-from safetensors.torch import load_file, save_file
-from transformers import AutoConfig
 
-from tests.conftest import make_adapter
+from tests.adapter_dirs import V1, edit_config, edit_tensors, shapes_of
 
 ALL = list(LORA_TARGETS)
-Q0 = "base_model.model.model.layers.0.self_attn.q_proj"
-V1 = "base_model.model.model.layers.1.self_attn.v_proj"
-
-
-def shapes_of(model_dir: Path) -> BaseShapes:
-    return BaseShapes.from_hf_config(AutoConfig.from_pretrained(model_dir), str(model_dir))
 
 
 def peft_lora_modules(base_dir: Path, adapter_dir: Path) -> dict[tuple[int, str], torch.nn.Module]:
@@ -111,35 +101,6 @@ def test_base_shapes_from_hf_config(tiny_models: Callable[[str], Path]) -> None:
 # ---- loading: accepted variations of the same adapter -----------------------------------------
 
 
-@pytest.fixture(scope="module")
-def good(tiny_models: Callable[[str], Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """One real llama adapter, r=8 on q_proj and v_proj of both layers; copied, never edited."""
-    return make_adapter(tiny_models("llama"), tmp_path_factory.mktemp("good") / "adapter")
-
-
-@pytest.fixture()
-def ad(good: Path, tmp_path: Path) -> Path:
-    """A private copy of ``good`` to break."""
-    return Path(shutil.copytree(good, tmp_path / "adapter"))
-
-
-@pytest.fixture()
-def llama(tiny_models: Callable[[str], Path]) -> BaseShapes:
-    return shapes_of(tiny_models("llama"))
-
-
-def edit_config(ad: Path, **changes: object) -> None:
-    path = ad / "adapter_config.json"
-    path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
-
-
-def edit_tensors(ad: Path, fn: Callable[[dict[str, torch.Tensor]], None]) -> None:
-    path = ad / "adapter_model.safetensors"
-    tensors = load_file(path)
-    fn(tensors)
-    save_file(tensors, path)
-
-
 def test_literal_all_linear_string(tiny_models: Callable[[str], Path],
                                    adapter_factory: Callable[..., Path]) -> None:
     base_dir = tiny_models("llama")  # PEFT saves all-linear expanded; a hand-written one is a str
@@ -193,175 +154,3 @@ def test_tensors_own_their_memory(ad: Path, llama: BaseShapes) -> None:
 def test_targeted_module_without_tensors_is_left_out(ad: Path, llama: BaseShapes) -> None:
     edit_tensors(ad, lambda t: [t.pop(f"{V1}.lora_{x}.weight") for x in "AB"])
     assert (1, "v_proj") not in read_peft_adapter(ad, llama, 8).layers
-
-
-# ---- refusals -----------------------------------------------------------------------------------
-
-
-def _pickle_bomb(marker: Path) -> object:
-    class Bomb:  # unpickling it would create ``marker``
-        def __reduce__(self) -> tuple:
-            return (os.mkdir, (str(marker),))
-
-    return Bomb()
-
-
-def _put(t: dict[str, torch.Tensor], key: str, value: torch.Tensor) -> None:
-    t[key] = value
-
-
-def _poison(value: float) -> Callable[[dict[str, torch.Tensor]], None]:
-    def fn(t: dict[str, torch.Tensor]) -> None:
-        t[f"{Q0}.lora_B.weight"][3, 1] = value
-    return fn
-
-
-def _rename_layer(t: dict[str, torch.Tensor]) -> None:
-    for k in [k for k in t if ".layers.1." in k]:
-        t[k.replace(".layers.1.", ".layers.5.")] = t.pop(k)
-
-
-CONFIG_REFUSALS = {  # adapter_config.json changes -> fragment of the message
-    "ia3": ({"peft_type": "IA3"}, "not a LoRA adapter"),
-    "no_peft_type": ({"peft_type": None}, "only peft_type 'LORA'"),
-    "dora": ({"use_dora": True}, "use_dora"),
-    "modules_to_save": ({"modules_to_save": ["lm_head"]}, "modules_to_save=['lm_head']"),
-    "bias": ({"bias": "all"}, "bias='all' is not supported; only bias='none'"),
-    "lora_bias": ({"lora_bias": True}, "lora_bias"),
-    "embed_tokens": ({"target_modules": ["q_proj", "embed_tokens"]},
-                     "'embed_tokens' cannot be wrapped"),
-    "lm_head": ({"target_modules": ["lm_head"]}, "'lm_head' cannot be wrapped"),
-    "unknown_module": ({"target_modules": ["q_proj", "mystery_proj"]}, "'mystery_proj' cannot"),
-    "regex_head": ({"target_modules": r".*(q_proj|lm_head)"}, "matches 'lm_head'"),
-    "regex_bad": ({"target_modules": "(q_proj"}, "not a valid regex"),
-    "regex_none": ({"target_modules": r".*\.nothing"}, "matches no module"),
-    "rank": ({"r": 32, "lora_alpha": 64}, "rank 32 of model.layers.0.self_attn.q_proj (from r)"),
-    "rank_pattern": ({"rank_pattern": {"v_proj": 64}}, ("rank 64 of model.layers.0.self_attn.v_proj"
-                                                        " (from rank_pattern) is above max_lora")),
-    "rank_shape": ({"r": 4}, "has shape [8, 64], expected [4, 64]"),
-    "peft_rejects": ({"target_modules": ".*q_proj", "layers_to_transform": [0]}, "PEFT rejects"),
-    "untargeted": ({"target_modules": ["q_proj"]}, "does not target"),
-    "layers_to_transform": ({"layers_to_transform": [0]}, ("layers.1.self_attn.q_proj, which "
-                                                           "adapter_config.json does not target")),
-}
-
-
-@pytest.mark.parametrize("case", list(CONFIG_REFUSALS))
-def test_refuses_config(ad: Path, llama: BaseShapes, case: str) -> None:
-    changes, fragment = CONFIG_REFUSALS[case]
-    edit_config(ad, **changes)
-    with pytest.raises(AdapterError) as err:
-        read_peft_adapter(ad, llama, max_lora_rank=16)
-    assert fragment in str(err.value)
-    assert str(ad) in str(err.value)
-
-
-TENSOR_REFUSALS = {  # safetensors edits -> fragment of the message (all name the tensor)
-    "shape": (lambda t: _put(t, f"{Q0}.lora_A.weight", torch.ones(8, 63)),
-              f"'{Q0}.lora_A.weight' has shape [8, 63], expected [8, 64]"),
-    "shape_b": (lambda t: _put(t, f"{V1}.lora_B.weight", torch.ones(64, 8)),
-                f"'{V1}.lora_B.weight' has shape [64, 8], expected [32, 8]"),
-    "no_b": (lambda t: t.pop(f"{Q0}.lora_B.weight"),
-             f"'{Q0}.lora_A.weight' has no matching lora_B"),
-    "no_a": (lambda t: t.pop(f"{V1}.lora_A.weight"),
-             f"'{V1}.lora_B.weight' has no matching lora_A"),
-    "layer_range": (_rename_layer, "is for layer 5, but the base model has 2 layers"),
-    "untargeted_tensor": (lambda t: [_put(t, Q0.replace("q_proj", "k_proj") + ".lora_A.weight",
-                                          torch.ones(8, 64)),
-                                     _put(t, Q0.replace("q_proj", "k_proj") + ".lora_B.weight",
-                                          torch.ones(32, 8))],
-                          "self_attn.k_proj, which adapter_config.json does not target"),
-    "embedding": (lambda t: _put(t, "base_model.model.model.embed_tokens.lora_embedding_A",
-                                 torch.ones(8, 384)), "adapts 'embed_tokens', which the engine"),
-    "full_weight": (lambda t: _put(t, "base_model.model.lm_head.weight", torch.ones(384, 64)),
-                    "'base_model.model.lm_head.weight' is not a LoRA weight"),
-    "dora_magnitude": (lambda t: _put(t, f"{Q0}.lora_magnitude_vector", torch.ones(64)),
-                       "is not a lora_A / lora_B weight"),
-    "nan": (_poison(float("nan")), f"'{Q0}.lora_B.weight' holds NaN or Inf"),
-    "inf": (_poison(float("-inf")), f"'{Q0}.lora_B.weight' holds NaN or Inf"),
-    "int_dtype": (lambda t: _put(t, f"{Q0}.lora_A.weight", torch.ones(8, 64, dtype=torch.int32)),
-                  "must be floating point"),
-    "mixed_names": (lambda t: _put(t, f"{Q0}.lora_A.other.weight", t.pop(f"{Q0}.lora_A.weight")),
-                    "mixes adapter names"),
-    "no_lora": (lambda t: [t.clear(), _put(t, "lm_head.weight", torch.ones(2, 2))],
-                "holds no LoRA tensors"),
-    "empty_file": (lambda t: t.clear(), "holds no LoRA tensors"),
-}
-
-
-@pytest.mark.parametrize("case", list(TENSOR_REFUSALS))
-def test_refuses_tensors(ad: Path, llama: BaseShapes, case: str) -> None:
-    fn, fragment = TENSOR_REFUSALS[case]
-    edit_tensors(ad, fn)
-    with pytest.raises(AdapterError) as err:
-        read_peft_adapter(ad, llama, max_lora_rank=16)
-    assert fragment in str(err.value)
-
-
-def _truncate(ad: Path) -> None:
-    path = ad / "adapter_model.safetensors"
-    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
-
-
-def _garble_header(ad: Path) -> None:
-    path = ad / "adapter_model.safetensors"
-    data = bytearray(path.read_bytes())
-    data[8:40] = b"\x00not json at all{{{{{{{{{{{{{{{{"
-    path.write_bytes(bytes(data))
-
-
-FILE_REFUSALS = {  # breaks the directory -> fragment of the message
-    "config_missing": (lambda ad: (ad / "adapter_config.json").unlink(),
-                       "adapter_config.json is missing"),
-    "config_empty": (lambda ad: (ad / "adapter_config.json").write_text(""), "is empty"),
-    "config_not_json": (lambda ad: (ad / "adapter_config.json").write_text("{'r': 8,"),
-                        "is not readable JSON"),
-    "config_not_object": (lambda ad: (ad / "adapter_config.json").write_text("[8]"),
-                          "holds a JSON list; it must be a JSON object"),
-    "weights_missing": (lambda ad: (ad / "adapter_model.safetensors").unlink(),
-                        "adapter_model.safetensors is missing"),
-    "weights_empty": (lambda ad: (ad / "adapter_model.safetensors").write_bytes(b""),
-                      "is empty (0 bytes)"),
-    "truncated": (_truncate, "truncated or corrupt"),
-    "garbled": (_garble_header, "truncated or corrupt"),
-}
-
-
-@pytest.mark.parametrize("case", list(FILE_REFUSALS))
-def test_refuses_files(ad: Path, llama: BaseShapes, case: str) -> None:
-    breaker, fragment = FILE_REFUSALS[case]
-    breaker(ad)
-    with pytest.raises(AdapterError) as err:
-        read_peft_adapter(ad, llama, max_lora_rank=16)
-    assert fragment in str(err.value)
-
-
-@pytest.mark.parametrize("suffix", [".bin", ".pt", ".pth"])
-def test_refuses_pickle_without_unpickling(ad: Path, llama: BaseShapes, tmp_path: Path,
-                                           suffix: str) -> None:
-    marker = tmp_path / "unpickled"
-    weights = load_file(ad / "adapter_model.safetensors")
-    (ad / "adapter_model.safetensors").unlink()
-    torch.save({"bomb": _pickle_bomb(marker), **weights}, ad / f"adapter_model{suffix}")
-    with pytest.raises(AdapterError, match=rf"only pickle weights \['adapter_model\{suffix}'\]"
-                                           r".*never loads"):
-        read_peft_adapter(ad, llama, max_lora_rank=16)
-    assert not marker.exists()
-
-
-def test_refuses_bad_paths(ad: Path, llama: BaseShapes, tmp_path: Path) -> None:
-    dangling = tmp_path / "dangling"
-    dangling.symlink_to(tmp_path / "nowhere")
-    cases = {tmp_path / "missing": "does not exist", dangling: "is a dangling symlink",
-             ad / "adapter_config.json": "is a file, not a directory"}
-    for path, fragment in cases.items():
-        with pytest.raises(AdapterError, match=fragment):
-            read_peft_adapter(path, llama, max_lora_rank=16)
-
-
-def test_refuses_a_different_local_base(ad: Path, llama: BaseShapes,
-                                        tiny_models: Callable[[str], Path]) -> None:
-    edit_config(ad, base_model_name_or_path=str(tiny_models("qwen3")))
-    with pytest.raises(AdapterError, match="differs from the served base") as err:
-        read_peft_adapter(ad, llama, max_lora_rank=16)
-    assert "model_type: llama vs qwen3" in str(err.value)
