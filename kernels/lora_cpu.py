@@ -142,7 +142,8 @@ def route_dense(out: torch.Tensor, x: torch.Tensor, lora_a: list, lora_b: list, 
 def route_kernel(out: torch.Tensor, x: torch.Tensor, lora_a: list, lora_b: list, rk: list,
                  seg: LoRASegments, cdt: torch.dtype) -> None:
     """Per token, in C++: each token reads its own A and B in place (cpu_ext.py); grouped
-    matmul where the kernel cannot be built."""
+    matmul where the kernel cannot be built. (add_lora_fast calls the kernel directly with
+    the ranks tensor; this host-ranks form is what a caller of ROUTES gets.)"""
     ranks = torch.tensor(rk, dtype=torch.int32)
     if not cpu_ext.add_lora(out, x, lora_a, lora_b, ranks, seg):
         route_grouped(out, x, lora_a, lora_b, rk, seg, cdt)

@@ -9,12 +9,8 @@ weight cold in cache). Results equal ``F.linear`` up to fp32 summation order.
 
 from __future__ import annotations
 
-import logging
-
 import torch
 from torch import nn
-
-log = logging.getLogger(__name__)
 
 BATCH_HINT = 32  # the row count oneDNN tunes the packing for; any row count works
 
