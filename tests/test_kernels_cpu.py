@@ -30,7 +30,8 @@ def _inputs(context_lens: list[int], block_size: int, kv_heads: int, group: int,
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(("block_size", "kv_heads", "group", "head_dim"),
-                         [(16, 2, 1, 40), (16, 3, 3, 64), (32, 1, 4, 8), (1, 2, 2, 16)])
+                         [(16, 2, 1, 40), (16, 3, 3, 64), (32, 1, 4, 8), (1, 2, 2, 16),
+                          (16, 2, 2, 96), (16, 1, 2, 128)])
 def test_decode_matches_twin(kernels, dtype: torch.dtype, block_size: int, kv_heads: int,
                              group: int, head_dim: int) -> None:
     lens = [1, block_size + 1, 3 * block_size - 1, 77]  # ending mid-block, one token
@@ -41,6 +42,16 @@ def test_decode_matches_twin(kernels, dtype: torch.dtype, block_size: int, kv_he
     want = reference.paged_attention_decode(q, k_cache, v_cache, tables, context_lens, scale)
     assert got.dtype == dtype and got.shape == q.shape
     torch.testing.assert_close(got.float(), want.float(), **TOL[dtype])
+
+
+@pytest.mark.parametrize("scale", [1e-4, 3.0, 40.0])
+def test_decode_softmax_from_flat_to_one_hot(kernels, scale: float) -> None:
+    """Scores from nearly equal to thousands apart (exp underflows to 0 for all but one)."""
+    lens = [7, 64, 100]
+    q, k_cache, v_cache, tables, context_lens = _inputs(lens, 16, 3, 3, 64, torch.float32)
+    got = kernels.paged_attention_decode(q, k_cache, v_cache, tables, context_lens, scale)
+    want = reference.paged_attention_decode(q, k_cache, v_cache, tables, context_lens, scale)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_decode_never_reads_past_a_context(kernels) -> None:

@@ -9,76 +9,186 @@
 
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
+
 namespace {
+
+#if defined(__AVX2__) && defined(__FMA__)
+// e^x for 8 floats (Cephes' expf: range reduction by ln 2, degree-5 polynomial; within
+// 2 ulp of std::exp over the softmax's range x <= 0, and 0 below -87.3).
+inline __m256 exp256(__m256 x) {
+  const __m256 lo = _mm256_set1_ps(-87.33654f);
+  const __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+  x = _mm256_min_ps(_mm256_max_ps(x, lo), _mm256_set1_ps(88.37626f));
+  __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 y = _mm256_set1_ps(1.9875691500E-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507E-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073E-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894E-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459E-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201E-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.f)));
+  const __m256i e = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  y = _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+  return _mm256_andnot_ps(under, y);
+}
+
+// The eight lane sums of a[0..7], as one vector: a transpose-and-add (hadd) tree.
+inline __m256 sum8(const __m256* a) {
+  const __m256 s01 = _mm256_hadd_ps(a[0], a[1]), s23 = _mm256_hadd_ps(a[2], a[3]);
+  const __m256 s45 = _mm256_hadd_ps(a[4], a[5]), s67 = _mm256_hadd_ps(a[6], a[7]);
+  const __m256 s03 = _mm256_hadd_ps(s01, s23), s47 = _mm256_hadd_ps(s45, s67);
+  return _mm256_add_ps(_mm256_permute2f128_ps(s03, s47, 0x20),
+                       _mm256_permute2f128_ps(s03, s47, 0x31));
+}
+#endif
+
+// The cached rows of one (sequence, KV head): row(p) points at position p's head_dim
+// values, read in place through the block table.
+template <typename scalar_t>
+struct ContextRows {
+  const scalar_t* base;
+  const int32_t* table;
+  int64_t block_size, block_stride, row_stride;
+  const scalar_t* row(int64_t p) const {
+    return base + table[p / block_size] * block_stride + (p % block_size) * row_stride;
+  }
+};
+
+// s[p] = q · k_p for p < len (q already scaled).
+template <typename scalar_t>
+void scores_of(const float* q, const ContextRows<scalar_t>& k, int64_t len, int64_t dim,
+               float* s) {
+  int64_t p = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    if (dim % 8 == 0) {
+      for (; p + 8 <= len; p += 8) {  // eight positions, one hadd tree for their sums
+        __m256 acc[8];
+        const float* rows[8];
+        for (int j = 0; j < 8; ++j) {
+          acc[j] = _mm256_setzero_ps();
+          rows[j] = k.row(p + j);
+        }
+        for (int64_t d = 0; d < dim; d += 8) {
+          const __m256 qv = _mm256_loadu_ps(q + d);
+          for (int j = 0; j < 8; ++j)
+            acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(rows[j] + d), qv, acc[j]);
+        }
+        _mm256_storeu_ps(s + p, sum8(acc));
+      }
+    }
+  }
+#endif
+  for (; p < len; ++p) {
+    const scalar_t* kp = k.row(p);
+    float dot = 0.f;
+    for (int64_t d = 0; d < dim; ++d) dot += q[d] * static_cast<float>(kp[d]);
+    s[p] = dot;
+  }
+}
+
+// s[p] = exp(s[p] - max s) for p < len; returns their sum.
+inline float exp_normalise(float* s, int64_t len) {
+  float top = -std::numeric_limits<float>::infinity();
+  for (int64_t p = 0; p < len; ++p) top = std::max(top, s[p]);
+  int64_t p = 0;
+  float sum = 0.f;
+#if defined(__AVX2__) && defined(__FMA__)
+  const __m256 topv = _mm256_set1_ps(top);
+  __m256 sumv = _mm256_setzero_ps();
+  for (; p + 8 <= len; p += 8) {
+    const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(s + p), topv));
+    _mm256_storeu_ps(s + p, e);
+    sumv = _mm256_add_ps(sumv, e);
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, sumv);
+  for (float lane : lanes) sum += lane;
+#endif
+  for (; p < len; ++p) {
+    s[p] = std::exp(s[p] - top);
+    sum += s[p];
+  }
+  return sum;
+}
+
+// o[:dim] = (Σ_p w[p] v_p) / denom.
+template <typename scalar_t>
+void weighted_sum(const float* w, const ContextRows<scalar_t>& v, int64_t len, int64_t dim,
+                  float denom, scalar_t* o) {
+  int64_t d0 = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    const __m256 inv = _mm256_set1_ps(1.f / denom);
+    for (; dim % 8 == 0 && d0 < dim; d0 += 64) {  // up to 64 columns (8 registers) a pass
+      const int64_t width = std::min<int64_t>(64, dim - d0) / 8;
+      __m256 acc[8];
+      for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
+      for (int64_t p = 0; p < len; ++p) {
+        const __m256 wp = _mm256_set1_ps(w[p]);
+        const float* vp = v.row(p) + d0;
+        for (int j = 0; j < width; ++j)
+          acc[j] = _mm256_fmadd_ps(wp, _mm256_loadu_ps(vp + 8 * j), acc[j]);
+      }
+      for (int j = 0; j < width; ++j)
+        _mm256_storeu_ps(o + d0 + 8 * j, _mm256_mul_ps(acc[j], inv));
+    }
+  }
+#endif
+  if (d0 >= dim) return;
+  std::vector<float> acc(dim - d0, 0.f);
+  for (int64_t p = 0; p < len; ++p) {
+    const scalar_t* vp = v.row(p) + d0;
+    for (int64_t d = 0; d < dim - d0; ++d) acc[d] += w[p] * static_cast<float>(vp[d]);
+  }
+  for (int64_t d = 0; d < dim - d0; ++d) o[d0 + d] = static_cast<scalar_t>(acc[d] / denom);
+}
 
 template <typename scalar_t>
 void decode_heads(const torch::Tensor& q, const torch::Tensor& k_cache,
                   const torch::Tensor& v_cache, const torch::Tensor& block_tables,
                   const torch::Tensor& context_lens, double scale, torch::Tensor& out) {
   const int64_t batch = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
-  const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
-  const int64_t group = num_heads / num_kv_heads, max_blocks = block_tables.size(1);
-  const int64_t cb = k_cache.stride(0), co = k_cache.stride(1), ch = k_cache.stride(2);
+  const int64_t num_kv_heads = k_cache.size(2), group = num_heads / num_kv_heads;
+  const int64_t max_blocks = block_tables.size(1);
   const scalar_t* q_p = q.data_ptr<scalar_t>();
-  const scalar_t* k_p = k_cache.data_ptr<scalar_t>();
-  const scalar_t* v_p = v_cache.data_ptr<scalar_t>();
   const int32_t* table_p = block_tables.data_ptr<int32_t>();
   const int32_t* len_p = context_lens.data_ptr<int32_t>();
   scalar_t* out_p = out.data_ptr<scalar_t>();
   const float sc = static_cast<float>(scale);
-  // One work item = (sequence, KV head): its `group` query heads share every K/V row read.
+  // One work item = (sequence, KV head): its `group` query heads read the same K/V rows,
+  // which stay in L1/L2 between heads.
   at::parallel_for(0, batch * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf, scores, acc;
+    std::vector<float> qf(head_dim), scores;
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item / num_kv_heads, kvh = item % num_kv_heads;
-      const int64_t len = len_p[b];
+      const int64_t b = item / num_kv_heads, kvh = item % num_kv_heads, len = len_p[b];
       const int32_t* table = table_p + b * max_blocks;
-      qf.resize(group * head_dim);
-      for (int64_t g = 0; g < group; ++g)
-        for (int64_t d = 0; d < head_dim; ++d)
-          qf[g * head_dim + d] =
-              static_cast<float>(q_p[(b * num_heads + kvh * group + g) * head_dim + d]) * sc;
-      scores.assign(group * len, 0.f);
-      for (int64_t p = 0; p < len; ++p) {  // scores[g, p] = q_g · k_p
-        const scalar_t* k = k_p + table[p / block_size] * cb + (p % block_size) * co + kvh * ch;
-        for (int64_t g = 0; g < group; ++g) {
-          const float* qg = qf.data() + g * head_dim;
-          float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-          for (int64_t d = 0; d < head_dim; ++d) dot += qg[d] * static_cast<float>(k[d]);
-          scores[g * len + p] = dot;
-        }
-      }
-      std::vector<float> denom(group);
-      for (int64_t g = 0; g < group; ++g) {  // softmax over p, in place
-        float* s = scores.data() + g * len;
-        float top = -std::numeric_limits<float>::infinity();
-        for (int64_t p = 0; p < len; ++p) top = std::max(top, s[p]);
-        float sum = 0.f;
-        for (int64_t p = 0; p < len; ++p) {
-          s[p] = std::exp(s[p] - top);
-          sum += s[p];
-        }
-        denom[g] = sum;
-      }
-      acc.assign(group * head_dim, 0.f);
-      for (int64_t p = 0; p < len; ++p) {  // acc[g] += w[g, p] · v_p
-        const scalar_t* v = v_p + table[p / block_size] * cb + (p % block_size) * co + kvh * ch;
-        for (int64_t g = 0; g < group; ++g) {
-          const float w = scores[g * len + p];
-          float* a = acc.data() + g * head_dim;
-#pragma omp simd
-          for (int64_t d = 0; d < head_dim; ++d) a[d] += w * static_cast<float>(v[d]);
-        }
-      }
+      const ContextRows<scalar_t> k{k_cache.data_ptr<scalar_t>() + kvh * k_cache.stride(2),
+                                    table, k_cache.size(1), k_cache.stride(0),
+                                    k_cache.stride(1)};
+      const ContextRows<scalar_t> v{v_cache.data_ptr<scalar_t>() + kvh * v_cache.stride(2),
+                                    table, v_cache.size(1), v_cache.stride(0),
+                                    v_cache.stride(1)};
+      scores.resize(len);
       for (int64_t g = 0; g < group; ++g) {
-        scalar_t* o = out_p + (b * num_heads + kvh * group + g) * head_dim;
-        for (int64_t d = 0; d < head_dim; ++d)
-          o[d] = static_cast<scalar_t>(acc[g * head_dim + d] / denom[g]);
+        const int64_t head = (b * num_heads + kvh * group + g) * head_dim;
+        for (int64_t d = 0; d < head_dim; ++d) qf[d] = static_cast<float>(q_p[head + d]) * sc;
+        scores_of(qf.data(), k, len, head_dim, scores.data());
+        const float denom = exp_normalise(scores.data(), len);
+        weighted_sum(scores.data(), v, len, head_dim, denom, out_p + head);
       }
     }
   });
