@@ -18,6 +18,7 @@ torch forms serve.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import threading
@@ -30,8 +31,10 @@ from .segments import LoRASegments
 
 log = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name("csrc") / name
-           for name in ("bindings.cpp", "lora_gather.cpp", "paged_decode.cpp")]
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = [CSRC / name for name in ("bindings.cpp", "lora_gather.cpp", "paged_decode.cpp",
+                                    "layer_ops.cpp")]
+HEADERS = [CSRC / "vec.h"]
 _lock = threading.Lock()
 _module: ModuleType | None = None
 _failed = False
@@ -42,7 +45,10 @@ def _build() -> ModuleType:
 
     log.info("CPU kernels: loading the cached build, or compiling csrc/ (about a minute, "
              "once per machine)")
-    flags = ["-O3", "-march=native", "-fopenmp"]
+    # torch rebuilds when a source or a flag changes, not a header: the headers' digest
+    # goes into the flags
+    digest = hashlib.sha256(b"".join(h.read_bytes() for h in HEADERS)).hexdigest()[:16]
+    flags = ["-O3", "-march=native", "-fopenmp", f"-DLORAPLEX_HEADERS_{digest}"]
     # -march=native code must not be picked up by another kind of CPU sharing the cache
     name = f"loraplex_cpu_kernels_{torch.backends.cpu.get_cpu_capability().lower()}"
     return load(name=name, sources=[str(p) for p in SOURCES],
@@ -91,14 +97,47 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            block_tables: torch.Tensor, context_lens: torch.Tensor,
                            scale: float) -> torch.Tensor | None:
     """The twin's paged_attention_decode, in C++; None where the kernel is unavailable or
-    the tensors do not have its layout (dense q, caches with dense rows, int32 tables)."""
+    the caches do not have its layout (dense rows, int32 tables). A strided q (a view of
+    the fused qkv projection) is copied dense."""
     module = load()
-    if (module is None or not q.is_contiguous() or k_cache.stride(-1) != 1
+    if (module is None or k_cache.stride(-1) != 1
             or k_cache.stride() != v_cache.stride() or block_tables.dtype != torch.int32
             or context_lens.dtype != torch.int32):
         return None
-    return module.paged_attention_decode(q, k_cache, v_cache, block_tables.contiguous(),
+    return module.paged_attention_decode(q.contiguous(), k_cache, v_cache,
+                                         block_tables.contiguous(),
                                          context_lens.contiguous(), scale)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """The twin's rms_norm in one pass; None where the kernel is unavailable."""
+    module = load()
+    return None if module is None else module.rms_norm(x, weight, eps)
+
+
+def add_rms_norm_(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                  eps: float) -> torch.Tensor | None:
+    """The twin's add_rms_norm_ (residual updated in place); None, residual untouched,
+    where the kernel is unavailable."""
+    module = load()
+    return None if module is None else module.add_rms_norm_(x, residual, weight, eps)
+
+
+def rope_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                  sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  slot_mapping: torch.Tensor) -> torch.Tensor | None:
+    """The twin's rope_store_kv, rotating q and k in place; None (nothing touched) where
+    the kernel is unavailable or the caches are not dense."""
+    module = load()
+    if module is None or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        return None
+    return module.rope_store_kv(q, k, v, cos, sin, k_cache, v_cache, slot_mapping)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
+    """The twin's silu_mul in one pass; None where the kernel is unavailable."""
+    module = load()
+    return None if module is None else module.silu_mul(gate_up)
 
 
 if __name__ == "__main__":  # `make kernels`: build (or find) the extension, say where it is

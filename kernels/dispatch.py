@@ -1,6 +1,6 @@
 """The engine's only door to the kernels: Triton for CUDA tensors, the torch twin otherwise
 (with the C++ CPU kernels of cpu_ext.py where they are built: LoRA decode routes inside
-the twin's add_lora, paged decode attention here).
+the twin's add_lora; paged decode attention and the decoder layer's elementwise ops here).
 
 ``LORAPLEX_KERNELS=triton|torch`` overrides the choice (tests run the Triton kernels on
 CPU with ``TRITON_INTERPRET=1``).
@@ -50,6 +50,64 @@ def store_kv(
     _backend(key.device).store_kv(key, value, k_cache, v_cache, slot_mapping)
 
 
+def _cpu_kernels(x: torch.Tensor) -> bool:
+    return x.device.type == "cpu" and not _use_triton(x.device)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim (transformers' LlamaRMSNorm numerics)."""
+    if _cpu_kernels(x) and x.stride(-1) == 1:
+        from . import cpu_ext
+
+        out = cpu_ext.rms_norm(x.reshape(-1, x.shape[-1]), weight, eps)
+        if out is not None:
+            return out.view(x.shape)
+    return reference.rms_norm(x, weight, eps)
+
+
+def add_rms_norm_(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                  eps: float) -> torch.Tensor:
+    """residual += x in place (x, residual: [T, hidden], dense rows); rms_norm(residual)."""
+    if _cpu_kernels(x) and x.stride(-1) == 1 and residual.stride(-1) == 1:
+        from . import cpu_ext
+
+        out = cpu_ext.add_rms_norm_(x, residual, weight, eps)
+        if out is not None:
+            return out
+    return reference.add_rms_norm_(x, residual, weight, eps)
+
+
+def rope_store_kv(
+    q: torch.Tensor,  # [T, Hq, D]
+    k: torch.Tensor,  # [T, Hkv, D]
+    v: torch.Tensor,  # [T, Hkv, D]
+    cos: torch.Tensor,  # [T, D]
+    sin: torch.Tensor,  # [T, D]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [T] int64; -1 = skip
+) -> torch.Tensor:  # [T, Hq, D]
+    """q rotated (RoPE); k rotated and stored with v in the paged cache. q and k may be
+    rotated in place."""
+    if _cpu_kernels(q):
+        from . import cpu_ext
+
+        out = cpu_ext.rope_store_kv(q, k, v, cos, sin, k_cache, v_cache, slot_mapping)
+        if out is not None:
+            return out
+    return reference.rope_store_kv(q, k, v, cos, sin, k_cache, v_cache, slot_mapping)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I]
+    if _cpu_kernels(gate_up) and gate_up.dim() == 2 and gate_up.stride(-1) == 1:
+        from . import cpu_ext
+
+        out = cpu_ext.silu_mul(gate_up)
+        if out is not None:
+            return out
+    return reference.silu_mul(gate_up)
+
+
 def paged_attention_decode(
     q: torch.Tensor,  # [B, Hq, D]
     k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
@@ -58,7 +116,7 @@ def paged_attention_decode(
     context_lens: torch.Tensor,  # [B] int32
     scale: float,
 ) -> torch.Tensor:  # [B, Hq, D]
-    if q.device.type == "cpu" and not _use_triton(q.device):
+    if _cpu_kernels(q):
         from . import cpu_ext
 
         out = cpu_ext.paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens,

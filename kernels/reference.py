@@ -1,7 +1,9 @@
-"""Torch twins of the Triton kernels: the CPU path and the test oracle.
+"""Torch twins of the kernels: the test oracle, and the path wherever a kernel is not used.
 
-Every function here has exactly the signature of its Triton counterpart in
-``attention.py`` / ``sgmv.py``; ``dispatch.py`` picks one of the two.
+The attention and LoRA functions have exactly the signature of their Triton counterparts
+in ``attention.py`` / ``sgmv.py``; the decoder-layer elementwise ops (rms_norm,
+add_rms_norm_, rope_store_kv, silu_mul) that of their C++ CPU kernels
+(csrc/layer_ops.cpp). ``dispatch.py`` picks the form.
 """
 
 from __future__ import annotations
@@ -26,6 +28,49 @@ def store_kv(
         slots, key, value = slot_mapping[keep], key[keep], value[keep]
     k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, key.to(k_cache.dtype))
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, value.to(v_cache.dtype))
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight * (x · rsqrt(mean(x²) + eps)) over the last dim, statistics in float32 and
+    rounded back to x's dtype before the weight, as transformers' LlamaRMSNorm."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def add_rms_norm_(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                  eps: float) -> torch.Tensor:
+    """residual += x (in place: the residual stream), then rms_norm(residual)."""
+    residual.add_(x)
+    return rms_norm(residual, weight, eps)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE. x: [T, H, D]; cos/sin: [T, D]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+def rope_store_kv(
+    q: torch.Tensor,  # [T, Hq, D]
+    k: torch.Tensor,  # [T, Hkv, D]
+    v: torch.Tensor,  # [T, Hkv, D]
+    cos: torch.Tensor,  # [T, D]
+    sin: torch.Tensor,  # [T, D]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [T] int64; -1 = skip
+) -> torch.Tensor:  # [T, Hq, D], q rotated (the kernel rotates q and k in place)
+    """RoPE on q and k; the rotated k and v stored in the paged cache."""
+    store_kv(apply_rope(k, cos, sin), v, k_cache, v_cache, slot_mapping)
+    return apply_rope(q, cos, sin)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I]
+    """silu(gate) * up of a fused gate_up projection."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 def _gather_context(

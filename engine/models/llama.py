@@ -32,18 +32,18 @@ def head_dim_of(config: PretrainedConfig) -> int:
 
 
 class RMSNorm(nn.Module):
-    """Computed in float32 as transformers does, cast back to the input dtype."""
+    """Computed in float32 as transformers does, cast back to the input dtype. Given the
+    residual stream, adds x into it first (in place) and normalises the sum."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        if residual is None:
+            return dispatch.rms_norm(x, self.weight, self.eps)
+        return dispatch.add_rms_norm_(x, residual, self.weight, self.eps)
 
 
 class RotaryEmbedding(nn.Module):
@@ -71,16 +71,6 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
         return self.cos[positions].to(dtype), self.sin[positions].to(dtype)  # [T, D] each
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, H, D]; cos/sin: [T, D]."""
-    return x * cos[:, None, :] + _rotate_half(x) * sin[:, None, :]
 
 
 class Attention(nn.Module):
@@ -112,8 +102,8 @@ class Attention(nn.Module):
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        dispatch.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        q = dispatch.rope_store_kv(q, k, v, *rope, self.k_cache, self.v_cache,
+                                   meta.slot_mapping)
         return self.o_proj(self._attend(q, meta).reshape(t, self.q_size))
 
     def _attend(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -147,8 +137,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(self.intermediate, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(dispatch.silu_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -160,10 +149,18 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(
-        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        self, x: torch.Tensor, residual: torch.Tensor | None,
+        rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the previous layer's output, still to be added into the residual stream
+        (layer 0: the embeddings, residual None). Returns (this layer's MLP output, the
+        residual stream); the sum of the two is the layer's hidden state."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h = self.input_layernorm(x, residual)
+        h = self.post_attention_layernorm(self.self_attn(h, rope, meta), residual)
+        return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
@@ -179,9 +176,10 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # [T, hidden]
         rope = self.rotary(positions, x.dtype)
+        residual = None
         for layer in self.layers:
-            x = layer(x, rope, meta)
-        return self.norm(x)
+            x, residual = layer(x, residual, rope, meta)
+        return self.norm(x, residual)
 
 
 class LlamaForCausalLM(nn.Module):

@@ -9,8 +9,15 @@ void add_lora_gather(torch::Tensor out, torch::Tensor x, torch::Tensor rows,
 torch::Tensor paged_attention_decode(torch::Tensor q, torch::Tensor k_cache,
                                      torch::Tensor v_cache, torch::Tensor block_tables,
                                      torch::Tensor context_lens, double scale);
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
+torch::Tensor add_rms_norm_(torch::Tensor x, torch::Tensor residual, torch::Tensor weight,
+                            double eps);
+torch::Tensor rope_store_kv(torch::Tensor q, torch::Tensor k, torch::Tensor v,
+                            torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache,
+                            torch::Tensor v_cache, torch::Tensor slot_mapping);
+torch::Tensor silu_mul(torch::Tensor gate_up);
 
-// Both release the GIL while they run (arguments are converted before, the result after),
+// All release the GIL while they run (arguments are converted before, the result after),
 // as torch's own ops do: the gRPC loop and the adapter loader thread keep running.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_lora_gather", &add_lora_gather,
@@ -18,5 +25,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("paged_attention_decode", &paged_attention_decode,
         "one-token-per-sequence attention over the paged KV cache (CPU, fp32 softmax)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("rms_norm", &rms_norm, "RMSNorm of each row, fp32 statistics",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("add_rms_norm_", &add_rms_norm_, "residual += x in place; RMSNorm of the new residual",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("rope_store_kv", &rope_store_kv,
+        "rotate q and k in place (rotate-half RoPE); write k and v to the paged cache",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused [T, 2I] gate_up",
         py::call_guard<py::gil_scoped_release>());
 }

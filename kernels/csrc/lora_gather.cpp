@@ -13,9 +13,7 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#endif
+#include "vec.h"
 
 namespace {
 
@@ -37,11 +35,7 @@ void expand_row(const scalar_t* b, int64_t ld, const float* h, int64_t r, int64_
         for (int q = 0; q < 8; ++q)
           acc[q] = _mm256_fmadd_ps(_mm256_loadu_ps(b + (n + q) * ld + k), hv, acc[q]);
       }
-      const __m256 s01 = _mm256_hadd_ps(acc[0], acc[1]), s23 = _mm256_hadd_ps(acc[2], acc[3]);
-      const __m256 s45 = _mm256_hadd_ps(acc[4], acc[5]), s67 = _mm256_hadd_ps(acc[6], acc[7]);
-      const __m256 s03 = _mm256_hadd_ps(s01, s23), s47 = _mm256_hadd_ps(s45, s67);
-      __m256 sum = _mm256_add_ps(_mm256_permute2f128_ps(s03, s47, 0x20),
-                                 _mm256_permute2f128_ps(s03, s47, 0x31));  // [8] row sums
+      __m256 sum = sum8(acc);  // [8] row sums
       alignas(32) float tail[8];
       for (int q = 0; q < 8; ++q) {  // ranks that are not a multiple of 8
         float t = 0.f;

@@ -1,0 +1,132 @@
+"""The decoder layer's elementwise C++ kernels (csrc/layer_ops.cpp) against their torch
+twins in kernels/reference.py, and the engine's use of them (no silent fallback)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from loraplex import LLMEngine, SamplingParams
+from loraplex.kernels import cpu_ext, reference
+
+TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2e-2, atol=2e-2),
+       torch.float16: dict(rtol=2e-3, atol=2e-3)}
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+WIDTHS = [576, 100, 7]  # the vector body only, body and tail, tail only
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    module = cpu_ext.load()
+    assert module is not None, "the C++ CPU kernels did not build on this machine"
+    return module
+
+
+def _randn(*shape: int, dtype: torch.dtype, seed: int, scale: float = 1.0) -> torch.Tensor:
+    return (torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("width", WIDTHS)
+def test_rms_norm_matches_twin(kernels, dtype: torch.dtype, width: int) -> None:
+    x = _randn(33, width, dtype=dtype, seed=0, scale=3.0)
+    w = _randn(width, dtype=dtype, seed=1)
+    got = kernels.rms_norm(x, w, 1e-5)
+    torch.testing.assert_close(got, reference.rms_norm(x, w, 1e-5), **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("width", WIDTHS)
+def test_add_rms_norm_updates_the_residual_in_place(kernels, dtype: torch.dtype,
+                                                   width: int) -> None:
+    x = _randn(5, width, dtype=dtype, seed=0)
+    residual = _randn(5, width, dtype=dtype, seed=1, scale=4.0)
+    w = _randn(width, dtype=dtype, seed=2)
+    twin_residual = residual.clone()
+    want = reference.add_rms_norm_(x, twin_residual, w, 1e-6)
+    got = kernels.add_rms_norm_(x, residual, w, 1e-6)
+    torch.testing.assert_close(residual, twin_residual, rtol=0, atol=0)  # one rounding
+    torch.testing.assert_close(got, want, **TOL[dtype])
+
+
+def test_rms_norm_of_strided_rows(kernels) -> None:
+    """Rows of a wider tensor (a slice of a fused projection) are read in place."""
+    wide = _randn(6, 300, dtype=torch.float32, seed=0)
+    x = wide[:, 100:228]
+    w = _randn(128, dtype=torch.float32, seed=1)
+    torch.testing.assert_close(kernels.rms_norm(x, w, 1e-5), reference.rms_norm(x, w, 1e-5))
+
+
+def _qkv(tokens: int, hq: int, hkv: int, dim: int, dtype: torch.dtype):
+    """q, k, v as the model makes them: strided views of one fused projection."""
+    fused = _randn(tokens, (hq + 2 * hkv) * dim, dtype=dtype, seed=3)
+    q, k, v = fused.split([hq * dim, hkv * dim, hkv * dim], dim=-1)
+    return (q.reshape(tokens, hq, dim), k.reshape(tokens, hkv, dim),
+            v.reshape(tokens, hkv, dim))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("hq", "hkv", "dim"), [(9, 3, 64), (4, 4, 32), (2, 1, 6)])
+def test_rope_store_kv_matches_twin(kernels, dtype: torch.dtype, hq: int, hkv: int,
+                                    dim: int) -> None:
+    tokens, blocks, block_size = 7, 4, 4
+    angles = _randn(tokens, dim // 2, dtype=torch.float32, seed=4, scale=3.0)
+    cos = torch.cat((angles.cos(), angles.cos()), -1).to(dtype)
+    sin = torch.cat((angles.sin(), angles.sin()), -1).to(dtype)
+    slots = torch.tensor([3, 0, 15, -1, 8, 9, 4], dtype=torch.int64)  # -1: not cached
+    caches = [torch.full((blocks, block_size, hkv, dim), 7.0, dtype=dtype) for _ in range(4)]
+    q, k, v = _qkv(tokens, hq, hkv, dim, dtype)
+    want = reference.rope_store_kv(q.clone(), k.clone(), v.clone(), cos, sin, caches[0],
+                                   caches[1], slots)
+    got = kernels.rope_store_kv(q, k, v, cos, sin, caches[2], caches[3], slots)
+    torch.testing.assert_close(got, want, **TOL[dtype])
+    torch.testing.assert_close(caches[2], caches[0], **TOL[dtype])
+    torch.testing.assert_close(caches[3], caches[1], rtol=0, atol=0)  # v is copied as is
+    assert bool((caches[2].view(-1, hkv, dim)[[1, 2, 5, 6, 7, 10]] == 7.0).all())  # untouched
+
+
+def test_rope_store_kv_refuses_a_slot_past_the_cache(kernels) -> None:
+    q, k, v = _qkv(2, 2, 1, 8, torch.float32)
+    cache = torch.zeros(2, 4, 1, 8)
+    ones = torch.ones(2, 8)
+    with pytest.raises(RuntimeError, match="slot 8 out of range"):
+        kernels.rope_store_kv(q, k, v, ones, ones, cache, cache.clone(),
+                              torch.tensor([0, 8], dtype=torch.int64))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("width", [1536, 36, 5])
+def test_silu_mul_matches_twin(kernels, dtype: torch.dtype, width: int) -> None:
+    gate_up = _randn(9, 2 * width, dtype=dtype, seed=5, scale=4.0)
+    gate_up[0, :4] = torch.tensor([-100.0, -87.0, 0.0, 90.0]).to(dtype)  # exp's range ends
+    torch.testing.assert_close(kernels.silu_mul(gate_up), reference.silu_mul(gate_up),
+                               **TOL[dtype])
+
+
+KERNELS = ["rms_norm", "add_rms_norm_", "rope_store_kv", "silu_mul", "paged_attention_decode"]
+
+
+def test_the_engine_runs_every_layer_kernel(kernels, tiny_models: Callable[[str], Path],
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """A strided view or another layout the wrapper does not take would fall back to the
+    (much slower) twin without a word: the engine's steps must call each kernel and no
+    twin of them."""
+    calls: Counter[str] = Counter()
+
+    def counted(name: str):
+        real = getattr(kernels, name)
+        return staticmethod(lambda *a: calls.update([name]) or real(*a))
+
+    proxy = type("Counted", (), {name: counted(name) for name in KERNELS})
+    monkeypatch.setattr(cpu_ext, "load", lambda: proxy)
+    for name in KERNELS:
+        monkeypatch.setattr(reference, name, lambda *a, name=name: pytest.fail(
+            f"the twin of {name} ran"))
+    engine = LLMEngine(model=tiny_models("qwen3"), dtype="float32", max_model_len=128)
+    outs = engine.generate([[5, 6, 7], [9, 10]], SamplingParams(temperature=0.0,
+                                                                max_new_tokens=3))
+    assert all(len(o.token_ids) == 3 for o in outs)
+    assert set(calls) == set(KERNELS), calls
