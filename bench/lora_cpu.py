@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from ..kernels import reference
 from ..kernels.lora_cpu import ROUTES, _compute_dtype, add_lora_fast, choose_route
 from ..kernels.segments import LoRASegments
+from ..lora.layers import lora_b_buffer
 
 LAYERS = {  # name: (in, [out_i per slice])
     "qkv": (576, [576, 192, 192]),
@@ -55,7 +56,9 @@ def best_us(fn: Callable[[], object], reps: int) -> float:
 def weights(din: int, outs: list[int], dtype: torch.dtype) -> tuple[list, list, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
     a = [(torch.randn(MAX_LORAS, RANK, din, generator=g) * 0.02).to(dtype) for _ in outs]
-    b = [(torch.randn(MAX_LORAS, o, RANK, generator=g) * 0.02).to(dtype) for o in outs]
+    b = [lora_b_buffer(MAX_LORAS, o, RANK, torch.device("cpu"), dtype) for o in outs]
+    for t in b:  # the engine's slot layout, random values
+        t.copy_(torch.randn(t.shape, generator=g) * 0.02)
     return a, b, torch.full((len(outs), MAX_LORAS), RANK, dtype=torch.int32)
 
 

@@ -36,6 +36,7 @@ def _half_matmul_is_native() -> bool:
 
 
 HALF_NATIVE = _half_matmul_is_native()
+KERNEL_MAX_WORK = 4096  # tokens per adapter segment × rank up to which the kernel wins
 
 
 def _add_rows(out: torch.Tensor, rows_start: int, rows: torch.Tensor | None, col: int,
@@ -163,24 +164,28 @@ def choose_route(seg: LoRASegments, compute_dtype: torch.dtype = torch.float32,
     """The fastest exact route for this step's shape, compute dtype and largest used
     ``rank`` (bench/lora_cpu.py).
 
-    The C++ per-token kernel reads each token's A and B in place: it costs tokens × rank ×
-    (in + out) and wins while segments are short (decode: 3-8x faster than grouped matmul
-    at 32 tokens of 32 rank-8 adapters, 2-3x at rank 64); tokens per adapter × rank = 512
-    is where it stops winning with margin (rank 8: 64 tokens, it is even at 128). Longer
-    segments take grouped matmul over the sorted
-    rows, or the rank-exact per-segment loop with one or two segments, or long ones whose
-    ranks differ (grouped pads every slot to the largest rank in use). Without the kernel,
+    The C++ per-token kernel reads each token's A and B in place (B r-major: its expand is
+    vector FMAs over the outputs): it costs tokens × rank × (in + out) and wins while
+    segments are short (bench/lora_cpu.py, fp32, SmolLM2 shapes: decode 32 tokens of 32
+    rank-8 adapters 4-12x faster than grouped matmul; 512 tokens of 32 adapters 2-6x at
+    rank 8, 2x at rank 64; 2048 tokens of 8 adapters 1.4-2.4x at rank 8, even at rank 16,
+    and losing at rank 64): tokens per adapter × rank = KERNEL_MAX_WORK (4096) is where it
+    stops winning. Longer segments take grouped matmul over the sorted rows, or the
+    rank-exact per-segment loop with one or two segments, or long ones whose ranks differ (grouped pads every slot to the largest rank in use). Without the kernel,
     decode in half precision (native bf16 CPUs) takes a dense shrink over all slots: CPU
     grouped_mm is slow in bf16 there (notes/cpu-lora.md)."""
-    n_seg = sum(1 for s in seg.seg_slots_host if s >= 0)
-    per_seg = seg.num_lora_tokens / max(n_seg, 1)
-    if per_seg * rank <= 512 and cpu_ext.available():
+    if _kernel_wins(seg, rank):
         return "kernel"
+    n_seg, per_seg = seg.num_lora_segments, seg.tokens_per_lora_segment
     if n_seg <= 2 or (mixed_ranks and per_seg >= 64):
         return "loop"
     if compute_dtype != torch.float32 and per_seg < 4:
         return "dense"
     return "grouped"
+
+
+def _kernel_wins(seg: LoRASegments, rank: int) -> bool:
+    return seg.tokens_per_lora_segment * rank <= KERNEL_MAX_WORK and cpu_ext.available()
 
 
 def _mixed_ranks(rk: list[list[int]], seg: LoRASegments) -> tuple[bool, int]:
@@ -210,7 +215,7 @@ def add_lora_fast(
     if seg.num_lora_tokens == 0:
         return
     cdt = compute_dtype or _compute_dtype(x)
-    route = route or _memo_route(seg, ranks, cdt)
+    route = route or _memo_route(seg, ranks, cdt, lora_a[0].shape[1])
     if route == "kernel":  # the hot decode path: no host copy of the ranks needed
         if cpu_ext.add_lora(out, x, lora_a, lora_b, ranks, seg):
             return
@@ -218,9 +223,12 @@ def add_lora_fast(
     ROUTES[route](out, x, lora_a, lora_b, host_ranks(ranks, lora_a[0].shape[1]), seg, cdt)
 
 
-def _memo_route(seg: LoRASegments, ranks: torch.Tensor, cdt: torch.dtype) -> str:
+def _memo_route(seg: LoRASegments, ranks: torch.Tensor, cdt: torch.dtype,
+                lora_r_max: int) -> str:
     """choose_route for this layer's ranks, memoised on the step's segments per ranks
     tensor and version: the version moves whenever a slot load rewrites the ranks."""
+    if _kernel_wins(seg, lora_r_max):  # whatever the ranks: no host copy of them needed
+        return "kernel"
     key = (ranks.data_ptr(), ranks._version, cdt)
     route = seg.route_memo.get(key)
     if route is None:

@@ -8,6 +8,7 @@ ever synchronises the device.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -37,6 +38,14 @@ class LoRASegments:
     seg_row_start_host: list[int]  # first row of each segment if its rows are a range, else -1
     lora_rows_identity: bool  # lora_rows == arange(T): every token has a slot, batch is sorted
     route_memo: dict = field(default_factory=dict)  # CPU twin: route per layer ranks, this step
+
+    @functools.cached_property
+    def num_lora_segments(self) -> int:
+        return sum(1 for s in self.seg_slots_host if s >= 0)
+
+    @functools.cached_property
+    def tokens_per_lora_segment(self) -> float:  # mean over the segments with an adapter
+        return self.num_lora_tokens / max(self.num_lora_segments, 1)
 
     @property
     def num_segments(self) -> int:

@@ -17,9 +17,11 @@ def make_lora_weights(
     device: str | torch.device = "cpu",
     seed: int = 0,
     past_rank: float = 0.0,  # value of the buffer entries beyond each slot's rank
+    r_major_b: bool = False,  # B_i stored [L, r_max, out_i] and returned transposed
 ) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
     """(lora_a, lora_b, ranks): A_i [L, r_max, din], B_i [L, out_i, r_max] (scaling folded),
-    ranks [num_slices, L] int32, entries past a slot's rank set to ``past_rank``."""
+    ranks [num_slices, L] int32, entries past a slot's rank set to ``past_rank``. With
+    ``r_major_b``, B has the engine's CPU slot layout (lora.layers.lora_b_buffer)."""
     g = torch.Generator().manual_seed(seed)
     num_loras = len(slot_ranks[0])
     lora_a, lora_b = [], []
@@ -30,7 +32,8 @@ def make_lora_weights(
             a[slot, :r] = torch.randn(r, din, generator=g) / din**0.5
             b[slot, :, :r] = torch.randn(out_i, r, generator=g) / max(r, 1) ** 0.5
         lora_a.append(a.to(dtype).to(device))
-        lora_b.append(b.to(dtype).to(device))
+        b = b.to(dtype).to(device)
+        lora_b.append(b.transpose(1, 2).contiguous().transpose(1, 2) if r_major_b else b)
     ranks = torch.tensor(slot_ranks, dtype=torch.int32, device=device)
     return lora_a, lora_b, ranks
 

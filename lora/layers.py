@@ -10,6 +10,16 @@ from ..kernels import dispatch
 from .batch import LoRABatch
 
 
+def lora_b_buffer(max_loras: int, out: int, max_rank: int, device: torch.device,
+                  dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed [max_loras, out, max_rank] B slot buffer. On the CPU its storage is r-major
+    ([max_loras, max_rank, out], returned transposed): the C++ expand then reads each rank's
+    outputs contiguously and runs as vector FMAs (bench/lora_cpu.py)."""
+    if device.type != "cpu":
+        return torch.zeros(max_loras, out, max_rank, device=device, dtype=dtype)
+    return torch.zeros(max_loras, max_rank, out, device=device, dtype=dtype).transpose(1, 2)
+
+
 class LoRALinear(nn.Module):
     """``base(x) + Σ_slices expand(shrink(x, A[slot]), B[slot])`` per token.
 
@@ -27,7 +37,7 @@ class LoRALinear(nn.Module):
         dev, dtype = base.weight.device, base.weight.dtype
         self.lora_a = [torch.zeros(max_loras, max_rank, base.in_features, device=dev, dtype=dtype)
                        for _ in slices]  # each [max_loras, r_max, in]
-        self.lora_b = [torch.zeros(max_loras, size, max_rank, device=dev, dtype=dtype)
+        self.lora_b = [lora_b_buffer(max_loras, size, max_rank, dev, dtype)
                        for size in slice_sizes]  # each [max_loras, out_i, r_max]
         self.ranks = torch.zeros(len(slices), max_loras, dtype=torch.int32, device=dev)
 

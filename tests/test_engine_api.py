@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+import torch
 
 from loraplex import EngineConfig, LLMEngine, SamplingParams
 from loraplex.engine.async_engine import AsyncEngine
@@ -189,3 +190,17 @@ def test_async_engine_streams_and_cancels(engine):
             ae.shutdown()
 
     asyncio.run(main())
+
+
+def test_finite_rows_is_exact() -> None:
+    """The sampler's finiteness test: NaN / ±Inf anywhere fail the row; huge finite values
+    whose sum overflows do not."""
+    from loraplex.engine.sampler import _finite_rows
+
+    logits = torch.randn(6, 1000)
+    logits[1, 7] = float("nan")
+    logits[2, 999] = float("inf")
+    logits[3, 0] = -float("inf")
+    logits[4, :] = 3e38  # finite, the row's sum is not
+    logits[5, :2] = torch.tensor([float("inf"), -float("inf")])  # sums to NaN
+    assert _finite_rows(logits) == [True, False, False, False, True, False]

@@ -24,10 +24,12 @@ TOL = {
 }
 
 
-def _case(din: int, num_slices: int, dtype: torch.dtype, seed: int = 0):
+def _case(din: int, num_slices: int, dtype: torch.dtype, seed: int = 0,
+          r_major_b: bool = False):
     outs = SLICE_OUTS[num_slices]
     slot_ranks = [MIXED[i:] + MIXED[:i] for i in range(num_slices)]
-    return (outs, *make_lora_weights(din, outs, slot_ranks, 64, dtype, seed=seed))
+    return (outs, *make_lora_weights(din, outs, slot_ranks, 64, dtype, seed=seed,
+                                     r_major_b=r_major_b))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
@@ -59,11 +61,13 @@ CASES = {  # name: token slots
 }
 
 
+@pytest.mark.parametrize("r_major_b", [False, True], ids=["b-dense", "b-r-major"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("route", list(ROUTES))
-def test_every_route_matches_dense_oracle(route: str, case: str, dtype: torch.dtype) -> None:
-    outs, lora_a, lora_b, ranks = _case(576, 3, dtype, seed=1)
+def test_every_route_matches_dense_oracle(route: str, case: str, dtype: torch.dtype,
+                                          r_major_b: bool) -> None:
+    outs, lora_a, lora_b, ranks = _case(576, 3, dtype, seed=1, r_major_b=r_major_b)
     slots = CASES[case]
     x = torch.randn(len(slots), 576).to(dtype)
     base = torch.randn(len(slots), sum(outs)).to(dtype)
@@ -88,14 +92,15 @@ def test_routes_agree_with_each_other(case: str) -> None:
         torch.testing.assert_close(out, results["loop"], rtol=1e-5, atol=1e-5, msg=route)
 
 
+@pytest.mark.parametrize("r_major_b", [False, True], ids=["b-dense", "b-r-major"])
 @pytest.mark.parametrize("route", ["loop", "kernel"])
-def test_rank_exact_paths_never_read_past_the_rank(route: str) -> None:
+def test_rank_exact_paths_never_read_past_the_rank(route: str, r_major_b: bool) -> None:
     """The loop and kernel routes and shrink/expand do r columns of work: NaN past the rank
     stays unseen."""
     outs = SLICE_OUTS[3]
     slot_ranks = [MIXED[i:] + MIXED[:i] for i in range(3)]
     lora_a, lora_b, ranks = make_lora_weights(64, outs, slot_ranks, 64, torch.float32,
-                                              past_rank=float("nan"))
+                                              past_rank=float("nan"), r_major_b=r_major_b)
     slots = CASES["mixed-random"]
     seg, x = segments(slots), torch.randn(len(slots), 64)
     out = torch.zeros(len(slots), sum(outs))
@@ -112,11 +117,13 @@ def test_rank_exact_paths_never_read_past_the_rank(route: str) -> None:
         ([t % 32 for t in range(32)], torch.float32, 8, "kernel"),  # decode, 32 adapters
         ([t % 8 for t in range(32)], torch.float32, 8, "kernel"),  # decode, 8 adapters
         ([t % 8 for t in range(32)], torch.float32, 64, "kernel"),  # 4 tokens each, rank 64
-        ([t % 8 for t in range(256)], torch.float32, 64, "grouped"),  # 32 each, rank 64
+        ([t % 8 for t in range(256)], torch.float32, 64, "kernel"),  # 32 each, rank 64
+        ([t % 8 for t in range(1024)], torch.float32, 64, "grouped"),  # 128 each, rank 64
         ([t % 32 for t in range(32)], torch.bfloat16, 64, "kernel"),  # decode, rank 64
-        ([t * 8 // 2048 for t in range(2048)], torch.float32, 8, "grouped"),  # prefill
+        ([t * 8 // 2048 for t in range(2048)], torch.float32, 8, "kernel"),  # prefill, 256 each
+        ([t * 8 // 2048 for t in range(2048)], torch.float32, 64, "grouped"),  # the same, r 64
         ([0] * 50 + [1] * 30, torch.bfloat16, 8, "kernel"),  # two segments of 40 on average
-        ([0] * 500 + [1] * 300, torch.bfloat16, 8, "loop"),  # two long segments
+        ([0] * 1500 + [1] * 1000, torch.bfloat16, 8, "loop"),  # two long segments
     ],
 )
 def test_choose_route_by_shape(slots: list[int], dtype: torch.dtype, rank: int,
@@ -163,10 +170,12 @@ def test_cpu_kernel_refuses_out_of_range_slots() -> None:
 
 
 def test_long_segments_of_mixed_ranks_take_the_rank_exact_loop() -> None:
-    seg = segments([t * 8 // 2048 for t in range(2048)])
-    assert choose_route(seg, torch.float32, mixed_ranks=True) == "loop"
-    assert choose_route(segments([t % 8 for t in range(256)]), mixed_ranks=True,
-                        rank=64) == "grouped"
+    """Past the kernel's reach (tokens per adapter × rank > 4096): segments of 64 tokens or
+    more whose ranks differ take the loop; shorter ones the grouped matmul."""
+    seg = segments([t * 8 // 2048 for t in range(2048)])  # 256 tokens each
+    assert choose_route(seg, torch.float32, mixed_ranks=True, rank=64) == "loop"
+    assert choose_route(segments([t % 8 for t in range(320)]), mixed_ranks=True,
+                        rank=128) == "grouped"  # 40 tokens each
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

@@ -5,6 +5,9 @@
 // out[t, col_i : col_i + out_i] += B_i[s] @ (A_i[s] @ x[t]) for each lora row t = rows[j]
 // with slot s = row_slots[j] and each slice i; only the first ranks[i][s] rows of A_i[s]
 // and columns of B_i[s] are read. Accumulation in fp32, one rounding into out.
+// B_i is a [max_loras, out_i, r_max] tensor, stored densely either so or r-major
+// ([max_loras, r_max, out_i] storage, a transposed view: the engine's CPU slot layout, whose
+// expand runs as vector FMAs over out_i).
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
@@ -58,6 +61,55 @@ void expand_row(const scalar_t* b, int64_t ld, const float* h, int64_t r, int64_
 constexpr int64_t kBlock = 4;          // rows of one slot that share each weight read
 constexpr int64_t kExpandChunk = 256;  // B rows per chunk: 8 KB at rank 8, L1-resident
 
+// The expand of a block of cnt rows from an r-major B (bt[k * ld + n] = B[n, k], the CPU
+// slot layout): o[q][n] += Σ_k h[q * r + k] · bt[k * ld + n] for n < width, vectorised over
+// n with no horizontal sums; each B vector is loaded once for the block's CNT rows.
+template <int CNT>
+int64_t expand_block_t_f32(const float* bt, int64_t ld, const float* h, int64_t r,
+                           int64_t width, float* const* o) {
+  int64_t n = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+  for (; n + 16 <= width; n += 16) {
+    __m256 acc[CNT][2];
+    for (int q = 0; q < CNT; ++q) acc[q][0] = acc[q][1] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < r; ++k) {
+      const __m256 b0 = _mm256_loadu_ps(bt + k * ld + n);
+      const __m256 b1 = _mm256_loadu_ps(bt + k * ld + n + 8);
+      for (int q = 0; q < CNT; ++q) {
+        const __m256 hq = _mm256_set1_ps(h[q * r + k]);
+        acc[q][0] = _mm256_fmadd_ps(hq, b0, acc[q][0]);
+        acc[q][1] = _mm256_fmadd_ps(hq, b1, acc[q][1]);
+      }
+    }
+    for (int q = 0; q < CNT; ++q) {
+      _mm256_storeu_ps(o[q] + n, _mm256_add_ps(_mm256_loadu_ps(o[q] + n), acc[q][0]));
+      _mm256_storeu_ps(o[q] + n + 8, _mm256_add_ps(_mm256_loadu_ps(o[q] + n + 8), acc[q][1]));
+    }
+  }
+#endif
+  return n;  // columns done; the caller finishes the rest
+}
+
+template <typename scalar_t>
+void expand_block_t(const scalar_t* bt, int64_t ld, const float* h, int64_t r, int64_t cnt,
+                    int64_t width, scalar_t* const* o) {
+  int64_t n = 0;
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    switch (cnt) {
+      case 1: n = expand_block_t_f32<1>(bt, ld, h, r, width, o); break;
+      case 2: n = expand_block_t_f32<2>(bt, ld, h, r, width, o); break;
+      case 3: n = expand_block_t_f32<3>(bt, ld, h, r, width, o); break;
+      default: n = expand_block_t_f32<4>(bt, ld, h, r, width, o); break;
+    }
+  }
+  for (int64_t q = 0; q < cnt; ++q)
+    for (int64_t c = n; c < width; ++c) {
+      float acc = 0.f;
+      for (int64_t k = 0; k < r; ++k) acc += static_cast<float>(bt[k * ld + c]) * h[q * r + k];
+      o[q][c] = static_cast<scalar_t>(static_cast<float>(o[q][c]) + acc);
+    }
+}
+
 // h[q * r + k] = a[k] · x[q] for the block's cnt <= kBlock rows (x rows already fp32):
 // every A row is loaded once for all of them.
 template <typename scalar_t>
@@ -107,12 +159,16 @@ void add_lora_rows(torch::Tensor& out, const torch::Tensor& x, const torch::Tens
   scalar_t* out_p = out.data_ptr<scalar_t>();
   std::vector<const scalar_t*> a_p(num_slices), b_p(num_slices);
   std::vector<int64_t> r_max(num_slices), width(num_slices), col(num_slices);
+  std::vector<int64_t> b_slot_stride(num_slices);
+  std::vector<bool> r_major(num_slices);  // B stored [max_loras, r_max, out_i] (see above)
   int64_t next_col = 0;
   for (int64_t i = 0; i < num_slices; ++i) {
     a_p[i] = lora_a[i].data_ptr<scalar_t>();
     b_p[i] = lora_b[i].data_ptr<scalar_t>();
     r_max[i] = lora_a[i].size(1);
     width[i] = lora_b[i].size(1);
+    b_slot_stride[i] = lora_b[i].stride(0);
+    r_major[i] = lora_b[i].stride(1) == 1 && width[i] > 1;
     col[i] = next_col;
     next_col += width[i];
   }
@@ -142,7 +198,13 @@ void add_lora_rows(torch::Tensor& out, const torch::Tensor& x, const torch::Tens
       }
       if (r * kBlock > (int64_t)h.size()) h.resize(r * kBlock);
       shrink_block(a_p[i] + s * r_max[i] * in, in, xf.data(), cnt, r, h.data());
-      const scalar_t* b = b_p[i] + s * width[i] * r_max[i];  // [out_i, r_max]
+      const scalar_t* b = b_p[i] + s * b_slot_stride[i];
+      if (r_major[i]) {
+        scalar_t* outs[kBlock];
+        for (int64_t q = 0; q < cnt; ++q) outs[q] = out_p + row_p[j0 + q] * ld_out + col[i];
+        expand_block_t(b, width[i], h.data(), r, cnt, width[i], outs);
+        continue;
+      }
       for (int64_t n0 = 0; n0 < width[i]; n0 += kExpandChunk) {  // B chunk stays in L1
         const int64_t w = std::min(kExpandChunk, width[i] - n0);
         for (int64_t q = 0; q < cnt; ++q)
@@ -168,7 +230,9 @@ void add_lora_gather(torch::Tensor out, torch::Tensor x, torch::Tensor rows,
               "one A, one B and one ranks row per slice");
   int64_t total = 0;
   for (size_t i = 0; i < lora_a.size(); ++i) {
-    TORCH_CHECK(lora_a[i].is_contiguous() && lora_b[i].is_contiguous(), "slot buffers dense");
+    TORCH_CHECK(lora_a[i].is_contiguous() &&
+                    (lora_b[i].is_contiguous() || lora_b[i].transpose(1, 2).is_contiguous()),
+                "slot buffers must be dense (B: [L, out, r] or r-major [L, r, out] storage)");
     TORCH_CHECK(lora_a[i].scalar_type() == x.scalar_type() &&
                     lora_b[i].scalar_type() == x.scalar_type(),
                 "slot buffers must have x's dtype");
