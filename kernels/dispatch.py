@@ -13,7 +13,7 @@ from types import ModuleType
 
 import torch
 
-from . import reference
+from . import lora_cpu, reference
 from .segments import LoRASegments
 
 
@@ -170,4 +170,7 @@ def add_lora(
     seg: LoRASegments,
 ) -> None:
     """out += Σ_i (x @ A_i[slot]ᵀ) @ B_i[slot]ᵀ into out's column slice i, per token."""
+    if _cpu_kernels(x):  # the twin's add_lora, called straight (120 calls a step)
+        lora_cpu.add_lora_fast(out, x, lora_a, lora_b, ranks, seg)
+        return
     _lora_backend(x.device).add_lora(out, x, lora_a, lora_b, ranks, seg)
