@@ -21,7 +21,8 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 # The C++ CPU kernels (kernels/csrc), built once per machine into torch's extension cache
-# (about a minute; a no-op afterwards), so no test, server start or benchmark pays for it.
+# (about two minutes on 2 cores; a no-op afterwards), so no test, server start or benchmark
+# pays for it.
 kernels: $(STAMP)
 	$(PY) -m loraplex.kernels.cpu_ext
 

@@ -1,19 +1,24 @@
-"""The C++ CPU kernels (csrc/): the LoRA delta for decode-like steps and paged decode
-attention. Both read weights / cached K and V in place, where the torch forms first copy
-them (a [T, r, in] weight gather; a gathered, transposed context per layer).
+"""The C++ CPU kernels (csrc/): the LoRA delta, paged decode attention, and the decoder
+layer's elementwise ops. They read weights / cached K and V in place, where the torch forms
+first copy them (a [T, r, in] weight gather; a gathered, transposed context per layer), and
+run in one pass what the torch forms run as several small ops.
 
 - LoRA (csrc/lora_gather.cpp): each token reads its own adapter's A and B from the slot
   buffers; 32 tokens of 32 distinct rank-8 adapters on all seven SmolLM2 targets cost
-  ~23-27 ms per step here (memory-bound: ~310 MB of A and B), against ~40 ms for
-  inductor's compiled gather plus ~30 ms of its call overhead, and ~170 ms for the
-  grouped-matmul route (bench/lora_cpu.py).
+  ~20-29 ms per step here (memory-bound: ~310 MB of A and B at up to ~16 GB/s), against
+  ~40 ms for inductor's compiled gather plus ~30 ms of its call overhead, and ~170 ms for
+  the grouped-matmul route (bench/lora_cpu.py). With r-major B (the engine's CPU slot
+  layout) the expand is vector FMAs over the outputs.
 - Paged decode attention (csrc/paged_decode.cpp): one query token per sequence walks its
-  block table; the torch twin in reference.py stays the oracle it is tested against.
+  block table, eight positions per vector reduction, vectorised exp; prefill attention
+  runs through it as one decode per query token (4-5x torch's SDPA per sequence here).
+- Layer ops (csrc/layer_ops.cpp): residual add + RMSNorm, RoPE + KV store, silu * mul.
+The torch twins in reference.py stay the oracle every kernel is tested against.
 
 Built with the system C++ compiler on first use in a process and cached by torch under
-$TORCH_EXTENSIONS_DIR (about a minute, once per machine); where it cannot be built (or
-with LORAPLEX_CPU_KERNEL=0), ``load()`` returns None, a warning is logged once, and the
-torch forms serve.
+$TORCH_EXTENSIONS_DIR (about two minutes on 2 cores, once per machine); where it cannot be
+built (or with LORAPLEX_CPU_KERNEL=0), ``load()`` returns None, a warning is logged once,
+and the torch forms serve.
 """
 
 from __future__ import annotations
@@ -43,7 +48,7 @@ _failed = False
 def _build() -> ModuleType:
     from torch.utils.cpp_extension import load
 
-    log.info("CPU kernels: loading the cached build, or compiling csrc/ (about a minute, "
+    log.info("CPU kernels: loading the cached build, or compiling csrc/ (about two minutes, "
              "once per machine)")
     # torch rebuilds when a source or a flag changes, not a header: the headers' digest
     # goes into the flags
@@ -107,6 +112,22 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     return module.paged_attention_decode(q.contiguous(), k_cache, v_cache,
                                          block_tables.contiguous(),
                                          context_lens.contiguous(), scale)
+
+
+def paged_attention_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            block_tables: torch.Tensor, query_start_loc: torch.Tensor,
+                            context_lens: torch.Tensor, scale: float) -> torch.Tensor | None:
+    """The twin's paged_attention_prefill through the decode kernel: causal attention is
+    one decode per query token, over its sequence's blocks up to its own position (token t
+    of a sequence with c cached and n new tokens sees c + t + 1 positions). None where the
+    kernel is unavailable."""
+    starts = query_start_loc.long()
+    q_lens = starts[1:] - starts[:-1]  # [S]
+    seq_of_token = torch.repeat_interleave(torch.arange(len(q_lens)), q_lens)  # [T]
+    offset = (context_lens.long() - q_lens - starts[:-1] + 1)[seq_of_token]  # [T]
+    token_lens = (torch.arange(q.shape[0]) + offset).to(torch.int32)
+    return paged_attention_decode(q, k_cache, v_cache, block_tables[seq_of_token],
+                                  token_lens, scale)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:

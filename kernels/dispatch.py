@@ -1,6 +1,6 @@
 """The engine's only door to the kernels: Triton for CUDA tensors, the torch twin otherwise
 (with the C++ CPU kernels of cpu_ext.py where they are built: LoRA decode routes inside
-the twin's add_lora; paged decode attention and the decoder layer's elementwise ops here).
+the twin's add_lora; paged attention and the decoder layer's elementwise ops here).
 
 ``LORAPLEX_KERNELS=triton|torch`` overrides the choice (tests run the Triton kernels on
 CPU with ``TRITON_INTERPRET=1``).
@@ -137,6 +137,13 @@ def paged_attention_prefill(
     context_lens: torch.Tensor,  # [S] int32
     scale: float,
 ) -> torch.Tensor:  # [T, Hq, D]
+    if _cpu_kernels(q):
+        from . import cpu_ext
+
+        out = cpu_ext.paged_attention_prefill(q, k_cache, v_cache, block_tables,
+                                              query_start_loc, context_lens, scale)
+        if out is not None:
+            return out
     return _backend(q.device).paged_attention_prefill(
         q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale
     )

@@ -101,3 +101,28 @@ def test_decode_refuses_out_of_range_inputs(kernels, lens: list[int], table_valu
     with pytest.raises(RuntimeError, match=message):
         kernels.paged_attention_decode(torch.zeros(1, 1, 8), k_cache, k_cache.clone(), tables,
                                        torch.tensor(lens, dtype=torch.int32), 1.0)
+
+
+# (cached prefix, new tokens) per sequence: fresh prompts, a chunk after a cached prefix,
+# one new token after a block-aligned prefix, a sequence with no new tokens this step
+PREFILL_SEQS = [(0, 19), (13, 20), (32, 1), (5, 0), (0, 64)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("block_size", "kv_heads", "group", "head_dim"),
+                         [(16, 3, 3, 64), (4, 2, 1, 40), (1, 1, 4, 16)])
+def test_prefill_through_the_decode_kernel_matches_twin(kernels, dtype: torch.dtype,
+                                                        block_size: int, kv_heads: int,
+                                                        group: int, head_dim: int) -> None:
+    context_lens = [p + n for p, n in PREFILL_SEQS]
+    q_lens = [n for _, n in PREFILL_SEQS]
+    k_cache, v_cache, tables = make_paged_cache(context_lens, block_size, kv_heads, head_dim,
+                                                dtype, seed=3)
+    qsl = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
+    q = torch.randn(sum(q_lens), kv_heads * group, head_dim,
+                    generator=torch.Generator().manual_seed(4)).to(dtype)
+    lens = torch.tensor(context_lens, dtype=torch.int32)
+    args = (q, k_cache, v_cache, tables, qsl, lens, head_dim**-0.5)
+    got = cpu_ext.paged_attention_prefill(*args)
+    torch.testing.assert_close(got.float(), reference.paged_attention_prefill(*args).float(),
+                               **TOL[dtype])
