@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from ..kernels import dispatch
 from .sampling_params import SamplingParams
 from .sequence import Sequence
 
@@ -38,7 +39,7 @@ class Sampler:
         logits = logits.cpu()
         finite = _finite_rows(logits)  # before the -inf masking below
         self._mask_banned(logits, seqs)
-        greedy = logits.argmax(dim=-1).tolist()
+        greedy = dispatch.argmax_rows(logits).tolist()
         return [
             None if not finite[i] else greedy[i] if seq.params.greedy
             else self._sample(logits[i], seq)

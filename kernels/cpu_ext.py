@@ -13,6 +13,7 @@ run in one pass what the torch forms run as several small ops.
   block table, eight positions per vector reduction, vectorised exp; prefill attention
   runs through it as one decode per query token (4-5x torch's SDPA per sequence here).
 - Layer ops (csrc/layer_ops.cpp): residual add + RMSNorm, RoPE + KV store, silu * mul.
+- Greedy sampling (csrc/argmax.cpp): each row's first maximum.
 The torch twins in reference.py stay the oracle every kernel is tested against.
 
 Built with the system C++ compiler on first use in a process and cached by torch under
@@ -38,7 +39,7 @@ log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = [CSRC / name for name in ("bindings.cpp", "lora_gather.cpp", "paged_decode.cpp",
-                                    "layer_ops.cpp")]
+                                    "layer_ops.cpp", "argmax.cpp")]
 HEADERS = [CSRC / "vec.h"]
 _lock = threading.Lock()
 _module: ModuleType | None = None
@@ -153,6 +154,15 @@ def rope_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.
     if module is None or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         return None
     return module.rope_store_kv(q, k, v, cos, sin, k_cache, v_cache, slot_mapping)
+
+
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor | None:
+    """logits.argmax(dim=-1) for float32 [N, vocab] rows; None where the kernel is
+    unavailable or the rows are not float32 with a dense last dim."""
+    module = load()
+    if module is None or logits.dtype != torch.float32 or logits.stride(-1) != 1:
+        return None
+    return module.argmax_rows(logits)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:

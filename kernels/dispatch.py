@@ -108,6 +108,17 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I]
     return reference.silu_mul(gate_up)
 
 
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:  # [N, vocab] -> [N] int64
+    """Greedy tokens: each row's first maximum, as torch.argmax."""
+    if _cpu_kernels(logits) and logits.dim() == 2:
+        from . import cpu_ext
+
+        out = cpu_ext.argmax_rows(logits)
+        if out is not None:
+            return out
+    return logits.argmax(dim=-1)
+
+
 def paged_attention_decode(
     q: torch.Tensor,  # [B, Hq, D]
     k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]

@@ -126,3 +126,25 @@ def test_prefill_through_the_decode_kernel_matches_twin(kernels, dtype: torch.dt
     got = cpu_ext.paged_attention_prefill(*args)
     torch.testing.assert_close(got.float(), reference.paged_attention_prefill(*args).float(),
                                **TOL[dtype])
+
+
+@pytest.mark.parametrize("vocab", [1, 5, 8, 13, 49152])
+def test_argmax_rows_matches_torch_including_ties(kernels, vocab: int) -> None:
+    g = torch.Generator().manual_seed(vocab)
+    logits = torch.randint(-3, 4, (16, vocab), generator=g).float()  # many ties
+    logits[0] = -float("inf")  # all -inf: index 0
+    logits[1, -1] = 100.0  # the maximum in the scalar tail
+    logits[2, vocab // 2] = 50.0
+    logits[2, -1] = 50.0  # a tie between the vector body and the tail: the first wins
+    got = kernels.argmax_rows(logits)
+    assert got.dtype == torch.int64
+    assert got.tolist() == logits.argmax(dim=-1).tolist()
+
+
+def test_sampler_greedy_uses_the_kernel(kernels, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = []
+    monkeypatch.setattr(cpu_ext, "load", lambda: type("M", (), {
+        "argmax_rows": staticmethod(lambda x: calls.append(1) or kernels.argmax_rows(x))}))
+    logits = torch.randn(3, 300)
+    assert dispatch.argmax_rows(logits).tolist() == logits.argmax(-1).tolist()
+    assert calls == [1]

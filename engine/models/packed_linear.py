@@ -22,6 +22,11 @@ def packing_available(device: torch.device, dtype: torch.dtype) -> bool:
             and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 
 
+# the resolved overload: ~6 us a call less than going through the op packet
+_LINEAR = (torch.ops.mkldnn._linear_pointwise.default
+           if hasattr(torch.ops.mkldnn, "_linear_pointwise") else None)
+
+
 class PackedLinear(nn.Module):
     """``x @ weightᵀ + bias`` with the weight held only in oneDNN's packed layout."""
 
@@ -36,7 +41,7 @@ class PackedLinear(nn.Module):
         return cls(linear.weight, linear.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return _LINEAR(x, self.packed, self.bias, "none", [], "")
 
 
 def pack_model(model: nn.Module) -> int:

@@ -16,6 +16,7 @@ torch::Tensor rope_store_kv(torch::Tensor q, torch::Tensor k, torch::Tensor v,
                             torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache,
                             torch::Tensor v_cache, torch::Tensor slot_mapping);
 torch::Tensor silu_mul(torch::Tensor gate_up);
+torch::Tensor argmax_rows(torch::Tensor logits);
 
 // All release the GIL while they run (arguments are converted before, the result after),
 // as torch's own ops do: the gRPC loop and the adapter loader thread keep running.
@@ -32,6 +33,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("rope_store_kv", &rope_store_kv,
         "rotate q and k in place (rotate-half RoPE); write k and v to the paged cache",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("argmax_rows", &argmax_rows, "index of each row's first maximum (float32 logits)",
         py::call_guard<py::gil_scoped_release>());
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused [T, 2I] gate_up",
         py::call_guard<py::gil_scoped_release>());
