@@ -8,8 +8,8 @@
 Random rank-8 adapters on all seven targets. (a), (b) and (c) run in one engine (prefix
 caching off, every adapter resident), interleaved a, b, c, a, b, c, ... for ``--rounds``
 rounds, so a slow spell of a shared machine hits all three alike; each figure is the
-median over rounds. Prints output tokens/s and the ratios (c)/(a) (target >= 0.85) and
-(c)/(d) (target >= 5).
+median over rounds; PEFT (one model load) runs ``--peft-rounds`` times, median. Prints
+output tokens/s and the ratios (c)/(a) (target >= 0.85) and (c)/(d) (target >= 5).
 """
 
 from __future__ import annotations
@@ -48,7 +48,8 @@ def loraplex_rounds(model_dir: Path, adapters: dict[str, Path], prompts: list[li
 
 
 def peft_tps(model_dir: Path, adapters: dict[str, Path], prompts: list[list[int]],
-             names: list[str], new_tokens: int, dtype: str) -> float:
+             names: list[str], new_tokens: int, dtype: str, rounds: int) -> list[float]:
+    """Output tok/s of PEFT's mixed-adapter generate, once per round (one model load)."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
@@ -59,11 +60,15 @@ def peft_tps(model_dir: Path, adapters: dict[str, Path], prompts: list[list[int]
         model.load_adapter(path, adapter_name=name)
     model.eval()
     ids = torch.tensor(prompts)
-    with torch.inference_mode():
-        seconds, out = timed(lambda: model.generate(
-            input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-            min_new_tokens=new_tokens, do_sample=False, pad_token_id=0, adapter_names=names))
-    return (out.shape[1] - ids.shape[1]) * len(prompts) / seconds
+    tps = []
+    for _ in range(rounds):
+        with torch.inference_mode():
+            seconds, out = timed(lambda: model.generate(
+                input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
+                adapter_names=names))
+        tps.append((out.shape[1] - ids.shape[1]) * len(prompts) / seconds)
+    return tps
 
 
 def main() -> None:
@@ -73,6 +78,8 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--peft-rounds", type=int, default=1,
+                    help="PEFT generate runs (median; one is ~30-100 s here)")
     ap.add_argument("--adapter-dir", type=Path, default=Path(tempfile.gettempdir()) /
                     "loraplex-bench-adapters")
     args = ap.parse_args()
@@ -85,12 +92,14 @@ def main() -> None:
                f"(c) {n} adapters": names}
     rounds = loraplex_rounds(model_dir, adapters, prompts, configs, args.new_tokens,
                              args.dtype, args.rounds)
+    rounds[f"(d) PEFT mixed, {n} adapters"] = peft_tps(model_dir, adapters, prompts, names,
+                                                       args.new_tokens, args.dtype,
+                                                       args.peft_rounds)
     rows = {name: statistics.median(v) for name, v in rounds.items()}
-    rows[f"(d) PEFT mixed, {n} adapters"] = peft_tps(model_dir, adapters, prompts, names,
-                                                     args.new_tokens, args.dtype)
     print(f"SmolLM2-135M {args.dtype}, {n} requests x {args.prompt_len} prompt x "
           f"{args.new_tokens} new tokens, rank 8 on all 7 targets, "
-          f"{torch.get_num_threads()} threads, median of {args.rounds} interleaved rounds")
+          f"{torch.get_num_threads()} threads, median of {args.rounds} interleaved rounds "
+          f"(PEFT: of {args.peft_rounds})")
     for name, tps in rows.items():
         per_round = " ".join(f"{v:.1f}" for v in rounds.get(name, []))
         print(f"{name:32s} {tps:8.1f} output tok/s" + (f"   rounds: {per_round}"

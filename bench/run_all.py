@@ -14,7 +14,8 @@ On the embedded SmolLM2 with random rank-8 adapters on all seven targets:
    a throughput in tokens/s, it is compared all the same).
 
 Each run has fresh prompts (seed + run index). Prints the ratios multi-LoRA / base-only,
-loraplex / PEFT and n=128 / n=8 and writes ``<out-dir>/<date>.json``, ``<date>.md`` and plots.
+loraplex / PEFT and n=128 / n=8 and writes ``<out-dir>/<date>.json``, ``<date>.md`` and plots
+(``--name`` replaces the date).
 """
 
 from __future__ import annotations
@@ -164,6 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--adapter-counts", type=int_list, default=list(ADAPTER_COUNTS))
     ap.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
+    ap.add_argument("--name", default=None,
+                    help="file stem of the results (default: today's date)")
     ap.add_argument("--adapter-dir", type=Path,
                     default=Path(tempfile.gettempdir()) / "loraplex-bench-adapters")
     args = ap.parse_args(argv)
@@ -173,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     adapters = make_random_adapters(model_dir, max(counts), args.adapter_dir)
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    stem = dt.date.today().isoformat()
+    stem = args.name or dt.date.today().isoformat()
     log = args.out_dir / f"{stem}-server.log"
     names = list(adapters)
 
