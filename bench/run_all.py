@@ -129,7 +129,7 @@ def _peft(model_dir: Path, adapters: dict[str, Path], run: RunSpec, count: int,
     names = [r.adapter for r in requests]
     used = {n: adapters[n] for n in sorted(set(names))}
     prompts = [list(r.prompt_token_ids or ()) for r in requests]
-    tps = peft_tps(model_dir, used, prompts, names, new_tokens, "float32")
+    (tps,) = peft_tps(model_dir, used, prompts, names, new_tokens, "float32", rounds=1)
     return {"label": f"PEFT mixed, n={run.num_adapters}", "num_adapters": run.num_adapters,
             "distinct_adapters": len(used), "num_requests": len(prompts),
             "output_len": new_tokens, "output_throughput": tps}
