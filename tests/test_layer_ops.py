@@ -132,3 +132,19 @@ def test_the_engine_runs_every_layer_kernel(kernels, tiny_models: Callable[[str]
                                                                 max_new_tokens=3))
     assert all(len(o.token_ids) == 3 for o in outs)
     assert set(calls) == set(KERNELS), calls
+
+
+def test_the_engine_without_the_kernels_gives_the_same_tokens(
+        tiny_models: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """No compiler (or LORAPLEX_CPU_KERNEL=0): every op falls back to its torch twin and
+    greedy decoding is unchanged."""
+    prompts = [[5, 6, 7, 8], [9, 10], list(range(20, 60))]
+    params = SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True)
+
+    def run() -> list[list[int]]:
+        engine = LLMEngine(model=tiny_models("llama"), dtype="float32", max_model_len=128)
+        return [o.token_ids for o in engine.generate(prompts, params)]
+
+    with_kernels = run()
+    monkeypatch.setattr(cpu_ext, "load", lambda: None)
+    assert run() == with_kernels
