@@ -95,7 +95,9 @@ def rope_store_kv(
         out = cpu_ext.rope_store_kv(q, k, v, cos, sin, k_cache, v_cache, slot_mapping)
         if out is not None:
             return out
-    return reference.rope_store_kv(q, k, v, cos, sin, k_cache, v_cache, slot_mapping)
+    # RoPE in torch, the store by the backend's store_kv (Triton on CUDA)
+    store_kv(reference.apply_rope(k, cos, sin), v, k_cache, v_cache, slot_mapping)
+    return reference.apply_rope(q, cos, sin)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I]
