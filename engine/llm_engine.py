@@ -12,7 +12,7 @@ from tqdm import tqdm
 from ..lora.batch import LoRABatch
 from ..lora.cache import AdapterCache, AdapterInfo
 from ..lora.layers import attach_lora
-from .models.packed_linear import pack_model, packing_available
+from .models.packed_linear import pack_model, packing_available, warm_up_packed
 from ..lora.peft_format import BaseShapes, LoRAWeights, read_peft_adapter
 from ..lora.slots import SlotBuffers
 from .base_model import BaseModel, load_base_model
@@ -44,6 +44,7 @@ class LLMEngine:
                                                     cfg.max_lora_rank, self.lora_batch))
         if packing_available(self.base.device, self.base.dtype):
             log.debug("packed %d linears for oneDNN", pack_model(self.base.model))
+            warm_up_packed(self.base.model, cfg.max_num_batched_tokens, cfg.max_num_seqs)
         self.base_shapes = BaseShapes.from_hf_config(self.base.hf_config, str(self.base.path))
         self.lora = AdapterCache(cfg.max_loras, cfg.max_cpu_loras,  # type: ignore[arg-type]
                                  read=lambda name, path: self.read_adapter(path, name),
