@@ -281,6 +281,14 @@ def rss_growth(samples: list[tuple[float, int]], duration: float) -> tuple[float
     return a, b, (b - a) / a
 
 
+def rss_by_minute(samples: list[tuple[float, int]]) -> str:
+    """The RSS trajectory: the last sample of each minute, in MiB."""
+    minutes: dict[int, int] = {}
+    for t, rss in samples:
+        minutes[int(t // 60)] = rss
+    return " ".join(f"{rss / 2**20:.0f}" for _, rss in sorted(minutes.items()))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--duration", type=float, default=210.0, help="seconds of load (setup and checks add ~1.5 min)")
@@ -332,6 +340,7 @@ def run(args: argparse.Namespace, work: Path) -> int:
           f"{stats.lora_slots_in_use}, in flight {stats.num_in_flight}")
     print(f"server RSS: {first / 2**20:.1f} MiB (first window) -> {last / 2**20:.1f} MiB "
           f"(last window), {growth:+.1%}; server exit code {code}")
+    print(f"server RSS by minute (MiB): {rss_by_minute(samples)}")
     print(f"leaks: {', '.join(leaks) or 'none'}; wall time {time.monotonic() - started:.0f}s")
     for failure in tally.failures[:20]:
         print("FAIL:", failure)
