@@ -19,7 +19,6 @@ import os
 import random
 import re
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -32,6 +31,7 @@ from pathlib import Path
 import grpc
 
 from ..client import AsyncClient
+from .rss import rss_by_minute, rss_growth, rss_sampler
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 VOCAB = 512
@@ -112,13 +112,6 @@ def start_server(model: Path, root: Path, names: dict[str, Path], args: argparse
         time.sleep(0.1)
     proc.kill()
     raise RuntimeError(f"the server did not start:\n{log_path.read_text()[-3000:]}")
-
-
-def rss_bytes(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    return 0
 
 
 # ---- the load ----------------------------------------------------------------------------
@@ -215,13 +208,6 @@ async def admin_loop(client: AsyncClient, root: Path, names: list[str], until: f
         tally.admin["load"] += 1
 
 
-async def rss_sampler(pid: int, until: float, samples: list[tuple[float, int]]) -> None:
-    start = time.monotonic()
-    while time.monotonic() < until:
-        samples.append((time.monotonic() - start, rss_bytes(pid)))
-        await asyncio.sleep(2.0)
-
-
 async def drive(port: int, pid: int, root: Path, names: list[str], args: argparse.Namespace
                 ) -> tuple[Tally, list[tuple[float, int]], object]:
     tally, samples = Tally(), []
@@ -269,24 +255,6 @@ def check_greedy(model: Path, root: Path, tally: Tally) -> int:
             mismatches += 1
             tally.failures.append(f"greedy mismatch: adapter {adapter}, prompt {p}")
     return mismatches
-
-
-def rss_growth(samples: list[tuple[float, int]], duration: float) -> tuple[float, float, float]:
-    """(median RSS of the first window, of the last window, growth); a window is a minute,
-    or a third of a run shorter than three minutes."""
-    window = min(60.0, duration / 3)
-    first = [r for t, r in samples if t <= window]
-    last = [r for t, r in samples if t >= duration - window]
-    a, b = statistics.median(first), statistics.median(last)
-    return a, b, (b - a) / a
-
-
-def rss_by_minute(samples: list[tuple[float, int]]) -> str:
-    """The RSS trajectory: the last sample of each minute, in MiB."""
-    minutes: dict[int, int] = {}
-    for t, rss in samples:
-        minutes[int(t // 60)] = rss
-    return " ".join(f"{rss / 2**20:.0f}" for _, rss in sorted(minutes.items()))
 
 
 def main(argv: list[str] | None = None) -> int:

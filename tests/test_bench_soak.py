@@ -4,7 +4,8 @@ the last window's median, and the per-minute trajectory it prints."""
 from __future__ import annotations
 
 import pytest
-from loraplex.bench.soak import RSS_GROWTH_LIMIT, rss_by_minute, rss_growth
+from loraplex.bench.rss import rss_by_minute, rss_growth
+from loraplex.bench.soak import RSS_GROWTH_LIMIT
 
 MIB = 2**20
 

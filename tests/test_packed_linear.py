@@ -10,8 +10,13 @@ import torch
 import torch.nn.functional as F
 from loraplex import LLMEngine
 from loraplex.engine.models import packed_linear
-from loraplex.engine.models.packed_linear import (CHUNK_ROWS, PackedLinear, pack_model,
-                                                  packing_available, padded_rows)
+from loraplex.engine.models.packed_linear import (
+    CHUNK_ROWS,
+    PackedLinear,
+    pack_model,
+    packing_available,
+    padded_rows,
+)
 from loraplex.lora.layers import LoRALinear
 from torch import nn
 
