@@ -38,6 +38,7 @@ CASES = {  # name: (tokens, distinct adapters, contiguous sequences)
     "mixed 256x32": (256, 32, True),
     "prefill 512x32": (512, 32, True),
     "prefill 2048x8": (2048, 8, True),
+    "prefill 512x8": (512, 8, True),
 }
 MAX_LORAS, RANK = 32, 8
 

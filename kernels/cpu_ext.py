@@ -10,8 +10,12 @@ run in one pass what the torch forms run as several small ops.
   the grouped-matmul route (bench/lora_cpu.py). With r-major B (the engine's CPU slot
   layout) the expand is vector FMAs over the outputs.
 - Paged decode attention (csrc/paged_decode.cpp): one query token per sequence walks its
-  block table, eight positions per vector reduction, vectorised exp; prefill attention
-  runs through it as one decode per query token (4-5x torch's SDPA per sequence here).
+  block table, eight positions per vector reduction, vectorised exp.
+- Paged prefill attention (csrc/paged_prefill.cpp, float32): tiles of 32 query tokens
+  against chunks of 64 cached positions, online softmax, 6 x 16 register tiles for Q·Kᵀ and
+  P·V (a 512-token chunk after 1536 cached tokens 84 -> 25 ms a layer against one decode
+  per query token; a 2048-token prompt's time to first token on SmolLM2 9.3 -> 5.5 s).
+  Other dtypes run prefill as one decode per query token.
 - Layer ops (csrc/layer_ops.cpp): residual add + RMSNorm, RoPE + KV store, silu * mul.
 - Greedy sampling (csrc/argmax.cpp): each row's first maximum.
 The torch twins in reference.py stay the oracle every kernel is tested against.
@@ -39,7 +43,7 @@ log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = [CSRC / name for name in ("bindings.cpp", "lora_gather.cpp", "paged_decode.cpp",
-                                    "layer_ops.cpp", "argmax.cpp")]
+                                    "paged_prefill.cpp", "layer_ops.cpp", "argmax.cpp")]
 HEADERS = [CSRC / "vec.h"]
 _lock = threading.Lock()
 _module: ModuleType | None = None
@@ -106,9 +110,7 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     the caches do not have its layout (dense rows, int32 tables). A strided q (a view of
     the fused qkv projection) is copied dense."""
     module = load()
-    if (module is None or k_cache.stride(-1) != 1
-            or k_cache.stride() != v_cache.stride() or block_tables.dtype != torch.int32
-            or context_lens.dtype != torch.int32):
+    if module is None or not _paged_layout(k_cache, v_cache, block_tables, context_lens):
         return None
     return module.paged_attention_decode(q.contiguous(), k_cache, v_cache,
                                          block_tables.contiguous(),
@@ -118,17 +120,50 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 def paged_attention_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, query_start_loc: torch.Tensor,
                             context_lens: torch.Tensor, scale: float) -> torch.Tensor | None:
-    """The twin's paged_attention_prefill through the decode kernel: causal attention is
-    one decode per query token, over its sequence's blocks up to its own position (token t
-    of a sequence with c cached and n new tokens sees c + t + 1 positions). None where the
-    kernel is unavailable."""
+    """The twin's paged_attention_prefill in C++; None where the kernel is unavailable.
+
+    float32: sequences with two or more new tokens run through the tiled prefill kernel
+    (csrc/paged_prefill.cpp), the one-token ones of a mixed step through the decode kernel.
+    Other dtypes: every token is one decode over its sequence's blocks up to its own
+    position (token t of a sequence with c cached and n new tokens sees c + t + 1)."""
+    module = load()
+    if module is None or not _paged_layout(k_cache, v_cache, block_tables, context_lens):
+        return None
     starts = query_start_loc.long()
     q_lens = starts[1:] - starts[:-1]  # [S]
+    if q.dtype == torch.float32 and bool((q_lens > 1).any()):
+        return _prefill_tiled(module, q, k_cache, v_cache, block_tables, query_start_loc,
+                              context_lens, scale, q_lens)
     seq_of_token = torch.repeat_interleave(torch.arange(len(q_lens)), q_lens)  # [T]
     offset = (context_lens.long() - q_lens - starts[:-1] + 1)[seq_of_token]  # [T]
     token_lens = (torch.arange(q.shape[0]) + offset).to(torch.int32)
     return paged_attention_decode(q, k_cache, v_cache, block_tables[seq_of_token],
                                   token_lens, scale)
+
+
+def _paged_layout(k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                  context_lens: torch.Tensor) -> bool:
+    """Whether the caches and tables have the kernels' layout (dense rows, int32 tables)."""
+    return (k_cache.stride(-1) == 1 and k_cache.stride() == v_cache.stride()
+            and block_tables.dtype == torch.int32 and context_lens.dtype == torch.int32)
+
+
+def _prefill_tiled(module: ModuleType, q: torch.Tensor, k_cache: torch.Tensor,
+                   v_cache: torch.Tensor, block_tables: torch.Tensor,
+                   query_start_loc: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                   q_lens: torch.Tensor) -> torch.Tensor:
+    """The tiled kernel for the sequences with two or more new tokens (it leaves the rows of
+    one-token sequences unwritten), the decode kernel for the one-token ones."""
+    out = module.paged_attention_prefill(q.contiguous(), k_cache, v_cache,
+                                         block_tables.contiguous(),
+                                         query_start_loc.to(torch.int32).contiguous(),
+                                         context_lens.contiguous(), scale)
+    single = q_lens == 1
+    if bool(single.any()):
+        rows = query_start_loc.long()[:-1][single]
+        out[rows] = paged_attention_decode(q[rows], k_cache, v_cache, block_tables[single],
+                                           context_lens[single], scale)
+    return out
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:

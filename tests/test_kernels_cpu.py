@@ -108,21 +108,63 @@ def test_decode_refuses_out_of_range_inputs(kernels, lens: list[int], table_valu
 PREFILL_SEQS = [(0, 19), (13, 20), (32, 1), (5, 0), (0, 64)]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("block_size", "kv_heads", "group", "head_dim"),
-                         [(16, 3, 3, 64), (4, 2, 1, 40), (1, 1, 4, 16)])
-def test_prefill_through_the_decode_kernel_matches_twin(kernels, dtype: torch.dtype,
-                                                        block_size: int, kv_heads: int,
-                                                        group: int, head_dim: int) -> None:
-    context_lens = [p + n for p, n in PREFILL_SEQS]
-    q_lens = [n for _, n in PREFILL_SEQS]
+def _prefill_inputs(seqs: list[tuple[int, int]], block_size: int, kv_heads: int, group: int,
+                    head_dim: int, dtype: torch.dtype):
+    context_lens = [p + n for p, n in seqs]
+    q_lens = [n for _, n in seqs]
     k_cache, v_cache, tables = make_paged_cache(context_lens, block_size, kv_heads, head_dim,
                                                 dtype, seed=3)
     qsl = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
     q = torch.randn(sum(q_lens), kv_heads * group, head_dim,
                     generator=torch.Generator().manual_seed(4)).to(dtype)
     lens = torch.tensor(context_lens, dtype=torch.int32)
-    args = (q, k_cache, v_cache, tables, qsl, lens, head_dim**-0.5)
+    return q, k_cache, v_cache, tables, qsl, lens
+
+
+# longer than a query tile (32 tokens) and a key chunk (64 positions), tile and chunk edges
+# off the block edges, next to one-token sequences of a mixed step
+LONG_PREFILL_SEQS = [(0, 200), (70, 33), (1, 1), (129, 64), (0, 2), (300, 1), (17, 95)]
+
+
+@pytest.mark.parametrize(("block_size", "kv_heads", "group", "head_dim"),
+                         [(16, 3, 3, 64), (4, 2, 1, 40), (1, 1, 4, 16), (32, 2, 4, 128),
+                          (16, 1, 8, 72)])
+def test_tiled_prefill_matches_twin_on_long_sequences(kernels, block_size: int, kv_heads: int,
+                                                      group: int, head_dim: int) -> None:
+    args = (*_prefill_inputs(LONG_PREFILL_SEQS, block_size, kv_heads, group, head_dim,
+                             torch.float32), head_dim**-0.5)
+    got = cpu_ext.paged_attention_prefill(*args)
+    torch.testing.assert_close(got, reference.paged_attention_prefill(*args),
+                               **TOL[torch.float32])
+
+
+def test_tiled_prefill_skips_one_token_sequences_and_never_reads_past_a_context(kernels) -> None:
+    """The kernel alone leaves one-token sequences' rows unwritten (cpu_ext runs them as
+    decodes) and never reads a cache row past a tile's last token: NaN there changes
+    nothing."""
+    seqs = [(0, 40), (3, 1), (10, 70)]
+    q, k_cache, v_cache, tables, qsl, lens = _prefill_inputs(seqs, 16, 2, 2, 32, torch.float32)
+    want = reference.paged_attention_prefill(q, k_cache, v_cache, tables, qsl, lens, 0.2)
+    for s, n in enumerate(lens.tolist()):
+        for pos in range(n, (n + 15) // 16 * 16):  # the tail of each context's last block
+            k_cache[int(tables[s, pos // 16]), pos % 16] = float("nan")
+            v_cache[int(tables[s, pos // 16]), pos % 16] = float("inf")
+    got = kernels.paged_attention_prefill(q, k_cache, v_cache, tables, qsl, lens, 0.2)
+    mine = torch.ones(q.shape[0], dtype=torch.bool)
+    mine[40] = False  # the one-token sequence's row
+    torch.testing.assert_close(got[mine], want[mine], rtol=1e-5, atol=1e-5)
+    full = cpu_ext.paged_attention_prefill(q, k_cache, v_cache, tables, qsl, lens, 0.2)
+    torch.testing.assert_close(full, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("block_size", "kv_heads", "group", "head_dim"),
+                         [(16, 3, 3, 64), (4, 2, 1, 40), (1, 1, 4, 16)])
+def test_prefill_through_the_decode_kernel_matches_twin(kernels, dtype: torch.dtype,
+                                                        block_size: int, kv_heads: int,
+                                                        group: int, head_dim: int) -> None:
+    args = (*_prefill_inputs(PREFILL_SEQS, block_size, kv_heads, group, head_dim, dtype),
+            head_dim**-0.5)
     got = cpu_ext.paged_attention_prefill(*args)
     torch.testing.assert_close(got.float(), reference.paged_attention_prefill(*args).float(),
                                **TOL[dtype])

@@ -9,6 +9,10 @@ void add_lora_gather(torch::Tensor out, torch::Tensor x, torch::Tensor rows,
 torch::Tensor paged_attention_decode(torch::Tensor q, torch::Tensor k_cache,
                                      torch::Tensor v_cache, torch::Tensor block_tables,
                                      torch::Tensor context_lens, double scale);
+torch::Tensor paged_attention_prefill(torch::Tensor q, torch::Tensor k_cache,
+                                      torch::Tensor v_cache, torch::Tensor block_tables,
+                                      torch::Tensor query_start_loc, torch::Tensor context_lens,
+                                      double scale);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 torch::Tensor add_rms_norm_(torch::Tensor x, torch::Tensor residual, torch::Tensor weight,
                             double eps);
@@ -26,6 +30,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("paged_attention_decode", &paged_attention_decode,
         "one-token-per-sequence attention over the paged KV cache (CPU, fp32 softmax)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("paged_attention_prefill", &paged_attention_prefill,
+        "causal attention of new tokens over the paged KV cache, query tiles x key chunks, "
+        "online softmax (CPU, float32; rows of one-token sequences are left unwritten)",
         py::call_guard<py::gil_scoped_release>());
   m.def("rms_norm", &rms_norm, "RMSNorm of each row, fp32 statistics",
         py::call_guard<py::gil_scoped_release>());

@@ -1,0 +1,305 @@
+// CPU kernel of paged prefill attention (float32): tiles of query tokens against chunks of
+// 16 cached positions with an online softmax (flash-attention order), reading K and V in
+// place through the block table. Built on first use by kernels/cpu_ext.py.
+//
+// Token t of a sequence with context_len c and q_len n new tokens sits at position
+// c - n + t and attends positions 0 ..= that one (causal over the cached prefix and the new
+// tokens). A work item is (sequence, KV head, tile of up to kTile tokens): its rows are the
+// tile's tokens × the KV head's query heads, which all read the same K/V chunk; per chunk
+// S = Q·Kᵀ and O += P·V run as 4-row register tiles (every K or V vector loaded once for
+// four rows). Positions past a tile's last token are never read.
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "vec.h"
+
+namespace {
+
+constexpr int64_t kTile = 32;  // query tokens per work item
+constexpr int64_t kChunk = 64;  // key positions per step (any block size)
+constexpr int64_t kRows = 6;    // rows per register tile
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+struct Item {
+  int64_t seq, kv_head, t0, t1, cost;
+};
+
+#if defined(__AVX2__) && defined(__FMA__)
+// Six rows × sixteen columns of fp32 accumulators, named (an array of them is spilled):
+// c{r}0, c{r}1 hold row r's columns 0-7 and 8-15.
+#define LP_ACC_DECLARE                                                              \
+  __m256 c00, c01, c10, c11, c20, c21, c30, c31, c40, c41, c50, c51;
+#define LP_ROW_FMA(r, x, b0, b1)         \
+  c##r##0 = _mm256_fmadd_ps(x, b0, c##r##0); \
+  c##r##1 = _mm256_fmadd_ps(x, b1, c##r##1);
+#define LP_SIX_ROWS(a, stride, b0, b1)                                        \
+  LP_ROW_FMA(0, _mm256_broadcast_ss(a), b0, b1)                               \
+  LP_ROW_FMA(1, _mm256_broadcast_ss(a + (stride)), b0, b1)                    \
+  LP_ROW_FMA(2, _mm256_broadcast_ss(a + 2 * (stride)), b0, b1)                \
+  LP_ROW_FMA(3, _mm256_broadcast_ss(a + 3 * (stride)), b0, b1)                \
+  LP_ROW_FMA(4, _mm256_broadcast_ss(a + 4 * (stride)), b0, b1)                \
+  LP_ROW_FMA(5, _mm256_broadcast_ss(a + 5 * (stride)), b0, b1)
+#define LP_STORE_ROW(r, dst, stride)                       \
+  _mm256_storeu_ps(dst + r * (stride), c##r##0);          \
+  _mm256_storeu_ps(dst + r * (stride) + 8, c##r##1);
+#define LP_STORE_SIX(dst, stride)                                                      \
+  LP_STORE_ROW(0, dst, stride) LP_STORE_ROW(1, dst, stride) LP_STORE_ROW(2, dst, stride) \
+  LP_STORE_ROW(3, dst, stride) LP_STORE_ROW(4, dst, stride) LP_STORE_ROW(5, dst, stride)
+#endif
+
+// s[r][j] = Σ_d q[r][d] · kt[d][j] for kRows rows (q rows D apart) and the kChunk keys
+// (kt rows and s rows kChunk apart), sixteen keys at a time.
+void scores_rows(const float* q, const float* kt, int64_t dim, float* s) {
+  int64_t j0 = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+  static_assert(kRows == 6, "the register tile is six rows");
+  for (; j0 < kChunk; j0 += 16) {
+    LP_ACC_DECLARE
+    c00 = c01 = c10 = c11 = c20 = c21 = c30 = c31 = c40 = c41 = c50 = c51 = _mm256_setzero_ps();
+    for (int64_t d = 0; d < dim; ++d) {
+      const __m256 k0 = _mm256_loadu_ps(kt + d * kChunk + j0);
+      const __m256 k1 = _mm256_loadu_ps(kt + d * kChunk + j0 + 8);
+      LP_SIX_ROWS(q + d, dim, k0, k1)
+    }
+    LP_STORE_SIX(s + j0, kChunk)
+  }
+#endif
+  for (int r = 0; r < kRows; ++r)
+    for (int64_t j = j0; j < kChunk; ++j) {
+      float acc = 0.f;
+      for (int64_t d = 0; d < dim; ++d) acc += q[r * dim + d] * kt[d * kChunk + j];
+      s[r * kChunk + j] = acc;
+    }
+}
+
+// o[r][:] = o[r][:] · alpha[r] + Σ_j p[r][j] · v[j][:] for kRows rows (o and v rows D apart,
+// p rows kChunk apart), sixteen columns at a time.
+void accumulate_rows(const float* p, const float* v, int64_t dim, const float* alpha,
+                     float* o) {
+  int64_t d0 = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+  for (; d0 + 16 <= dim; d0 += 16) {
+    float* od = o + d0;
+#define LP_SCALED(r)                                                                  \
+  c##r##0 = _mm256_mul_ps(_mm256_set1_ps(alpha[r]), _mm256_loadu_ps(od + r * dim));     \
+  c##r##1 = _mm256_mul_ps(_mm256_set1_ps(alpha[r]), _mm256_loadu_ps(od + r * dim + 8));
+    LP_ACC_DECLARE
+    LP_SCALED(0) LP_SCALED(1) LP_SCALED(2) LP_SCALED(3) LP_SCALED(4) LP_SCALED(5)
+#undef LP_SCALED
+    for (int64_t j = 0; j < kChunk; ++j) {
+      const __m256 v0 = _mm256_loadu_ps(v + j * dim + d0);
+      const __m256 v1 = _mm256_loadu_ps(v + j * dim + d0 + 8);
+      LP_SIX_ROWS(p + j, kChunk, v0, v1)
+    }
+    LP_STORE_SIX(od, dim)
+  }
+#endif
+  for (int r = 0; r < kRows; ++r)
+    for (int64_t d = d0; d < dim; ++d) {
+      float acc = o[r * dim + d] * alpha[r];
+      for (int64_t j = 0; j < kChunk; ++j) acc += p[r * kChunk + j] * v[j * dim + d];
+      o[r * dim + d] = acc;
+    }
+}
+
+// One row's online-softmax step over its chunk scores s[0..kChunk): the new running max m,
+// alpha = exp(old m - new m) (the factor for what was summed so far), s = exp(s - m); returns
+// Σ s. Masked scores are -inf (exp 0); every row sees position 0 in its first chunk, so m is
+// finite from then on (and alpha = 0 at the first chunk, where the old m is -inf).
+float softmax_step(float* s, float& m, float& alpha) {
+  float mx = m, sum = 0.f;
+  int64_t j0 = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+  __m256 mv = _mm256_set1_ps(m);
+  for (int64_t j = 0; j < kChunk; j += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(s + j));
+  mv = _mm256_max_ps(mv, _mm256_permute2f128_ps(mv, mv, 1));
+  mv = _mm256_max_ps(mv, _mm256_shuffle_ps(mv, mv, 0x4e));
+  mv = _mm256_max_ps(mv, _mm256_shuffle_ps(mv, mv, 0xb1));
+  mx = _mm256_cvtss_f32(mv);
+  __m256 sv = _mm256_setzero_ps();
+  for (; j0 < kChunk; j0 += 8) {
+    const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(s + j0), mv));
+    _mm256_storeu_ps(s + j0, e);
+    sv = _mm256_add_ps(sv, e);
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, sv);
+  for (float x : lanes) sum += x;
+#else
+  for (int64_t j = 0; j < kChunk; ++j) mx = std::max(mx, s[j]);
+  for (; j0 < kChunk; ++j0) {
+    s[j0] = std::exp(s[j0] - mx);
+    sum += s[j0];
+  }
+#endif
+  alpha = std::exp(m - mx);
+  m = mx;
+  return sum;
+}
+
+// One thread's scratch, every array 64-byte aligned (vector loads never split a cache line).
+struct Buffers {
+  int64_t rows, dim;
+  std::vector<float> storage;
+  float *q, *o, *s, *kt, *v, *m, *l, *alpha;
+  Buffers(int64_t rows_, int64_t dim_) : rows(rows_), dim(dim_) {
+    const int64_t sizes[] = {rows * dim, rows * dim, rows * kChunk, dim * kChunk, kChunk * dim,
+                             rows, rows, rows};
+    int64_t total = 16;
+    for (int64_t n : sizes) total += (n + 15) / 16 * 16;
+    storage.resize(total);
+    float* next = reinterpret_cast<float*>(
+        (reinterpret_cast<uintptr_t>(storage.data()) + 63) & ~uintptr_t(63));
+    float** slots[] = {&q, &o, &s, &kt, &v, &m, &l, &alpha};
+    for (int i = 0; i < 8; ++i) {
+      *slots[i] = next;
+      next += (sizes[i] + 15) / 16 * 16;
+    }
+  }
+};
+
+// The chunk's keys (transposed: kt[d][j]) and values (v[j][:]) for positions p0 + j, read
+// in place through the block table; positions past last_pos are zeros (and masked).
+void load_chunk(const float* k_base, const float* v_base, const int32_t* table, int64_t bs,
+                int64_t blk_stride, int64_t row_stride, int64_t p0, int64_t last_pos,
+                int64_t dim, Buffers& b) {
+  for (int64_t j = 0; j < kChunk; ++j) {
+    const int64_t pos = p0 + j;
+    float* vj = b.v + j * dim;
+    if (pos > last_pos) {
+      for (int64_t d = 0; d < dim; ++d) b.kt[d * kChunk + j] = 0.f;
+      std::fill(vj, vj + dim, 0.f);
+      continue;
+    }
+    const int64_t off = table[pos / bs] * blk_stride + (pos % bs) * row_stride;
+    const float* kj = k_base + off;
+    for (int64_t d = 0; d < dim; ++d) b.kt[d * kChunk + j] = kj[d];
+    std::copy(v_base + off, v_base + off + dim, vj);
+  }
+}
+
+void tile_attention(const Item& it, const torch::Tensor& q, const torch::Tensor& k_cache,
+                    const torch::Tensor& v_cache, const int32_t* table, int64_t first_pos,
+                    double scale, Buffers& b, torch::Tensor& out) {
+  const int64_t num_heads = q.size(1), dim = q.size(2), group = num_heads / k_cache.size(2);
+  const int64_t rows = (it.t1 - it.t0) * group, padded = (rows + kRows - 1) / kRows * kRows;
+  const float* q_p = q.data_ptr<float>();
+  std::fill(b.q, b.q + padded * dim, 0.f);  // pad rows: zero queries, results dropped
+  for (int64_t r = 0; r < rows; ++r) {  // row r = (token t0 + r / group, head r % group)
+    const float* src = q_p + ((it.t0 + r / group) * num_heads + it.kv_head * group + r % group) * dim;
+    for (int64_t d = 0; d < dim; ++d) b.q[r * dim + d] = src[d] * static_cast<float>(scale);
+  }
+  std::fill(b.o, b.o + padded * dim, 0.f);
+  std::fill(b.m, b.m + padded, kNegInf);
+  std::fill(b.l, b.l + padded, 0.f);
+  const float* k_base = k_cache.data_ptr<float>() + it.kv_head * k_cache.stride(2);
+  const float* v_base = v_cache.data_ptr<float>() + it.kv_head * v_cache.stride(2);
+  const int64_t last_pos = first_pos + it.t1 - 1;  // the tile's last token's position
+  for (int64_t p0 = 0; p0 <= last_pos; p0 += kChunk) {
+    load_chunk(k_base, v_base, table, k_cache.size(1), k_cache.stride(0), k_cache.stride(1),
+               p0, last_pos, dim, b);
+    for (int64_t r0 = 0; r0 < padded; r0 += kRows) {
+      float* s = b.s + r0 * kChunk;
+      scores_rows(b.q + r0 * dim, b.kt, dim, s);
+      for (int64_t r = r0; r < r0 + kRows; ++r) {
+        const int64_t pos = first_pos + it.t0 + std::min(r, rows - 1) / group;
+        for (int64_t j = std::max<int64_t>(0, pos + 1 - p0); j < kChunk; ++j)
+          b.s[r * kChunk + j] = kNegInf;  // causal mask (and positions past the tile)
+        float alpha;
+        const float sum = softmax_step(b.s + r * kChunk, b.m[r], alpha);
+        b.l[r] = b.l[r] * alpha + sum;
+        b.alpha[r] = alpha;
+      }
+      accumulate_rows(s, b.v, dim, b.alpha + r0, b.o + r0 * dim);
+    }
+  }
+  float* out_p = out.data_ptr<float>();
+  for (int64_t r = 0; r < rows; ++r) {
+    float* dst = out_p + ((it.t0 + r / group) * num_heads + it.kv_head * group + r % group) * dim;
+    for (int64_t d = 0; d < dim; ++d) dst[d] = b.o[r * dim + d] / b.l[r];
+  }
+}
+
+// The work items, ordered so that at::parallel_for's contiguous per-thread ranges carry
+// about equal cost: sorted by cost (rows × positions read), dealt out in a snake order
+// (the ranges' bounds may shift an item from one thread's share to the next one's).
+std::vector<Item> balanced_items(const int32_t* starts, const int32_t* lens, int64_t seqs,
+                                 int64_t kv_heads, int64_t group) {
+  std::vector<Item> items;
+  for (int64_t s = 0; s < seqs; ++s) {
+    const int64_t n = starts[s + 1] - starts[s], first = lens[s] - n;
+    if (n < 2) continue;  // one-token sequences: the caller runs them as decodes
+    for (int64_t t0 = 0; t0 < n; t0 += kTile) {
+      const int64_t t1 = std::min(n, t0 + kTile);
+      for (int64_t h = 0; h < kv_heads; ++h)
+        items.push_back({s, h, starts[s] + t0, starts[s] + t1, (t1 - t0) * group * (first + t1)});
+    }
+  }
+  std::sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  std::vector<std::vector<Item>> dealt(threads);
+  for (size_t i = 0; i < items.size(); ++i) {  // round i / threads goes in snake order
+    const int64_t round = i / threads, k = i % threads;
+    dealt[round % 2 ? threads - 1 - k : k].push_back(items[i]);
+  }
+  std::vector<Item> ordered;
+  for (const auto& part : dealt) ordered.insert(ordered.end(), part.begin(), part.end());
+  return ordered;
+}
+
+}  // namespace
+
+torch::Tensor paged_attention_prefill(torch::Tensor q, torch::Tensor k_cache,
+                                      torch::Tensor v_cache, torch::Tensor block_tables,
+                                      torch::Tensor query_start_loc, torch::Tensor context_lens,
+                                      double scale) {
+  TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu(), "CPU tensors only");
+  TORCH_CHECK(q.scalar_type() == torch::kFloat && k_cache.scalar_type() == torch::kFloat &&
+                  v_cache.scalar_type() == torch::kFloat, "float32 q and caches only");
+  TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "q must be a dense [T, Hq, D]");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.strides() == v_cache.strides() &&
+                  k_cache.sizes() == v_cache.sizes() && k_cache.stride(3) == 1,
+              "k and v caches must share a [NB, bs, Hkv, D] layout with dense rows");
+  TORCH_CHECK(q.size(2) == k_cache.size(3) && q.size(1) % k_cache.size(2) == 0,
+              "q heads do not match the cache");
+  const int64_t seqs = context_lens.size(0);
+  TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && block_tables.is_contiguous() &&
+                  context_lens.scalar_type() == torch::kInt32 && context_lens.is_contiguous() &&
+                  query_start_loc.scalar_type() == torch::kInt32 &&
+                  query_start_loc.is_contiguous() && query_start_loc.size(0) == seqs + 1 &&
+                  block_tables.size(0) == seqs,
+              "block_tables [S, max_blocks], query_start_loc [S + 1], context_lens [S]: int32");
+  const int32_t* starts = query_start_loc.data_ptr<int32_t>();
+  const int32_t* lens = context_lens.data_ptr<int32_t>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int64_t bs = k_cache.size(1), max_blocks = block_tables.size(1);
+  TORCH_CHECK(starts[0] == 0 && starts[seqs] == q.size(0), "query_start_loc must span q");
+  for (int64_t s = 0; s < seqs; ++s) {  // the kernel indexes memory with these
+    const int64_t n = starts[s + 1] - starts[s];
+    TORCH_CHECK(n >= 0 && n <= lens[s] && (lens[s] + bs - 1) / bs <= max_blocks,
+                "sequence ", s, ": ", n, " new tokens, context ", lens[s],
+                " do not fit the block table");
+    for (int64_t j = 0; n > 0 && j < (lens[s] + bs - 1) / bs; ++j)
+      TORCH_CHECK(tables[s * max_blocks + j] >= 0 && tables[s * max_blocks + j] < k_cache.size(0),
+                  "block ", tables[s * max_blocks + j], " out of range");
+  }
+  auto out = torch::empty_like(q);
+  const int64_t kv_heads = k_cache.size(2), group = q.size(1) / kv_heads, dim = q.size(2);
+  const std::vector<Item> items = balanced_items(starts, lens, seqs, kv_heads, group);
+  at::parallel_for(0, items.size(), 1, [&](int64_t begin, int64_t end) {
+    Buffers buffers((kTile * group + kRows - 1) / kRows * kRows, dim);
+    for (int64_t i = begin; i < end; ++i) {
+      const Item& it = items[i];
+      const int64_t first_pos = lens[it.seq] - (starts[it.seq + 1] - starts[it.seq]) - starts[it.seq];
+      tile_attention(it, q, k_cache, v_cache, tables + it.seq * max_blocks, first_pos, scale,
+                     buffers, out);
+    }
+  });
+  return out;
+}
