@@ -10,7 +10,9 @@ run in one pass what the torch forms run as several small ops.
   the grouped-matmul route (bench/lora_cpu.py). With r-major B (the engine's CPU slot
   layout) the expand is vector FMAs over the outputs.
 - Paged decode attention (csrc/paged_decode.cpp): one query token per sequence walks its
-  block table, eight positions per vector reduction, vectorised exp.
+  block table, eight positions per vector reduction, vectorised exp; a KV head's query
+  heads take the rows window by window (64 positions), so each row comes from memory once
+  (32 sequences x 2048 positions: 20.4 -> 14.1 ms a layer; 128 positions 0.38 -> 0.30).
 - Paged prefill attention (csrc/paged_prefill.cpp, float32): tiles of 32 query tokens
   against chunks of 64 cached positions, online softmax, 6 x 16 register tiles for Q·Kᵀ and
   P·V (a 512-token chunk after 1536 cached tokens 84 -> 25 ms a layer against one decode

@@ -34,7 +34,8 @@ def _inputs(context_lens: list[int], block_size: int, kv_heads: int, group: int,
                           (16, 2, 2, 96), (16, 1, 2, 128)])
 def test_decode_matches_twin(kernels, dtype: torch.dtype, block_size: int, kv_heads: int,
                              group: int, head_dim: int) -> None:
-    lens = [1, block_size + 1, 3 * block_size - 1, 77]  # ending mid-block, one token
+    # ending mid-block, one token, past several 64-position windows (one ending on a window)
+    lens = [1, block_size + 1, 3 * block_size - 1, 77, 128, 203]
     q, k_cache, v_cache, tables, context_lens = _inputs(lens, block_size, kv_heads, group,
                                                         head_dim, dtype)
     scale = head_dim**-0.5

@@ -31,10 +31,10 @@ struct ContextRows {
   }
 };
 
-// s[p] = q · k_p for p < len (q already scaled).
+// s[i] = q · k_{first + i} for i < len (q already scaled).
 template <typename scalar_t>
-void scores_of(const float* q, const ContextRows<scalar_t>& k, int64_t len, int64_t dim,
-               float* s) {
+void scores_of(const float* q, const ContextRows<scalar_t>& k, int64_t first, int64_t len,
+               int64_t dim, float* s) {
   int64_t p = 0;
 #if defined(__AVX2__) && defined(__FMA__)
   if constexpr (std::is_same_v<scalar_t, float>) {
@@ -44,7 +44,7 @@ void scores_of(const float* q, const ContextRows<scalar_t>& k, int64_t len, int6
         const float* rows[8];
         for (int j = 0; j < 8; ++j) {
           acc[j] = _mm256_setzero_ps();
-          rows[j] = k.row(p + j);
+          rows[j] = k.row(first + p + j);
         }
         for (int64_t d = 0; d < dim; d += 8) {
           const __m256 qv = _mm256_loadu_ps(q + d);
@@ -57,7 +57,7 @@ void scores_of(const float* q, const ContextRows<scalar_t>& k, int64_t len, int6
   }
 #endif
   for (; p < len; ++p) {
-    const scalar_t* kp = k.row(p);
+    const scalar_t* kp = k.row(first + p);
     float dot = 0.f;
     for (int64_t d = 0; d < dim; ++d) dot += q[d] * static_cast<float>(kp[d]);
     s[p] = dot;
@@ -89,37 +89,42 @@ inline float exp_normalise(float* s, int64_t len) {
   return sum;
 }
 
-// o[:dim] = (Σ_p w[p] v_p) / denom.
+#if defined(__AVX2__) && defined(__FMA__)
+// acc[8W columns] += Σ_i w[i] v_{first + i}[8W columns]: W vector accumulators in registers.
+template <int W>
+void accumulate_columns(const float* w, const ContextRows<float>& v, int64_t first,
+                        int64_t len, int64_t d0, float* acc) {
+  __m256 a[W];
+  for (int j = 0; j < W; ++j) a[j] = _mm256_loadu_ps(acc + d0 + 8 * j);
+  for (int64_t i = 0; i < len; ++i) {
+    const __m256 wi = _mm256_set1_ps(w[i]);
+    const float* vi = v.row(first + i) + d0;
+    for (int j = 0; j < W; ++j) a[j] = _mm256_fmadd_ps(wi, _mm256_loadu_ps(vi + 8 * j), a[j]);
+  }
+  for (int j = 0; j < W; ++j) _mm256_storeu_ps(acc + d0 + 8 * j, a[j]);
+}
+#endif
+
+// acc[:dim] += Σ_i w[i] v_{first + i} (fp32 accumulators).
 template <typename scalar_t>
-void weighted_sum(const float* w, const ContextRows<scalar_t>& v, int64_t len, int64_t dim,
-                  float denom, scalar_t* o) {
+void weighted_accumulate(const float* w, const ContextRows<scalar_t>& v, int64_t first,
+                         int64_t len, int64_t dim, float* acc) {
   int64_t d0 = 0;
 #if defined(__AVX2__) && defined(__FMA__)
   if constexpr (std::is_same_v<scalar_t, float>) {
-    const __m256 inv = _mm256_set1_ps(1.f / denom);
-    for (; dim % 8 == 0 && d0 < dim; d0 += 64) {  // up to 64 columns (8 registers) a pass
-      const int64_t width = std::min<int64_t>(64, dim - d0) / 8;
-      __m256 acc[8];
-      for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
-      for (int64_t p = 0; p < len; ++p) {
-        const __m256 wp = _mm256_set1_ps(w[p]);
-        const float* vp = v.row(p) + d0;
-        for (int j = 0; j < width; ++j)
-          acc[j] = _mm256_fmadd_ps(wp, _mm256_loadu_ps(vp + 8 * j), acc[j]);
-      }
-      for (int j = 0; j < width; ++j)
-        _mm256_storeu_ps(o + d0 + 8 * j, _mm256_mul_ps(acc[j], inv));
-    }
+    for (; d0 + 64 <= dim; d0 += 64) accumulate_columns<8>(w, v, first, len, d0, acc);
+    for (; d0 + 8 <= dim; d0 += 8) accumulate_columns<1>(w, v, first, len, d0, acc);
   }
 #endif
-  if (d0 >= dim) return;
-  std::vector<float> acc(dim - d0, 0.f);
-  for (int64_t p = 0; p < len; ++p) {
-    const scalar_t* vp = v.row(p) + d0;
-    for (int64_t d = 0; d < dim - d0; ++d) acc[d] += w[p] * static_cast<float>(vp[d]);
+  for (int64_t i = 0; i < len; ++i) {
+    const scalar_t* vi = v.row(first + i);
+    for (int64_t d = d0; d < dim; ++d) acc[d] += w[i] * static_cast<float>(vi[d]);
   }
-  for (int64_t d = 0; d < dim - d0; ++d) o[d0 + d] = static_cast<scalar_t>(acc[d] / denom);
 }
+
+// Positions per window: a window's K (then V) rows of one KV head (64 x head_dim values)
+// stay in L1/L2 while each of the head's query heads reads them.
+constexpr int64_t kWindow = 64;
 
 template <typename scalar_t>
 void decode_heads(const torch::Tensor& q, const torch::Tensor& k_cache,
@@ -134,9 +139,10 @@ void decode_heads(const torch::Tensor& q, const torch::Tensor& k_cache,
   scalar_t* out_p = out.data_ptr<scalar_t>();
   const float sc = static_cast<float>(scale);
   // One work item = (sequence, KV head): its `group` query heads read the same K/V rows,
-  // which stay in L1/L2 between heads.
+  // window by window, so each row comes from memory once (read once per query head, a
+  // long context's rows outgrew L2 and came from memory `group` times).
   at::parallel_for(0, batch * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(head_dim), scores;
+    std::vector<float> qf(group * head_dim), scores, acc(group * head_dim), denom(group);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / num_kv_heads, kvh = item % num_kv_heads, len = len_p[b];
       const int32_t* table = table_p + b * max_blocks;
@@ -146,14 +152,24 @@ void decode_heads(const torch::Tensor& q, const torch::Tensor& k_cache,
       const ContextRows<scalar_t> v{v_cache.data_ptr<scalar_t>() + kvh * v_cache.stride(2),
                                     table, v_cache.size(1), v_cache.stride(0),
                                     v_cache.stride(1)};
-      scores.resize(len);
-      for (int64_t g = 0; g < group; ++g) {
-        const int64_t head = (b * num_heads + kvh * group + g) * head_dim;
-        for (int64_t d = 0; d < head_dim; ++d) qf[d] = static_cast<float>(q_p[head + d]) * sc;
-        scores_of(qf.data(), k, len, head_dim, scores.data());
-        const float denom = exp_normalise(scores.data(), len);
-        weighted_sum(scores.data(), v, len, head_dim, denom, out_p + head);
-      }
+      const int64_t head0 = (b * num_heads + kvh * group) * head_dim;  // the group's q/out
+      for (int64_t i = 0; i < group * head_dim; ++i)
+        qf[i] = static_cast<float>(q_p[head0 + i]) * sc;
+      scores.resize(group * len);  // scores[g * len + p]
+      for (int64_t p0 = 0; p0 < len; p0 += kWindow)
+        for (int64_t g = 0; g < group; ++g)
+          scores_of(qf.data() + g * head_dim, k, p0, std::min(kWindow, len - p0), head_dim,
+                    scores.data() + g * len + p0);
+      for (int64_t g = 0; g < group; ++g) denom[g] = exp_normalise(scores.data() + g * len, len);
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t p0 = 0; p0 < len; p0 += kWindow)
+        for (int64_t g = 0; g < group; ++g)
+          weighted_accumulate(scores.data() + g * len + p0, v, p0, std::min(kWindow, len - p0),
+                              head_dim, acc.data() + g * head_dim);
+      for (int64_t g = 0; g < group; ++g)
+        for (int64_t d = 0; d < head_dim; ++d)
+          out_p[head0 + g * head_dim + d] =
+              static_cast<scalar_t>(acc[g * head_dim + d] / denom[g]);
     }
   });
 }
