@@ -71,16 +71,8 @@ inline float exp_normalise(float* s, int64_t len) {
   int64_t p = 0;
   float sum = 0.f;
 #if defined(__AVX2__) && defined(__FMA__)
-  const __m256 topv = _mm256_set1_ps(top);
-  __m256 sumv = _mm256_setzero_ps();
-  for (; p + 8 <= len; p += 8) {
-    const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(s + p), topv));
-    _mm256_storeu_ps(s + p, e);
-    sumv = _mm256_add_ps(sumv, e);
-  }
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, sumv);
-  for (float lane : lanes) sum += lane;
+  p = len - len % 8;
+  sum = exp_shift_sum(s, p, top);
 #endif
   for (; p < len; ++p) {
     s[p] = std::exp(s[p] - top);

@@ -114,7 +114,6 @@ void accumulate_rows(const float* p, const float* v, int64_t dim, const float* a
 // finite from then on (and alpha = 0 at the first chunk, where the old m is -inf).
 float softmax_step(float* s, float& m, float& alpha) {
   float mx = m, sum = 0.f;
-  int64_t j0 = 0;
 #if defined(__AVX2__) && defined(__FMA__)
   __m256 mv = _mm256_set1_ps(m);
   for (int64_t j = 0; j < kChunk; j += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(s + j));
@@ -122,20 +121,13 @@ float softmax_step(float* s, float& m, float& alpha) {
   mv = _mm256_max_ps(mv, _mm256_shuffle_ps(mv, mv, 0x4e));
   mv = _mm256_max_ps(mv, _mm256_shuffle_ps(mv, mv, 0xb1));
   mx = _mm256_cvtss_f32(mv);
-  __m256 sv = _mm256_setzero_ps();
-  for (; j0 < kChunk; j0 += 8) {
-    const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(s + j0), mv));
-    _mm256_storeu_ps(s + j0, e);
-    sv = _mm256_add_ps(sv, e);
-  }
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, sv);
-  for (float x : lanes) sum += x;
+  static_assert(kChunk % 8 == 0, "whole vectors per chunk row");
+  sum = exp_shift_sum(s, kChunk, mx);
 #else
   for (int64_t j = 0; j < kChunk; ++j) mx = std::max(mx, s[j]);
-  for (; j0 < kChunk; ++j0) {
-    s[j0] = std::exp(s[j0] - mx);
-    sum += s[j0];
+  for (int64_t j = 0; j < kChunk; ++j) {
+    s[j] = std::exp(s[j] - mx);
+    sum += s[j];
   }
 #endif
   alpha = std::exp(m - mx);

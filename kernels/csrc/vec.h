@@ -39,8 +39,26 @@ inline __m256 sum8(const __m256* a) {
                        _mm256_permute2f128_ps(s03, s47, 0x31));
 }
 
+// s[i] = e^(s[i] - m) in place for i < n (a multiple of 8); returns their sum (the softmax's
+// shift-exponentiate-sum, shared by the attention kernels).
+inline float exp_shift_sum(float* s, int64_t n, float m) {
+  const __m256 mv = _mm256_set1_ps(m);
+  __m256 sum = _mm256_setzero_ps();
+  for (int64_t i = 0; i < n; i += 8) {
+    const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(s + i), mv));
+    _mm256_storeu_ps(s + i, e);
+    sum = _mm256_add_ps(sum, e);
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, sum);
+  float total = 0.f;
+  for (float lane : lanes) total += lane;
+  return total;
+}
+
 }  // namespace loraplex_vec
 
 using loraplex_vec::exp256;
+using loraplex_vec::exp_shift_sum;
 using loraplex_vec::sum8;
 #endif
