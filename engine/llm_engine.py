@@ -43,7 +43,7 @@ class LLMEngine:
         self.slot_buffers = SlotBuffers(attach_lora(self.base.model, cfg.max_loras,
                                                     cfg.max_lora_rank, self.lora_batch))
         if packing_available(self.base.device, self.base.dtype):
-            log.debug("packed %d linears for oneDNN", pack_model(self.base.model))
+            log.debug("packed %d linears", pack_model(self.base.model))
             warm_up_packed(self.base.model, cfg.max_num_batched_tokens, cfg.max_num_seqs)
         self.base_shapes = BaseShapes.from_hf_config(self.base.hf_config, str(self.base.path))
         self.lora = AdapterCache(cfg.max_loras, cfg.max_cpu_loras,  # type: ignore[arg-type]

@@ -107,7 +107,8 @@ def test_silu_mul_matches_twin(kernels, dtype: torch.dtype, width: int) -> None:
 
 
 KERNELS = ["rms_norm", "add_rms_norm_", "rope_store_kv", "silu_mul", "paged_attention_decode",
-           "paged_attention_prefill", "argmax_rows"]
+           "paged_attention_prefill", "argmax_rows", "pack_panels", "panel_linear"]
+WITHOUT_TWIN = {"argmax_rows", "pack_panels", "panel_linear"}  # torch's own ops are theirs
 
 
 def test_the_engine_runs_every_layer_kernel(kernels, tiny_models: Callable[[str], Path],
@@ -122,9 +123,10 @@ def test_the_engine_runs_every_layer_kernel(kernels, tiny_models: Callable[[str]
         return staticmethod(lambda *a: calls.update([name]) or real(*a))
 
     proxy = type("Counted", (), {name: counted(name) for name in KERNELS})
+    proxy.panel_gemm_available = staticmethod(kernels.panel_gemm_available)
     monkeypatch.setattr(cpu_ext, "load", lambda: proxy)
-    twins = [k for k in KERNELS if k != "argmax_rows"]
-    for name in twins:  # (argmax's twin is torch's)
+    twins = [k for k in KERNELS if k not in WITHOUT_TWIN]
+    for name in twins:
         monkeypatch.setattr(reference, name, lambda *a, name=name: pytest.fail(
             f"the twin of {name} ran"))
     engine = LLMEngine(model=tiny_models("qwen3"), dtype="float32", max_model_len=128)

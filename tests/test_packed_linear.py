@@ -1,7 +1,8 @@
-"""PackedLinear (oneDNN pre-packed CPU fp32 linears) against F.linear, and pack_model on a
-real model: every decoder linear packed, the head packed, outputs unchanged; row counts
-padded to a bounded set of sizes (each new size costs ~0.6 MB of oneDNN cache) that the
-engine's warm-up builds before serving."""
+"""PackedLinear (pre-packed CPU fp32 linears: the panel GEMM of the CPU kernels, else
+oneDNN) against F.linear, and pack_model on a real model: every decoder linear packed, the
+head packed, outputs unchanged. Panel GEMM: a row's result is the same bits whatever it is
+batched with. oneDNN: row counts padded to a bounded set of sizes (each new size costs
+~0.6 MB of oneDNN cache) that the engine's warm-up builds before serving."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from loraplex import LLMEngine
 from loraplex.engine.models import packed_linear
+from loraplex.kernels import cpu_ext
 from loraplex.engine.models.packed_linear import (
     CHUNK_ROWS,
     PackedLinear,
@@ -25,18 +27,74 @@ pytestmark = pytest.mark.skipif(
     reason="this torch build has no oneDNN")
 
 
+@pytest.fixture(scope="module")
+def panel_gemm() -> None:
+    module = cpu_ext.load()
+    assert module is not None, "the C++ CPU kernels did not build on this machine"
+    assert module.panel_gemm_available(), "the CPU kernels were built without AVX2/FMA"
+
+
+@pytest.fixture(params=["panels", "onednn"])
+def layout(request: pytest.FixtureRequest) -> bool:
+    """PackedLinear's ``panels`` argument: True (the panel GEMM) or False (oneDNN)."""
+    if request.param == "panels":
+        request.getfixturevalue("panel_gemm")
+    return request.param == "panels"
+
+
 @pytest.mark.parametrize("rows", [1, 7, 9, 32, 100, 513, 1100])
 @pytest.mark.parametrize("bias", [False, True])
-def test_packed_linear_matches_f_linear(rows: int, bias: bool) -> None:
+def test_packed_linear_matches_f_linear(rows: int, bias: bool, layout: bool) -> None:
     g = torch.Generator().manual_seed(rows)
     linear = nn.Linear(96, 200, bias=bias)
     x = torch.randn(rows, 96, generator=g)
     want = linear(x)
-    packed = PackedLinear.of(linear)
+    packed = PackedLinear(linear.weight, linear.bias, panels=layout)
     assert (packed.in_features, packed.out_features) == (96, 200)
+    assert (packed.panels is not None, packed.packed is not None) == (layout, not layout)
     torch.testing.assert_close(packed(x), want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(packed(x.view(1, rows, 96)), want.view(1, rows, 200),
                                rtol=1e-5, atol=1e-5)
+
+
+# K past one k block (320) and not a multiple of it; N with a partial last panel; rows in
+# strips of six with every remainder, past one chunk of 96 rows
+@pytest.mark.parametrize(("k", "n"), [(1, 1), (17, 33), (96, 200), (700, 50), (1536, 576)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_panel_gemm_matches_f_linear(panel_gemm, k: int, n: int, bias: bool) -> None:
+    g = torch.Generator().manual_seed(k * n)
+    weight = torch.randn(n, k, generator=g)
+    b = torch.randn(n, generator=g) if bias else None
+    packed = PackedLinear(weight, b, panels=True)
+    for rows in [*range(1, 14), 96, 97, 203]:
+        x = torch.randn(rows, k, generator=g)
+        exact = F.linear(x.double(), weight.double(), None if b is None else b.double())
+        # fp32 rounding of a k-term sum of unit-variance products grows like sqrt(k)
+        torch.testing.assert_close(packed(x), exact.float(), rtol=1e-5, atol=1e-5 * k**0.5)
+    assert packed(torch.randn(0, k)).shape == (0, n)
+
+
+def test_panel_gemm_rows_do_not_depend_on_their_batch(panel_gemm) -> None:
+    """Every row is the same FMA sequence whatever the rows around it and the threads: a
+    request's logits do not change with the batch it is scheduled in."""
+    g = torch.Generator().manual_seed(3)
+    weight, bias = torch.randn(200, 700, generator=g), torch.randn(200, generator=g)
+    packed = PackedLinear(weight, bias, panels=True)
+    x = torch.randn(203, 700, generator=g)
+    batched = packed(x)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = torch.cat([packed(x[i:i + 1]) for i in range(0, 203, 7)])
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(batched[::7], alone)
+    assert torch.equal(packed(x[5:11]), batched[5:11])
+
+
+def test_the_panel_gemm_is_the_default_where_it_is_built(panel_gemm) -> None:
+    packed = PackedLinear.of(nn.Linear(8, 8))
+    assert packed.panels is not None and packed.packed is None
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])  # untied head, tied head
@@ -46,6 +104,8 @@ def test_engine_packs_every_linear_and_keeps_the_logits(arch: str, tiny_models) 
     assert not [n for n, m in model.named_modules() if type(m) is nn.Linear]
     bases = [m.base for m in model.modules() if isinstance(m, LoRALinear)]
     assert bases and all(isinstance(b, PackedLinear) for b in bases)
+    if cpu_ext.load() is not None:
+        assert all(b.panels is not None for b in bases)
     assert isinstance(model.logits_head, PackedLinear)
     hidden = torch.randn(5, model.config.hidden_size)
     embed = model.model.embed_tokens.weight
@@ -88,7 +148,7 @@ class _RowLog:
 def test_every_gemm_runs_at_a_padded_size(monkeypatch: pytest.MonkeyPatch) -> None:
     log = _RowLog(monkeypatch)
     linear = nn.Linear(48, 40)
-    packed = PackedLinear.of(linear)
+    packed = PackedLinear(linear.weight, linear.bias, panels=False)
     for rows in [*range(1, 140), 255, 257, 511, 512, 1000, 1025, 1537]:
         x = torch.randn(rows, 48)
         torch.testing.assert_close(packed(x), linear(x), rtol=1e-5, atol=1e-5)
@@ -99,6 +159,7 @@ def test_every_gemm_runs_at_a_padded_size(monkeypatch: pytest.MonkeyPatch) -> No
 def test_the_engine_warms_up_every_size_it_then_serves(monkeypatch: pytest.MonkeyPatch,
                                                          tiny_models) -> None:
     from loraplex import SamplingParams
+    monkeypatch.setattr(cpu_ext, "pack_panels", lambda weight: None)  # oneDNN's layout
     log = _RowLog(monkeypatch)
     engine = LLMEngine(model=tiny_models("llama"), dtype="float32", max_model_len=128,
                        max_num_seqs=16, max_num_batched_tokens=96)

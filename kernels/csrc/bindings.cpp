@@ -21,6 +21,10 @@ torch::Tensor rope_store_kv(torch::Tensor q, torch::Tensor k, torch::Tensor v,
                             torch::Tensor v_cache, torch::Tensor slot_mapping);
 torch::Tensor silu_mul(torch::Tensor gate_up);
 torch::Tensor argmax_rows(torch::Tensor logits);
+bool panel_gemm_available();
+torch::Tensor pack_panels(torch::Tensor weight);
+torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels,
+                           c10::optional<torch::Tensor> bias, int64_t N);
 
 // All release the GIL while they run (arguments are converted before, the result after),
 // as torch's own ops do: the gRPC loop and the adapter loader thread keep running.
@@ -43,6 +47,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "rotate q and k in place (rotate-half RoPE); write k and v to the paged cache",
         py::call_guard<py::gil_scoped_release>());
   m.def("argmax_rows", &argmax_rows, "index of each row's first maximum (float32 logits)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("panel_gemm_available", &panel_gemm_available,
+        "whether panel_linear was built (AVX2 and FMA)");
+  m.def("pack_panels", &pack_panels, "a [N, K] weight as [ceil(N/16), K, 16] float32 panels",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("panel_linear", &panel_linear, "x · Wᵀ (+ bias) over W's 16-column panels (float32)",
         py::call_guard<py::gil_scoped_release>());
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused [T, 2I] gate_up",
         py::call_guard<py::gil_scoped_release>());
