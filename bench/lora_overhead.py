@@ -6,9 +6,10 @@
     .venv/bin/python -m loraplex.bench.lora_overhead [--dtype float32] [--adapters 32]
 
 Random rank-8 adapters on all seven targets. (a), (b) and (c) run in one engine (prefix
-caching off, every adapter resident), interleaved a, b, c, a, b, c, ... for ``--rounds``
-rounds, so a slow spell of a shared machine hits all three alike; each figure is the
-median over rounds; PEFT (one model load) runs ``--peft-rounds`` times, median. Prints
+caching off, every adapter resident), (d) in one PeftModel loaded beside it; the four are
+interleaved a, b, c, d, a, b, c, ... for ``--rounds`` rounds (d in ``--peft-rounds`` of
+them, spread evenly: one is ~50-60 s here), so a slow spell of a shared machine hits all of
+them alike; each figure is the median over its rounds. Prints
 output tokens/s and the ratios (c)/(a) (target >= 0.85) and (c)/(d) (target >= 5).
 """
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -24,10 +26,9 @@ import torch
 from .common import default_model_dir, make_random_adapters, random_prompts, timed
 
 
-def loraplex_rounds(model_dir: Path, adapters: dict[str, Path], prompts: list[list[int]],
-                    configs: dict[str, list[str | None]], new_tokens: int, dtype: str,
-                    rounds: int) -> dict[str, list[float]]:
-    """Output tok/s of every config in every round, configs interleaved within a round."""
+def loraplex_engine(model_dir: Path, adapters: dict[str, Path], prompts: list[list[int]],
+                    dtype: str) -> object:
+    """One engine for (a), (b) and (c): prefix caching off, every adapter resident."""
     from .. import LLMEngine, SamplingParams
 
     engine = LLMEngine(model=model_dir, dtype=dtype, max_num_seqs=len(prompts),
@@ -35,21 +36,23 @@ def loraplex_rounds(model_dir: Path, adapters: dict[str, Path], prompts: list[li
                        max_loras=len(adapters), max_cpu_loras=len(adapters),
                        enable_prefix_caching=False,
                        lora_modules={n: str(p) for n, p in adapters.items()})
-    params = SamplingParams(temperature=0.0, max_new_tokens=new_tokens, ignore_eos=True)
     warm = SamplingParams(temperature=0.0, max_new_tokens=2)
     engine.generate([p[:8] for p in prompts], warm, adapters=list(adapters))  # all resident
-    tps: dict[str, list[float]] = {name: [] for name in configs}
-    for _ in range(rounds):
-        for name, names in configs.items():
-            seconds, outs = timed(lambda names=names: engine.generate(prompts, params,
-                                                                      adapters=names))
-            tps[name].append(sum(len(o.token_ids) for o in outs) / seconds)
-    return tps
+    return engine
 
 
-def peft_tps(model_dir: Path, adapters: dict[str, Path], prompts: list[list[int]],
-             names: list[str], new_tokens: int, dtype: str, rounds: int) -> list[float]:
-    """Output tok/s of PEFT's mixed-adapter generate, once per round (one model load)."""
+def engine_tps(engine: object, prompts: list[list[int]], names: list[str | None],
+               new_tokens: int) -> float:
+    """Output tok/s of one greedy ``generate`` of every prompt, prompt i for names[i]."""
+    from .. import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_new_tokens=new_tokens, ignore_eos=True)
+    seconds, outs = timed(lambda: engine.generate(prompts, params, adapters=names))
+    return sum(len(o.token_ids) for o in outs) / seconds
+
+
+def load_peft(model_dir: Path, adapters: dict[str, Path], dtype: str) -> object:
+    """The base model with every adapter loaded into one PeftModel, in eval mode."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
@@ -58,16 +61,37 @@ def peft_tps(model_dir: Path, adapters: dict[str, Path], prompts: list[list[int]
     model = PeftModel.from_pretrained(base, items[0][1], adapter_name=items[0][0])
     for name, path in items[1:]:
         model.load_adapter(path, adapter_name=name)
-    model.eval()
+    return model.eval()
+
+
+def peft_generate_tps(model: object, prompts: list[list[int]], names: list[str],
+                      new_tokens: int) -> float:
+    """Output tok/s of one PEFT mixed-adapter batched greedy ``generate``."""
     ids = torch.tensor(prompts)
-    tps = []
-    for _ in range(rounds):
-        with torch.inference_mode():
-            seconds, out = timed(lambda: model.generate(
-                input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
-                adapter_names=names))
-        tps.append((out.shape[1] - ids.shape[1]) * len(prompts) / seconds)
+    with torch.inference_mode():
+        seconds, out = timed(lambda: model.generate(
+            input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens, do_sample=False, pad_token_id=0, adapter_names=names))
+    return (out.shape[1] - ids.shape[1]) * len(prompts) / seconds
+
+
+def peft_tps(model_dir: Path, adapters: dict[str, Path], prompts: list[list[int]],
+             names: list[str], new_tokens: int, dtype: str, rounds: int) -> list[float]:
+    """Output tok/s of PEFT's mixed-adapter generate, once per round (one model load)."""
+    model = load_peft(model_dir, adapters, dtype)
+    return [peft_generate_tps(model, prompts, names, new_tokens) for _ in range(rounds)]
+
+
+def interleaved_rounds(runs: dict[str, Callable[[], float]], rounds: int,
+                       peft_name: str, peft_rounds: int) -> dict[str, list[float]]:
+    """Every run once per round, in order, so a slow spell of the machine hits all alike;
+    ``peft_name`` in ``peft_rounds`` of the rounds, spread evenly (one is ~50-60 s here)."""
+    tps: dict[str, list[float]] = {name: [] for name in runs}
+    for r in range(rounds):
+        peft_now = (r * peft_rounds) // rounds != ((r + 1) * peft_rounds) // rounds
+        for name, run in runs.items():
+            if name != peft_name or peft_now:
+                tps[name].append(run())
     return tps
 
 
@@ -90,11 +114,15 @@ def main() -> None:
     names = list(adapters)
     configs = {"(a) base only": [None] * n, "(b) one adapter": [names[0]] * n,
                f"(c) {n} adapters": names}
-    rounds = loraplex_rounds(model_dir, adapters, prompts, configs, args.new_tokens,
-                             args.dtype, args.rounds)
-    rounds[f"(d) PEFT mixed, {n} adapters"] = peft_tps(model_dir, adapters, prompts, names,
-                                                       args.new_tokens, args.dtype,
-                                                       args.peft_rounds)
+    engine = loraplex_engine(model_dir, adapters, prompts, args.dtype)
+    peft = load_peft(model_dir, adapters, args.dtype)
+    runs: dict[str, Callable[[], float]] = {
+        name: (lambda names=names: engine_tps(engine, prompts, names, args.new_tokens))
+        for name, names in configs.items()}
+    peft_name = f"(d) PEFT mixed, {n} adapters"
+    runs[peft_name] = lambda: peft_generate_tps(peft, prompts, names, args.new_tokens)
+    rounds = interleaved_rounds(runs, args.rounds, peft_name, min(args.peft_rounds,
+                                                                  args.rounds))
     rows = {name: statistics.median(v) for name, v in rounds.items()}
     print(f"SmolLM2-135M {args.dtype}, {n} requests x {args.prompt_len} prompt x "
           f"{args.new_tokens} new tokens, rank 8 on all 7 targets, "

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from loraplex.bench.lora_overhead import peft_tps
+from loraplex.bench.lora_overhead import interleaved_rounds, peft_tps
 from loraplex.bench.run_all import _peft
 from loraplex.bench.serving import RunOptions, RunSpec
 from loraplex.bench.workload import Request
@@ -26,3 +26,15 @@ def test_peft_baseline_runs_per_round_and_in_run_all(tiny_llama: Path, tmp_path:
     run = RunSpec(label="n=2", requests=requests, options=RunOptions(), num_adapters=2)
     row = _peft(tiny_llama, adapters, run, count=2, new_tokens=2)
     assert row["output_throughput"] > 0 and row["distinct_adapters"] == 2
+
+
+def test_lora_overhead_interleaves_every_run_and_spreads_peft() -> None:
+    """(a), (b), (c) and PEFT's (d) alternate within each round, so a slow spell of the
+    machine hits all of them; PEFT runs in only ``peft_rounds`` rounds, spread out."""
+    order: list[str] = []
+    runs = {name: (lambda name=name: order.append(name) or float(len(order)))
+            for name in ["a", "b", "c", "d"]}
+    tps = interleaved_rounds(runs, rounds=5, peft_name="d", peft_rounds=2)
+    assert "".join(order) == "abc" "abc" "abcd" "abc" "abcd"
+    assert {k: len(v) for k, v in tps.items()} == {"a": 5, "b": 5, "c": 5, "d": 2}
+    assert tps["d"] == [10.0, 17.0]  # each figure is its own run's
