@@ -82,15 +82,21 @@ def peft_tps(model_dir: Path, adapters: dict[str, Path], prompts: list[list[int]
     return [peft_generate_tps(model, prompts, names, new_tokens) for _ in range(rounds)]
 
 
+def peft_round_indices(rounds: int, peft_rounds: int) -> list[int]:
+    """The rounds, spread evenly, in which PEFT's (d) runs (one is ~50-60 s here)."""
+    return [r for r in range(rounds)
+            if (r * peft_rounds) // rounds != ((r + 1) * peft_rounds) // rounds]
+
+
 def interleaved_rounds(runs: dict[str, Callable[[], float]], rounds: int,
                        peft_name: str, peft_rounds: int) -> dict[str, list[float]]:
     """Every run once per round, in order, so a slow spell of the machine hits all alike;
-    ``peft_name`` in ``peft_rounds`` of the rounds, spread evenly (one is ~50-60 s here)."""
+    ``peft_name`` only in the rounds of peft_round_indices."""
     tps: dict[str, list[float]] = {name: [] for name in runs}
+    with_peft = peft_round_indices(rounds, peft_rounds)
     for r in range(rounds):
-        peft_now = (r * peft_rounds) // rounds != ((r + 1) * peft_rounds) // rounds
         for name, run in runs.items():
-            if name != peft_name or peft_now:
+            if name != peft_name or r in with_peft:
                 tps[name].append(run())
     return tps
 
@@ -121,8 +127,8 @@ def main() -> None:
         for name, names in configs.items()}
     peft_name = f"(d) PEFT mixed, {n} adapters"
     runs[peft_name] = lambda: peft_generate_tps(peft, prompts, names, args.new_tokens)
-    rounds = interleaved_rounds(runs, args.rounds, peft_name, min(args.peft_rounds,
-                                                                  args.rounds))
+    peft_rounds = min(args.peft_rounds, args.rounds)
+    rounds = interleaved_rounds(runs, args.rounds, peft_name, peft_rounds)
     rows = {name: statistics.median(v) for name, v in rounds.items()}
     print(f"SmolLM2-135M {args.dtype}, {n} requests x {args.prompt_len} prompt x "
           f"{args.new_tokens} new tokens, rank 8 on all 7 targets, "
@@ -135,6 +141,11 @@ def main() -> None:
     a, c, d = (list(rows.values())[i] for i in (0, 2, 3))
     print(f"(c)/(a) = {c / a:.2f}  (target >= 0.85)")
     print(f"(c)/(d) = {c / d:.2f}  (target >= 5)")
+    c_runs = rounds[f"(c) {n} adapters"]
+    paired = [c_runs[r] / dv for r, dv in zip(peft_round_indices(args.rounds, peft_rounds),
+                                               rounds[peft_name])]
+    print("(c)/(d) in the rounds that ran both, one after the other: "
+          + " ".join(f"{v:.2f}" for v in paired))
 
 
 if __name__ == "__main__":
