@@ -17,7 +17,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
-#include <vector>
+#include <memory>
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -179,9 +179,10 @@ torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, c10::optional<
   if (M == 0 || N == 0) return y;
   if (K == 0) return bias ? y.copy_(bias->narrow(0, 0, N).expand({M, N})) : y.zero_();
   const int64_t S = (M + kMr - 1) / kMr;
-  std::vector<float> buffer(S * K * kMr + 16);
+  // uninitialised (pack_rows writes every element): a std::vector would zero it first
+  std::unique_ptr<float[]> buffer(new float[S * K * kMr + 16]);
   float* strips = reinterpret_cast<float*>(
-      (reinterpret_cast<uintptr_t>(buffer.data()) + 63) & ~uintptr_t(63));
+      (reinterpret_cast<uintptr_t>(buffer.get()) + 63) & ~uintptr_t(63));
   pack_rows(xc.data_ptr<float>(), M, K, strips);
   const float* pb = bias ? bias->data_ptr<float>() : nullptr;
   const float* w = panels.data_ptr<float>();
