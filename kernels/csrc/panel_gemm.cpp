@@ -63,9 +63,12 @@ int64_t k_block(int64_t K) {  // K in near-equal blocks of at most kMaxKc
 
 // c[R][16] (rows ldc apart) = (acc ? c : bias) + Σ_k a[k][0..R) ⊗ b[k][0..16)
 // a: a strip of packed x ([kc][6]); b: a block of a panel ([kc][16], 32-byte aligned).
+// First, prefetch `lines` cache lines from `ahead` (a share of the next block of B).
 template <int R>
 void tile(int64_t kc, const float* __restrict a, const float* __restrict b,
-          float* __restrict c, int64_t ldc, bool acc, const float* bias) {
+          float* __restrict c, int64_t ldc, bool acc, const float* bias, const char* ahead,
+          int64_t lines) {
+  for (int64_t i = 0; i < lines; ++i) _mm_prefetch(ahead + 64 * i, _MM_HINT_T0);
   const __m256 init0 = bias ? _mm256_loadu_ps(bias) : _mm256_setzero_ps();
   const __m256 init1 = bias ? _mm256_loadu_ps(bias + 8) : _mm256_setzero_ps();
   PG_ROWS(PG_DECLARE)
@@ -80,14 +83,14 @@ void tile(int64_t kc, const float* __restrict a, const float* __restrict b,
 }
 
 void tile_rows(int64_t rows, int64_t kc, const float* a, const float* b, float* c,
-               int64_t ldc, bool acc, const float* bias) {
+               int64_t ldc, bool acc, const float* bias, const char* ahead, int64_t lines) {
   switch (rows) {
-    case 6: return tile<6>(kc, a, b, c, ldc, acc, bias);
-    case 5: return tile<5>(kc, a, b, c, ldc, acc, bias);
-    case 4: return tile<4>(kc, a, b, c, ldc, acc, bias);
-    case 3: return tile<3>(kc, a, b, c, ldc, acc, bias);
-    case 2: return tile<2>(kc, a, b, c, ldc, acc, bias);
-    default: return tile<1>(kc, a, b, c, ldc, acc, bias);
+    case 6: return tile<6>(kc, a, b, c, ldc, acc, bias, ahead, lines);
+    case 5: return tile<5>(kc, a, b, c, ldc, acc, bias, ahead, lines);
+    case 4: return tile<4>(kc, a, b, c, ldc, acc, bias, ahead, lines);
+    case 3: return tile<3>(kc, a, b, c, ldc, acc, bias, ahead, lines);
+    case 2: return tile<2>(kc, a, b, c, ldc, acc, bias, ahead, lines);
+    default: return tile<1>(kc, a, b, c, ldc, acc, bias, ahead, lines);
   }
 }
 
@@ -95,17 +98,30 @@ void tile_rows(int64_t rows, int64_t kc, const float* a, const float* b, float* 
 void pack_rows(const float* x, int64_t M, int64_t K, float* strips) {
   const int64_t S = (M + kMr - 1) / kMr;
   at::parallel_for(0, S, 1, [&](int64_t s0, int64_t s1) {
-    for (int64_t s = s0; s < s1; ++s)
+    for (int64_t s = s0; s < s1; ++s) {
+      float* dst = strips + s * K * kMr;
+      if ((s + 1) * kMr <= M) {  // a full strip: six rows read in step, written in order
+        const float* r0 = x + s * kMr * K;
+        const float *r1 = r0 + K, *r2 = r1 + K, *r3 = r2 + K, *r4 = r3 + K, *r5 = r4 + K;
+        for (int64_t k = 0; k < K; ++k, dst += kMr) {
+          dst[0] = r0[k]; dst[1] = r1[k]; dst[2] = r2[k];
+          dst[3] = r3[k]; dst[4] = r4[k]; dst[5] = r5[k];
+        }
+        continue;
+      }
       for (int64_t i = 0; i < kMr; ++i) {
         const int64_t m = s * kMr + i;
-        float* dst = strips + s * K * kMr + i;
-        for (int64_t k = 0; k < K; ++k) dst[k * kMr] = m < M ? x[m * K + k] : 0.f;
+        for (int64_t k = 0; k < K; ++k) dst[k * kMr + i] = m < M ? x[m * K + k] : 0.f;
       }
+    }
   });
 }
 
 // Panels [p0, p1) of y for strips [c0, c1). Full panels write y in place; the last panel of
-// an N that is no multiple of 16 goes through a scratch tile.
+// an N that is no multiple of 16 goes through a scratch tile. While the strips read a block
+// of B from L1, each also prefetches its share of the next block (this panel's next k block,
+// else the next panel's first): B then streams from memory ahead of its first use (measured
+// with the faster strip packing: +13-15 % at 32 and at 512 rows).
 void panel_range(int64_t p0, int64_t p1, int64_t c0, int64_t c1, const float* strips,
                  const float* panels, const float* bias, float* y, int64_t M, int64_t N,
                  int64_t K) {
@@ -117,17 +133,27 @@ void panel_range(int64_t p0, int64_t p1, int64_t c0, int64_t c1, const float* st
     for (int64_t k0 = 0; k0 < K; k0 += kc) {
       const int64_t kb = std::min(kc, K - k0);
       const float* b = panels + (p * K + k0) * kNr;
+      const bool last_k = k0 + kc >= K;
+      const float* next = !last_k     ? b + kc * kNr
+                          : p + 1 < p1 ? panels + (p + 1) * K * kNr
+                                       : nullptr;
+      // one 64-byte line per k of the next block, shared out across the strips
+      const int64_t next_lines = next ? std::min(kc, last_k ? K : K - k0 - kc) : 0;
+      const int64_t share = (next_lines + (c1 - c0) - 1) / (c1 - c0);
       for (int64_t s = c0; s < c1; ++s) {
+        const int64_t l0 = std::min(next_lines, (s - c0) * share);
+        const int64_t lines = std::min(next_lines - l0, share);
+        const char* ahead = next ? reinterpret_cast<const char*>(next + l0 * kNr) : nullptr;
         const int64_t rows = std::min(kMr, M - s * kMr);
         const float* a = strips + (s * K + k0) * kMr;
         float* out = y + s * kMr * N + p * kNr;
         if (cols == kNr) {
-          tile_rows(rows, kb, a, b, out, N, k0 > 0, pb);
+          tile_rows(rows, kb, a, b, out, N, k0 > 0, pb, ahead, lines);
           continue;
         }
         for (int64_t i = 0; i < rows && k0 > 0; ++i)
           std::memcpy(scratch + i * kNr, out + i * N, cols * sizeof(float));
-        tile_rows(rows, kb, a, b, scratch, kNr, k0 > 0, pb);
+        tile_rows(rows, kb, a, b, scratch, kNr, k0 > 0, pb, ahead, lines);
         for (int64_t i = 0; i < rows; ++i)
           std::memcpy(out + i * N, scratch + i * kNr, cols * sizeof(float));
       }
