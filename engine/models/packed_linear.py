@@ -71,7 +71,8 @@ class PackedLinear(nn.Module):
             raise RuntimeError("the panel GEMM is not available (CPU kernels not built)")
         self.panel_bias = None  # the bias padded to the panels' columns
         if self.panels is not None and self.bias is not None:
-            self.panel_bias = self.bias.float().new_zeros(self.panels.shape[0] * self.panels.shape[2])
+            columns = self.panels.shape[0] * self.panels.shape[2]
+            self.panel_bias = self.bias.float().new_zeros(columns)
             self.panel_bias[: self.out_features] = self.bias
         self.packed = None if self.panels is not None else (
             torch.ops.mkldnn._reorder_linear_weight(weight.detach(), BATCH_HINT))
