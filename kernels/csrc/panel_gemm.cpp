@@ -190,9 +190,10 @@ torch::Tensor pack_panels(torch::Tensor weight) {
 
 // x [M, K] float32 -> y [M, N] = x · Wᵀ (+ bias); panels from pack_panels(W); bias, if
 // defined, padded to a multiple of 16 floats.
-torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, c10::optional<torch::Tensor> bias,
-                           int64_t N) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat, "panel_linear: x must be 2-D float32");
+torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels,
+                           c10::optional<torch::Tensor> bias, int64_t N) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat,
+              "panel_linear: x must be 2-D float32");
   TORCH_CHECK(panels.dim() == 3 && panels.size(2) == kNr && panels.size(1) == x.size(1) &&
                   panels.size(0) == (N + kNr - 1) / kNr && panels.is_contiguous(),
               "panel_linear: panels do not match x and N");
