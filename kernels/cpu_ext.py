@@ -21,9 +21,9 @@ run in one pass what the torch forms run as several small ops.
 - Layer ops (csrc/layer_ops.cpp): residual add + RMSNorm, RoPE + KV store, silu * mul.
 - Greedy sampling (csrc/argmax.cpp): each row's first maximum.
 - Linears (csrc/panel_gemm.cpp, float32): weights packed once into 16-column panels, 6 x 16
-  register tiles; the 30 SmolLM2 layers' linears at 32 rows with every weight cold in
-  cache 88 -> 65 ms against oneDNN's pre-packed GEMM, 1 row 42 -> 29 ms; ~5-10 % slower
-  than oneDNN at 512 rows (engine/models/packed_linear.py).
+  register tiles, each strip prefetching its share of the next block of weights; the 30
+  SmolLM2 layers' linears with every weight cold against oneDNN's pre-packed GEMM: 32 rows
+  79 -> 63 ms, 1 row 39 -> 28 ms, 512 rows 12 % faster (engine/models/packed_linear.py).
 The torch twins in reference.py stay the oracle every kernel is tested against.
 
 Built with the system C++ compiler on first use in a process and cached by torch under

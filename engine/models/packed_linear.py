@@ -2,9 +2,9 @@
 
 Two packed layouts, one per GEMM:
 - the panel GEMM of the CPU kernels (csrc/panel_gemm.cpp: 16-column panels, 6 x 16 register
-  tiles), where the kernels are built with AVX2/FMA: SmolLM2's 30 layers at 32 rows with
-  every weight cold, 88 -> 65 ms against oneDNN below (the head 23 -> 19 ms; 1 row
-  42 -> 29 ms); at 512 rows it runs ~5-10 % behind oneDNN. A row's result does not depend on
+  tiles), where the kernels are built with AVX2/FMA: SmolLM2's 30 layers with every weight
+  cold, against oneDNN below: 32 rows 79 -> 63 ms, 1 row 39 -> 28, 512 rows (10 layers)
+  286 -> 251; the head at 32 rows 21 -> 19 ms. A row's result does not depend on
   its batch (same FMA sequence whatever the rows), and there is no per-size state.
 - oneDNN's pre-packed (blocked) layout, otherwise; the rest of this docstring is about it.
 
