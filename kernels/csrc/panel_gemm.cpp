@@ -3,8 +3,8 @@
 //
 // Layout: panel p holds output columns 16p .. 16p+15 as [K][16] (columns past N are zero),
 // so a panel streams from memory once per call in the order the 6 x 16 register tile reads
-// it. x is packed per call into strips of 6 rows ([K][6]). K runs in near-equal blocks of
-// at most kMaxKc (a block of a panel, 20 KB, stays in L1 while every strip of rows reads
+// it. x is packed per call into strips of 6 rows ([K][6]). K runs in near-equal blocks
+// (k_block: a block of a panel, at most 20 KB, stays in L1 while every strip of rows reads
 // it); threads split the panels.
 //
 // Every output element is the same sequence of FMAs whatever the number of rows and
@@ -27,11 +27,16 @@
 namespace {
 
 constexpr int64_t kMr = 6, kNr = 16;
-constexpr int64_t kMaxKc = 320;
 constexpr int64_t kStripsPerChunk = 16;  // 96 rows of packed x stay in L2 across panels
 
-int64_t k_block(int64_t K) {  // K in near-equal blocks of at most kMaxKc
-  const int64_t blocks = (K + kMaxKc - 1) / kMaxKc;
+// K in near-equal blocks of at most 320, or of 96 (64) for up to 10 (2) strips of x: then a
+// k block of every strip (24 B a k each) and of B (64 B a k) fit in L1 together, and each
+// block of B is read from L1 by all the strips (cold weights, 32 rows: +6-11 %, 8 rows
+// +15-20 %; at 64 rows and up, 320 is as fast or faster). The k blocks do not change the
+// order of the FMAs, so the result does not depend on them.
+int64_t k_block(int64_t K, int64_t strips) {
+  const int64_t max_kc = strips <= 2 ? 64 : strips <= 10 ? 96 : 320;
+  const int64_t blocks = (K + max_kc - 1) / max_kc;
   return (K + blocks - 1) / blocks;
 }
 
@@ -125,7 +130,7 @@ void pack_rows(const float* x, int64_t M, int64_t K, float* strips) {
 void panel_range(int64_t p0, int64_t p1, int64_t c0, int64_t c1, const float* strips,
                  const float* panels, const float* bias, float* y, int64_t M, int64_t N,
                  int64_t K) {
-  const int64_t kc = k_block(K);
+  const int64_t kc = k_block(K, (M + kMr - 1) / kMr);
   alignas(64) float scratch[kMr * kNr];
   for (int64_t p = p0; p < p1; ++p) {
     const int64_t cols = std::min(kNr, N - p * kNr);
