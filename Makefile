@@ -20,11 +20,10 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[dev]'
 	touch $(STAMP)
 
-# The C++ CPU kernels (kernels/csrc), built once per machine into torch's extension cache
-# (about two minutes on 2 cores; a no-op afterwards), so no test, server start or benchmark
-# pays for it.
+# The C++ CPU kernels (kernels/cpu/csrc), built once per machine into torch's extension cache
+# (minutes on 2 cores; a no-op afterwards), so no test, server start or benchmark pays for it.
 kernels: $(STAMP)
-	$(PY) -m loraplex.kernels.cpu_ext
+	$(PY) -m loraplex.kernels.cpu.extension
 
 serve: kernels
 	$(VENV)/bin/loraplex serve --host $(HOST) --port $(PORT) $(SERVE_ARGS)

@@ -10,6 +10,8 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer, GenerationConfig, PretrainedConfig
 
+from ..kernels import backend_class, backend_name
+from ..kernels.backend import KernelBackend
 from .config import EngineConfig
 from .models.llama import LlamaForCausalLM
 from .models.loader import load_config, load_model, resolve_dtype
@@ -26,6 +28,7 @@ class BaseModel:
     tokenizer: object | None
     dtype: torch.dtype
     device: torch.device
+    kernels: KernelBackend
     eos_token_ids: frozenset[int]
     sampling_defaults: dict  # fields of generation_config.json that SamplingParams has
 
@@ -83,10 +86,13 @@ def load_base_model(cfg: EngineConfig, progress: bool = False) -> BaseModel:
     config = load_config(path)
     cfg.max_model_len = _max_model_len(cfg, config)
     device = resolve_device(cfg.device)
-    dtype = resolve_dtype(config, cfg.dtype, device)
-    model = load_model(path, config, dtype, device, cfg.max_model_len, progress)
+    backend_cls = backend_class(backend_name(device))  # the one choice of kernels
+    dtype = resolve_dtype(config, cfg.dtype, device, backend_cls)
+    kernels = backend_cls(device, dtype)
+    model = load_model(path, config, kernels, cfg.max_model_len, progress)
     tokenizer = _load_tokenizer(path)
     defaults, eos = _generation_defaults(path)
     for source in (config.eos_token_id, getattr(tokenizer, "eos_token_id", None)):
         eos |= set(source if isinstance(source, list) else [source] if source is not None else [])
-    return BaseModel(path, config, model, tokenizer, dtype, device, frozenset(eos), defaults)
+    return BaseModel(path, config, model, tokenizer, dtype, device, kernels, frozenset(eos),
+                     defaults)

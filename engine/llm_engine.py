@@ -9,20 +9,18 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from ..lora.batch import LoRABatch
 from ..lora.cache import AdapterCache, AdapterInfo
 from ..lora.layers import attach_lora
-from .models.packed_linear import pack_model, packing_available, warm_up_packed
 from ..lora.peft_format import BaseShapes, LoRAWeights, read_peft_adapter
 from ..lora.slots import SlotBuffers
 from .base_model import BaseModel, load_base_model
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .errors import AdapterNotFoundError, InvalidRequestError
-from .model_runner import ModelRunner, StepInputs, num_kv_blocks
+from .model_runner import ModelRunner, num_kv_blocks
 from .output_processor import OutputProcessor, RequestOutput
 from .sampling_params import SamplingParams
-from .scheduler import Scheduler
+from .scheduler import ScheduledBatch, Scheduler
 from .sequence import Sequence
 
 log = logging.getLogger(__name__)
@@ -38,19 +36,16 @@ class LLMEngine:
         self.max_model_len: int = cfg.max_model_len  # type: ignore[assignment]  # set by loader
         blocks = num_kv_blocks(cfg, self.base.hf_config, self.base.dtype, self.base.device)
         self.block_manager = BlockManager(blocks, cfg.block_size, cfg.enable_prefix_caching)
-        self.runner = ModelRunner(self.base.model, cfg, blocks, self.base.dtype, self.base.device)
-        self.lora_batch = LoRABatch(self.base.device)
-        self.slot_buffers = SlotBuffers(attach_lora(self.base.model, cfg.max_loras,
-                                                    cfg.max_lora_rank, self.lora_batch))
-        if packing_available(self.base.device, self.base.dtype):
-            log.debug("packed %d linears", pack_model(self.base.model))
-            warm_up_packed(self.base.model, cfg.max_num_batched_tokens, cfg.max_num_seqs)
+        kernels = self.base.kernels
+        self.runner = ModelRunner(self.base.model, cfg, blocks, kernels)
+        self.slot_buffers = SlotBuffers(attach_lora(self.base.model.lora_targets(),
+                                                    cfg.max_loras, cfg.max_lora_rank, kernels))
+        kernels.prepare_model(self.base.model, cfg.max_num_batched_tokens, cfg.max_num_seqs)
         self.base_shapes = BaseShapes.from_hf_config(self.base.hf_config, str(self.base.path))
         self.lora = AdapterCache(cfg.max_loras, cfg.max_cpu_loras,  # type: ignore[arg-type]
                                  read=lambda name, path: self.read_adapter(path, name),
                                  load_slot=self.slot_buffers.load,
                                  clear_slot=self.slot_buffers.clear)
-        self.runner.before_forward.append(self._prepare_lora)
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs,
                                    cfg.max_num_batched_tokens, self.lora,
                                    cfg.adapter_starvation_steps)
@@ -59,9 +54,9 @@ class LLMEngine:
         self._ids = itertools.count()
         for name, path in cfg.lora_modules.items():
             self.add_adapter(name, path, preloaded=True)
-        log.info("engine ready: %s, %s on %s, %d KV blocks of %d tokens, max_model_len %d",
-                 self.base.path, self.base.dtype, self.base.device, blocks, cfg.block_size,
-                 self.max_model_len)
+        log.info("engine ready: %s, %s on %s, %s kernels, %d KV blocks of %d tokens, "
+                 "max_model_len %d", self.base.path, self.base.dtype, self.base.device,
+                 kernels.name, blocks, cfg.block_size, self.max_model_len)
 
     # ---- requests -----------------------------------------------------------------------
     @property
@@ -173,7 +168,7 @@ class LLMEngine:
         if batch.empty:  # requests wait on adapter reads: block briefly rather than spin
             self.lora.wait_for_loads(0.01)
             return outputs
-        seqs, tokens = self.runner.run(batch)
+        seqs, tokens = self.runner.run(batch, self._adapter_slots(batch))
         self.scheduler.postprocess(batch)
         for seq, token in zip(seqs, tokens):
             reason = self._fail_non_finite(seq) if token is None else \
@@ -223,10 +218,9 @@ class LLMEngine:
                 outputs.append(self.outputs.report(seq))
         return outputs
 
-    def _prepare_lora(self, inputs: StepInputs) -> None:
-        slot_of = {a: self.lora.slot_of(a) for a in set(inputs.token_adapter_ids) if a}
-        slot_of[0] = -1
-        self.lora_batch.prepare([slot_of[a] for a in inputs.token_adapter_ids])
+    def _adapter_slots(self, batch: ScheduledBatch) -> dict[int, int]:
+        """The device slot of every adapter in the batch (the scheduler made them resident)."""
+        return {a: self.lora.slot_of(a) for a in {s.adapter_id for s, _ in batch.entries} if a}
 
     # ---- adapters -----------------------------------------------------------------------
     def read_adapter(self, path: str | Path, name: str = "") -> LoRAWeights:

@@ -1,16 +1,18 @@
 """ModelRunner: owns the model and the KV cache; turns a ScheduledBatch into one forward
-pass (flat tokens, positions, slot mapping, block tables, built once per step) and samples."""
+pass and samples. ``prepare`` builds the step's StepMetadata once (flat tokens, positions,
+slot mapping, block tables, LoRA segments); every layer reads it."""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 from transformers import PretrainedConfig
 
-from .attention_metadata import AttentionMetadata
+from ..kernels.backend import KernelBackend
+from ..kernels.step_metadata import AttentionMetadata, StepMetadata
 from .config import DEFAULT_CPU_KV_BYTES, EngineConfig
 from .models.llama import LlamaForCausalLM, head_dim_of
 from .sampler import Sampler
@@ -24,8 +26,7 @@ log = logging.getLogger(__name__)
 class StepInputs:
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
-    meta: AttentionMetadata
-    token_adapter_ids: list[int]  # [T], adapter id of every token (0 = base)
+    meta: StepMetadata
     sample_rows: list[int]  # rows of the flat batch whose logits are sampled
     sample_seqs: list[Sequence]
 
@@ -66,13 +67,14 @@ def _table(rows: list[list[int]], device: torch.device) -> torch.Tensor:
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, cfg: EngineConfig, num_blocks: int,
-                 dtype: torch.dtype, device: torch.device):
+                 kernels: KernelBackend):
         self.model = model
         self.cfg = cfg
-        self.device = device
+        self.kernels = kernels
+        self.device = device = kernels.device
+        dtype = kernels.dtype
         self.block_size = cfg.block_size
-        self.sampler = Sampler(cfg.seed)
-        self.before_forward: list[Callable[[StepInputs], None]] = []  # e.g. LoRA segments
+        self.sampler = Sampler(cfg.seed, kernels)
         config = model.config
         kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         shape = (num_blocks, cfg.block_size, kv_heads, head_dim_of(config))
@@ -80,13 +82,15 @@ class ModelRunner:
             attn.k_cache = torch.zeros(shape, dtype=dtype, device=device)
             attn.v_cache = torch.zeros(shape, dtype=dtype, device=device)
 
-    def prepare(self, batch: ScheduledBatch) -> StepInputs:
+    def prepare(self, batch: ScheduledBatch, adapter_slots: Mapping[int, int]) -> StepInputs:
+        """The step's inputs; ``adapter_slots`` maps the adapter id of every sequence in the
+        batch that has one to its device slot."""
         prefills = [(s, n) for s, n in batch.entries if n > 1]
         decodes = [(s, n) for s, n in batch.entries if n == 1]
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
-        adapters: list[int] = []
+        token_slots: list[int] = []  # [T], LoRA slot of every token, -1 = base
         sample_rows: list[int] = []
         sample_seqs: list[Sequence] = []
         starts = [0]
@@ -96,14 +100,14 @@ class ModelRunner:
             positions += range(c, c + n)
             bt, bs = seq.block_table, self.block_size
             slots += [bt[p // bs] * bs + p % bs for p in range(c, c + n)]
-            adapters += [seq.adapter_id] * n
+            token_slots += [adapter_slots[seq.adapter_id] if seq.adapter_id else -1] * n
             if c + n == seq.num_tokens:  # all its tokens computed: the last one samples
                 sample_rows.append(len(ids) - 1)
                 sample_seqs.append(seq)
             starts.append(len(ids))
         dev = self.device
         num_prefill = starts[len(prefills)]
-        meta = AttentionMetadata(
+        attn = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
             num_prefill_tokens=num_prefill,
             prefill_block_tables=_table([s.block_table for s, _ in prefills], dev),
@@ -118,17 +122,16 @@ class ModelRunner:
         return StepInputs(
             input_ids=torch.tensor(ids, dtype=torch.int64, device=dev),
             positions=torch.tensor(positions, dtype=torch.int64, device=dev),
-            meta=meta, token_adapter_ids=adapters, sample_rows=sample_rows,
-            sample_seqs=sample_seqs,
+            meta=StepMetadata(attn, self.kernels.lora_segments(token_slots)),
+            sample_rows=sample_rows, sample_seqs=sample_seqs,
         )
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> tuple[list[Sequence], list[int | None]]:
+    def run(self, batch: ScheduledBatch, adapter_slots: Mapping[int, int]
+            ) -> tuple[list[Sequence], list[int | None]]:
         """One forward pass; returns the sequences that sampled and their new tokens (None
         where the sequence's logits were not finite)."""
-        inputs = self.prepare(batch)
-        for hook in self.before_forward:
-            hook(inputs)
+        inputs = self.prepare(batch, adapter_slots)
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
         if not inputs.sample_rows:
             return [], []

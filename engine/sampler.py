@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels import dispatch
+from ..kernels.backend import KernelBackend
 from .sampling_params import SamplingParams
 from .sequence import Sequence
 
@@ -25,7 +25,8 @@ def _finite_rows(logits: torch.Tensor) -> list[bool]:
 
 
 class Sampler:
-    def __init__(self, seed: int = 0):
+    def __init__(self, seed: int, kernels: KernelBackend):
+        self.kernels = kernels  # argmax_rows on the host copy of the logits
         self.generator = torch.Generator().manual_seed(seed)  # for unseeded requests
         self.seeded: dict[str, torch.Generator] = {}  # request_id -> its own generator
 
@@ -39,7 +40,7 @@ class Sampler:
         logits = logits.cpu()
         finite = _finite_rows(logits)  # before the -inf masking below
         self._mask_banned(logits, seqs)
-        greedy = dispatch.argmax_rows(logits).tolist()
+        greedy = self.kernels.argmax_rows(logits).tolist()
         return [
             None if not finite[i] else greedy[i] if seq.params.greedy
             else self._sample(logits[i], seq)

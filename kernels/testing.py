@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from .segments import LoRASegments
+from .lora_segments import LoRASegments
 
 
 def make_lora_weights(
@@ -21,7 +21,7 @@ def make_lora_weights(
 ) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
     """(lora_a, lora_b, ranks): A_i [L, r_max, din], B_i [L, out_i, r_max] (scaling folded),
     ranks [num_slices, L] int32, entries past a slot's rank set to ``past_rank``. With
-    ``r_major_b``, B has the engine's CPU slot layout (lora.layers.lora_b_buffer)."""
+    ``r_major_b``, B has the CPU backend's slot layout (CPUBackend.lora_b_buffer)."""
     g = torch.Generator().manual_seed(seed)
     num_loras = len(slot_ranks[0])
     lora_a, lora_b = [], []

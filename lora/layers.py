@@ -1,51 +1,50 @@
 """LoRALinear and attach_lora: LoRA is attached to a finished, LoRA-free model by
-replacing its fused linears (the model file never mentions LoRA)."""
+replacing the linears the model names in ``model.lora_targets()`` (the model file never
+mentions LoRA)."""
 
 from __future__ import annotations
+
+from collections.abc import Iterable
 
 import torch
 from torch import nn
 
-from ..kernels import dispatch
-from .batch import LoRABatch
+from ..kernels.backend import KernelBackend
+from ..kernels.step_metadata import current_step
 
-
-def lora_b_buffer(max_loras: int, out: int, max_rank: int, device: torch.device,
-                  dtype: torch.dtype) -> torch.Tensor:
-    """A zeroed [max_loras, out, max_rank] B slot buffer. On the CPU its storage is r-major
-    ([max_loras, max_rank, out], returned transposed): the C++ expand then reads each rank's
-    outputs contiguously and runs as vector FMAs (bench/lora_cpu.py)."""
-    if device.type != "cpu":
-        return torch.zeros(max_loras, out, max_rank, device=device, dtype=dtype)
-    return torch.zeros(max_loras, max_rank, out, device=device, dtype=dtype).transpose(1, 2)
+# (layer index, parent module, attribute of the linear, PEFT names of its output slices,
+#  widths of those slices): what a model's lora_targets() yields
+LoRATarget = tuple[int, nn.Module, str, tuple[str, ...], list[int]]
 
 
 class LoRALinear(nn.Module):
-    """``base(x) + Σ_slices expand(shrink(x, A[slot]), B[slot])`` per token.
+    """``base(x) + Σ_slices expand(shrink(x, A[slot]), B[slot])`` per token, the slots read
+    from the step in use (``kernels.step_metadata.current_step``).
 
     Holds the device slot buffers of one fused linear: one A and one B per output slice
     (q/k/v: 3, gate/up: 2, o or down: 1). Rows/columns beyond an adapter's rank are zero.
     """
 
-    def __init__(self, base: nn.Linear, slices: tuple[str, ...], slice_sizes: list[int],
-                 max_loras: int, max_rank: int, batch: LoRABatch):
+    def __init__(self, base: nn.Module, slices: tuple[str, ...], slice_sizes: list[int],
+                 max_loras: int, max_rank: int, backend: KernelBackend):
         super().__init__()
         self.base = base
         self.slices = slices
         self.slice_sizes = slice_sizes
-        self.batch = batch
-        dev, dtype = base.weight.device, base.weight.dtype
-        self.lora_a = [torch.zeros(max_loras, max_rank, base.in_features, device=dev, dtype=dtype)
+        self.backend = backend
+        in_features = base.in_features
+        dev, dtype = backend.device, backend.dtype
+        self.lora_a = [torch.zeros(max_loras, max_rank, in_features, device=dev, dtype=dtype)
                        for _ in slices]  # each [max_loras, r_max, in]
-        self.lora_b = [lora_b_buffer(max_loras, size, max_rank, dev, dtype)
+        self.lora_b = [backend.lora_b_buffer(max_loras, size, max_rank)
                        for size in slice_sizes]  # each [max_loras, out_i, r_max]
         self.ranks = torch.zeros(len(slices), max_loras, dtype=torch.int32, device=dev)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.base(x)
-        seg = self.batch.segments
-        if seg is not None:
-            dispatch.add_lora(out, x, self.lora_a, self.lora_b, self.ranks, seg)
+        step = current_step()
+        if step is not None and step.lora is not None:
+            self.backend.add_lora(out, x, self.lora_a, self.lora_b, self.ranks, step.lora)
         return out
 
     def set_slot(self, slot: int, weights: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
@@ -61,28 +60,13 @@ class LoRALinear(nn.Module):
             self.ranks[i, slot] = rank
 
 
-def _slice_sizes(layer: nn.Module, fused: str, base: nn.Linear) -> list[int]:
-    attn = layer.self_attn
-    if fused == "qkv_proj":
-        return [attn.q_size, attn.kv_size, attn.kv_size]
-    if fused == "gate_up_proj":
-        return [layer.mlp.intermediate] * 2
-    return [base.out_features]
-
-
-def attach_lora(model: nn.Module, max_loras: int, max_rank: int,
-                batch: LoRABatch) -> dict[tuple[int, str], LoRALinear]:
-    """Replace every fused linear named in ``model.LORA_SLICES`` by a LoRALinear sharing
-    ``batch``; returns them by (layer index, fused name)."""
-    from ..engine.models.llama import LORA_SLICES
-
+def attach_lora(targets: Iterable[LoRATarget], max_loras: int, max_rank: int,
+                backend: KernelBackend) -> dict[tuple[int, str], LoRALinear]:
+    """Replace every target linear (a model's ``lora_targets()``) by a LoRALinear; returns
+    them by (layer index, attribute name)."""
     wrapped: dict[tuple[int, str], LoRALinear] = {}
-    for idx, layer in enumerate(model.model.layers):
-        for fused, slices in LORA_SLICES.items():
-            parent = layer.self_attn if fused in ("qkv_proj", "o_proj") else layer.mlp
-            base = getattr(parent, fused)
-            lora = LoRALinear(base, slices, _slice_sizes(layer, fused, base), max_loras,
-                              max_rank, batch)
-            setattr(parent, fused, lora)
-            wrapped[(idx, fused)] = lora
+    for idx, parent, attr, slices, sizes in targets:
+        lora = LoRALinear(getattr(parent, attr), slices, sizes, max_loras, max_rank, backend)
+        setattr(parent, attr, lora)
+        wrapped[(idx, attr)] = lora
     return wrapped

@@ -24,8 +24,3 @@ class SlotBuffers:
     def clear(self, slot: int) -> None:
         for layer in self.layers.values():
             layer.set_slot(slot, {})
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for layer in self.layers.values()
-                   for t in (*layer.lora_a, *layer.lora_b))

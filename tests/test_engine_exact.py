@@ -47,10 +47,14 @@ def assert_no_leak(engine: LLMEngine) -> None:
     assert not engine.requests
 
 
+@pytest.mark.parametrize("kernels", ["cpu", "torch"])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_submitted_together(arch, tiny_models, references):
+def test_submitted_together(arch, kernels, tiny_models, references, monkeypatch):
+    """On the CPU and torch kernel backends (Triton: test_engine_triton.py)."""
+    monkeypatch.setenv("LORAPLEX_KERNELS", kernels)
     engine = LLMEngine(model=tiny_models(arch), dtype="float32", max_num_seqs=32,
                        max_num_batched_tokens=512, max_model_len=256)
+    assert engine.base.kernels.name == kernels
     outs = engine.generate(make_prompts(), greedy())
     assert [o.token_ids for o in outs] == references[arch]
     assert all(o.finish_reason == "length" for o in outs)
@@ -80,17 +84,19 @@ def test_staggered_arrivals(arch, tiny_models, references):
     assert_no_leak(engine)
 
 
+@pytest.mark.parametrize("kernels", ["cpu", "torch"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_chunked_prefill(arch, tiny_models, references):
+def test_chunked_prefill(arch, kernels, tiny_models, references, monkeypatch):
     """A budget of 24 tokens per step splits every long prompt over several steps."""
+    monkeypatch.setenv("LORAPLEX_KERNELS", kernels)
     engine = LLMEngine(model=tiny_models(arch), dtype="float32", max_num_seqs=16,
                        max_num_batched_tokens=24, max_model_len=256)
     chunked = []
     real_step = engine.runner.run
 
-    def spy(batch):
+    def spy(batch, adapter_slots):
         chunked.extend(n for s, n in batch.entries if s.num_computed_tokens + n < s.num_tokens)
-        return real_step(batch)
+        return real_step(batch, adapter_slots)
 
     engine.runner.run = spy
     assert run_staggered(engine, make_prompts(), every=1) == references[arch]

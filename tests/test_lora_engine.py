@@ -74,9 +74,12 @@ def assert_clean(engine: LLMEngine) -> None:
     assert all(a.active_requests == 0 for a in engine.list_adapters())
 
 
+@pytest.mark.parametrize("kernels", ["cpu", "torch"])
 @pytest.mark.parametrize("max_loras, max_cpu_loras", [(8, 8), (3, 4)])
 def test_mixed_batch_exact_against_peft(tiny_llama, adapters, peft_reference, max_loras,
-                                        max_cpu_loras):
+                                        max_cpu_loras, kernels, monkeypatch):
+    """On the CPU and torch kernel backends (Triton: test_engine_triton.py)."""
+    monkeypatch.setenv("LORAPLEX_KERNELS", kernels)
     engine = LLMEngine(model=tiny_llama, dtype="float32", max_loras=max_loras,
                        max_cpu_loras=max_cpu_loras, max_lora_rank=64, max_model_len=128,
                        lora_modules={n: str(p) for n, p in adapters.items()})
@@ -84,6 +87,7 @@ def test_mixed_batch_exact_against_peft(tiny_llama, adapters, peft_reference, ma
     outs = engine.generate([p for _, p in items], greedy(), adapters=[a for a, _ in items])
     for (adapter, prompt), out in zip(items, outs):
         assert out.token_ids == peft_reference(adapter, prompt), adapter
+    assert engine.base.kernels.name == kernels
     assert_clean(engine)
 
 

@@ -3,8 +3,8 @@
 knows), tied embeddings. LoRA-free: adapters are attached afterwards by module replacement
 (``loraplex.lora.layers.attach_lora``).
 
-q/k/v and gate/up are fused into one linear each; ``LORA_SLICES`` names their slices in
-PEFT's terms.
+q/k/v and gate/up are fused into one linear each; ``lora_targets()`` names their slices in
+PEFT's terms. Every kernel runs through the KernelBackend the model is built with.
 """
 
 from __future__ import annotations
@@ -15,16 +15,8 @@ from torch import nn
 from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from ...kernels import dispatch
-from ..attention_metadata import AttentionMetadata
-
-# fused module name -> PEFT target names of its output slices, in order
-LORA_SLICES: dict[str, tuple[str, ...]] = {
-    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
-    "o_proj": ("o_proj",),
-    "gate_up_proj": ("gate_proj", "up_proj"),
-    "down_proj": ("down_proj",),
-}
+from ...kernels.backend import KernelBackend
+from ...kernels.step_metadata import AttentionMetadata, StepMetadata, use_step
 
 
 def head_dim_of(config: PretrainedConfig) -> int:
@@ -35,15 +27,16 @@ class RMSNorm(nn.Module):
     """Computed in float32 as transformers does, cast back to the input dtype. Given the
     residual stream, adds x into it first (in place) and normalises the sum."""
 
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, ops: KernelBackend):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.ops = ops
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         if residual is None:
-            return dispatch.rms_norm(x, self.weight, self.eps)
-        return dispatch.add_rms_norm_(x, residual, self.weight, self.eps)
+            return self.ops.rms_norm(x, self.weight, self.eps)
+        return self.ops.add_rms_norm_(x, residual, self.weight, self.eps)
 
 
 class RotaryEmbedding(nn.Module):
@@ -74,8 +67,9 @@ class RotaryEmbedding(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, config: PretrainedConfig):
+    def __init__(self, config: PretrainedConfig, ops: KernelBackend):
         super().__init__()
+        self.ops = ops
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
         self.head_dim = head_dim_of(config)
@@ -86,8 +80,8 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
         self.qk_norm = config.model_type == "qwen3"
         if self.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, ops)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, ops)
         self.scale = self.head_dim**-0.5
         self.k_cache = torch.empty(0)  # [num_blocks, block_size, Hkv, D], set by ModelRunner
         self.v_cache = torch.empty(0)
@@ -102,7 +96,7 @@ class Attention(nn.Module):
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = dispatch.rope_store_kv(q, k, v, *rope, self.k_cache, self.v_cache,
+        q = self.ops.rope_store_kv(q, k, v, *rope, self.k_cache, self.v_cache,
                                    meta.slot_mapping)
         return self.o_proj(self._attend(q, meta).reshape(t, self.q_size))
 
@@ -115,21 +109,22 @@ class Attention(nn.Module):
         return torch.cat((self._prefill(q[:p], meta), self._decode(q[p:], meta)))
 
     def _prefill(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        return dispatch.paged_attention_prefill(
+        return self.ops.paged_attention_prefill(
             q, self.k_cache, self.v_cache, meta.prefill_block_tables,
             meta.prefill_query_start_loc, meta.prefill_context_lens, self.scale,
         )
 
     def _decode(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        return dispatch.paged_attention_decode(
+        return self.ops.paged_attention_decode(
             q, self.k_cache, self.v_cache, meta.decode_block_tables,
             meta.decode_context_lens, self.scale,
         )
 
 
 class MLP(nn.Module):
-    def __init__(self, config: PretrainedConfig):
+    def __init__(self, config: PretrainedConfig, ops: KernelBackend):
         super().__init__()
+        self.ops = ops
         if getattr(config, "hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act={config.hidden_act!r} is not supported (only 'silu')")
         self.intermediate = config.intermediate_size
@@ -137,16 +132,16 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(self.intermediate, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(dispatch.silu_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.ops.silu_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig):
+    def __init__(self, config: PretrainedConfig, ops: KernelBackend):
         super().__init__()
-        self.self_attn = Attention(config)
-        self.mlp = MLP(config)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, ops)
+        self.mlp = MLP(config, ops)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None,
@@ -164,11 +159,12 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: PretrainedConfig, max_positions: int):
+    def __init__(self, config: PretrainedConfig, max_positions: int, ops: KernelBackend):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(config, ops)
+                                    for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.rotary = RotaryEmbedding(config, max_positions)
 
     def forward(
@@ -185,19 +181,21 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """Runs a flat batch of tokens; ``compute_logits`` only on the rows that sample."""
 
-    def __init__(self, config: PretrainedConfig, max_positions: int):
+    def __init__(self, config: PretrainedConfig, max_positions: int, ops: KernelBackend):
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, max_positions)
+        self.model = LlamaModel(config, max_positions, ops)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if not self.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.logits_head: nn.Module | None = None  # set to replace the F.linear below
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: StepMetadata
     ) -> torch.Tensor:  # [T, hidden]
-        return self.model(input_ids, positions, meta)
+        """The hidden states of the flat batch; ``meta`` is the step in use meanwhile."""
+        with use_step(meta):
+            return self.model(input_ids, positions, meta.attn)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, vocab] float32
         if self.logits_head is not None:
@@ -209,3 +207,18 @@ class LlamaForCausalLM(nn.Module):
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn for layer in self.model.layers]
+
+    def lora_targets(self) -> list[tuple[int, nn.Module, str, tuple[str, ...], list[int]]]:
+        """The linears adapters may target: (layer index, parent module, attribute, PEFT
+        names of its output slices in order, their widths)."""
+        targets = []
+        for idx, layer in enumerate(self.model.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            targets += [
+                (idx, attn, "qkv_proj", ("q_proj", "k_proj", "v_proj"),
+                 [attn.q_size, attn.kv_size, attn.kv_size]),
+                (idx, attn, "o_proj", ("o_proj",), [attn.o_proj.out_features]),
+                (idx, mlp, "gate_up_proj", ("gate_proj", "up_proj"), [mlp.intermediate] * 2),
+                (idx, mlp, "down_proj", ("down_proj",), [mlp.down_proj.out_features]),
+            ]
+        return targets

@@ -11,7 +11,7 @@ from safetensors import safe_open
 from tqdm import tqdm
 from transformers import AutoConfig, PretrainedConfig
 
-from ...kernels.lora_cpu import HALF_NATIVE
+from ...kernels.backend import KernelBackend
 from .llama import LlamaForCausalLM, RotaryEmbedding
 
 SUPPORTED_ARCHITECTURES = {
@@ -105,7 +105,10 @@ def load_weights(model: LlamaForCausalLM, files: list[Path], progress: bool = Fa
         raise ValueError(f"weights missing from the checkpoint: {missing[:5]}")
 
 
-def resolve_dtype(config: PretrainedConfig, dtype: str, device: torch.device) -> torch.dtype:
+def resolve_dtype(config: PretrainedConfig, dtype: str, device: torch.device,
+                  backend: type[KernelBackend]) -> torch.dtype:
+    """``dtype``, or for "auto" the checkpoint's dtype as the backend serves it on
+    ``device`` (float32 where the checkpoint names none)."""
     if dtype != "auto":
         return getattr(torch, dtype)
     native = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
@@ -113,19 +116,18 @@ def resolve_dtype(config: PretrainedConfig, dtype: str, device: torch.device) ->
         native = getattr(torch, native, None)
     if native not in (torch.float32, torch.bfloat16, torch.float16):
         return torch.float32
-    if device.type == "cpu" and native in (torch.float16, torch.bfloat16):
-        # half GEMMs are fast on CPU only with AVX-512-BF16/AMX; elsewhere emulated (5x slower)
-        return torch.bfloat16 if HALF_NATIVE else torch.float32
-    return native
+    return backend.auto_dtype(native, device)
 
 
 def load_model(
-    model_dir: Path, config: PretrainedConfig, dtype: torch.dtype, device: torch.device,
-    max_positions: int, progress: bool = False,
+    model_dir: Path, config: PretrainedConfig, backend: KernelBackend, max_positions: int,
+    progress: bool = False,
 ) -> LlamaForCausalLM:
+    """The model on the backend's device and dtype, its kernels run by ``backend``."""
     files = weight_files(model_dir)
+    device, dtype = backend.device, backend.dtype
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, max_positions)
+        model = LlamaForCausalLM(config, max_positions, backend)
     model = model.to_empty(device=device).to(dtype)
     model.model.rotary = RotaryEmbedding(config, max_positions).to(device)
     load_weights(model, files, progress)

@@ -1,4 +1,5 @@
-"""Paged causal prefill attention in Triton (twin: ``reference.paged_attention_prefill``)."""
+"""Paged causal prefill attention in Triton (twin: the torch backend's
+``paged_attention_prefill``)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention import _load_kv
+from .paged_kv import load_kv
 
 BLOCK_M = 16  # query rows per program
 BLOCK_N = 32  # context positions per inner step
@@ -55,9 +56,9 @@ def _prefill_kernel(
     for n0 in range(0, hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < ctx
-        k = _load_kv(k_cache_ptr, table, offs_n, mask_n, kv_head, offs_d, mask_d,
+        k = load_kv(k_cache_ptr, table, offs_n, mask_n, kv_head, offs_d, mask_d,
                      block_size, stride_cb, stride_co, stride_ch, stride_cd).to(q.dtype)
-        v = _load_kv(v_cache_ptr, table, offs_n, mask_n, kv_head, offs_d, mask_d,
+        v = load_kv(v_cache_ptr, table, offs_n, mask_n, kv_head, offs_d, mask_d,
                      block_size, stride_cb, stride_co, stride_ch, stride_cd).to(q.dtype)
         sc = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [BM, BN]
         visible = (offs_n[None, :] <= pos_m[:, None]) & mask_n[None, :]

@@ -1,13 +1,10 @@
-"""The CPU routes of ``add_lora``: one exact formulation per shape, chosen per call.
+"""The CPU routes of ``add_lora``: exact formulations of the LoRA delta, one chosen per
+step and layer shape by ``choose_route`` (the rule and its measurements:
+``bench/lora_cpu.py``, bench/results/).
 
-Measured with ``bench/lora_cpu.py`` (and /work/shared/notes/cpu-lora.md): the C++
-per-token kernel (cpu_ext.py) wins decode with many adapters, grouped matmul over
-the sorted rows wins longer segments up to prefill; the rank-exact per-segment loop wins
-with few segments, or long ones of mixed ranks. Without AVX-512-BF16/AMX,
-bf16 GEMMs are emulated and 5-20x slower than fp32, so half-precision deltas are then
-computed in fp32.
 Routes are rank-aware on the host: a rank-r slot costs r columns (loop), or at most the
-largest rank among the step's used slots (grouped, gather, dense), never r_max.
+largest rank among the step's used slots (grouped, gather, dense), never r_max. Half-
+precision deltas are computed in fp32 where the CPU has no native bf16 GEMM (``isa.py``).
 """
 
 from __future__ import annotations
@@ -17,25 +14,14 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from . import cpu_ext
-from .reference import host_ranks
-from .segments import LoRASegments
+from . import extension
+from .isa import HALF_NATIVE
+from .segments import CPULoRASegments as LoRASegments
 
 Route = Callable[
     [torch.Tensor, torch.Tensor, list, list, list, LoRASegments, torch.dtype], None
 ]  # (out, x, lora_a, lora_b, ranks_host, seg, compute dtype)
 
-
-def _half_matmul_is_native() -> bool:
-    """bf16/fp16 GEMMs are fast only with AVX-512-BF16 or AMX; on AVX2 they are emulated
-    (5x slower than fp32 here), so the delta is then computed in fp32."""
-    try:
-        return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
-    except AttributeError:
-        return False
-
-
-HALF_NATIVE = _half_matmul_is_native()
 KERNEL_MAX_WORK = 4096  # tokens per adapter segment × rank up to which the kernel wins
 
 
@@ -142,12 +128,12 @@ def route_dense(out: torch.Tensor, x: torch.Tensor, lora_a: list, lora_b: list, 
 
 def route_kernel(out: torch.Tensor, x: torch.Tensor, lora_a: list, lora_b: list, rk: list,
                  seg: LoRASegments, cdt: torch.dtype) -> None:
-    """Per token, in C++: each token reads its own A and B in place (cpu_ext.py); grouped
-    matmul where the kernel cannot be built. (add_lora_fast calls the kernel directly with
-    the ranks tensor; this host-ranks form is what a caller of ROUTES gets.)"""
+    """Per token, in C++ (csrc/lora_gather.cpp): each token reads its own A and B in place,
+    B r-major, fp32 accumulation. The kernel reads the ranks tensor itself; this host-ranks
+    form is what a caller of ROUTES gets."""
     ranks = torch.tensor(rk, dtype=torch.int32)
-    if not cpu_ext.add_lora(out, x, lora_a, lora_b, ranks, seg):
-        route_grouped(out, x, lora_a, lora_b, rk, seg, cdt)
+    extension.load().add_lora_gather(out, x, seg.lora_rows, seg.lora_row_slots, lora_a,
+                                     lora_b, ranks)
 
 
 ROUTES: dict[str, Route] = {
@@ -162,18 +148,15 @@ ROUTES: dict[str, Route] = {
 def choose_route(seg: LoRASegments, compute_dtype: torch.dtype = torch.float32,
                  mixed_ranks: bool = False, rank: int = 8) -> str:
     """The fastest exact route for this step's shape, compute dtype and largest used
-    ``rank`` (bench/lora_cpu.py).
+    ``rank``; the rule follows bench/lora_cpu.py's measurements.
 
-    The C++ per-token kernel reads each token's A and B in place (B r-major: its expand is
-    vector FMAs over the outputs): it costs tokens × rank × (in + out) and wins while
-    segments are short (bench/lora_cpu.py, fp32, SmolLM2 shapes: decode 32 tokens of 32
-    rank-8 adapters 4-12x faster than grouped matmul; 512 tokens of 32 adapters 2-6x at
-    rank 8, 2x at rank 64; 2048 tokens of 8 adapters 1.4-2.4x at rank 8, even at rank 16,
-    and losing at rank 64): tokens per adapter × rank = KERNEL_MAX_WORK (4096) is where it
-    stops winning. Longer segments take grouped matmul over the sorted rows, or the
-    rank-exact per-segment loop with one or two segments, or long ones whose ranks differ (grouped pads every slot to the largest rank in use). Without the kernel,
-    decode in half precision (native bf16 CPUs) takes a dense shrink over all slots: CPU
-    grouped_mm is slow in bf16 there (notes/cpu-lora.md)."""
+    - "kernel" (C++, per token, reads A and B in place) while tokens per adapter × rank is
+      at most KERNEL_MAX_WORK: decode and short segments;
+    - "loop" (rank-exact per segment) for one or two segments, or long segments whose
+      ranks differ by 2x or more (grouped pads every slot to the largest rank in use);
+    - "dense" (shrink against all slots) for tiny segments in half precision, where CPU
+      grouped_mm is slow;
+    - "grouped" (grouped_mm over the rows sorted by slot) otherwise."""
     if _kernel_wins(seg, rank):
         return "kernel"
     n_seg, per_seg = seg.num_lora_segments, seg.tokens_per_lora_segment
@@ -185,7 +168,7 @@ def choose_route(seg: LoRASegments, compute_dtype: torch.dtype = torch.float32,
 
 
 def _kernel_wins(seg: LoRASegments, rank: int) -> bool:
-    return seg.tokens_per_lora_segment * rank <= KERNEL_MAX_WORK and cpu_ext.available()
+    return seg.tokens_per_lora_segment * rank <= KERNEL_MAX_WORK
 
 
 def _mixed_ranks(rk: list[list[int]], seg: LoRASegments) -> tuple[bool, int]:
@@ -200,7 +183,7 @@ def _mixed_ranks(rk: list[list[int]], seg: LoRASegments) -> tuple[bool, int]:
     return mixed, largest
 
 
-def add_lora_fast(
+def add_lora(
     out: torch.Tensor,  # [T, sum(out_i)]
     x: torch.Tensor,  # [T, in]
     lora_a: list[torch.Tensor],  # num_slices × [max_loras, r_max, in]
@@ -216,11 +199,11 @@ def add_lora_fast(
         return
     cdt = compute_dtype or _compute_dtype(x)
     route = route or _memo_route(seg, ranks, cdt, lora_a[0].shape[1])
-    if route == "kernel":  # the hot decode path: no host copy of the ranks needed
-        if cpu_ext.add_lora(out, x, lora_a, lora_b, ranks, seg):
-            return
-        route = "grouped"  # the kernel is not built here
-    ROUTES[route](out, x, lora_a, lora_b, host_ranks(ranks, lora_a[0].shape[1]), seg, cdt)
+    if route == "kernel":  # the hot decode path: the kernel reads the ranks tensor itself
+        extension.load().add_lora_gather(out, x, seg.lora_rows, seg.lora_row_slots, lora_a,
+                                         lora_b, ranks)
+        return
+    ROUTES[route](out, x, lora_a, lora_b, ranks.tolist(), seg, cdt)
 
 
 def _memo_route(seg: LoRASegments, ranks: torch.Tensor, cdt: torch.dtype,
@@ -232,11 +215,11 @@ def _memo_route(seg: LoRASegments, ranks: torch.Tensor, cdt: torch.dtype,
     key = (ranks.data_ptr(), ranks._version, cdt)
     route = seg.route_memo.get(key)
     if route is None:
-        mixed, largest = _mixed_ranks(host_ranks(ranks, 0), seg)
+        mixed, largest = _mixed_ranks(ranks.tolist(), seg)
         route = seg.route_memo[key] = choose_route(seg, cdt, mixed, largest)
     return route
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     half = x.dtype in (torch.bfloat16, torch.float16)
-    return torch.float32 if half and x.device.type == "cpu" and not HALF_NATIVE else x.dtype
+    return torch.float32 if half and not HALF_NATIVE else x.dtype

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .segments import LoRASegments
+from ..lora_segments import LoRASegments
 
 MAX_SLICES = 3
 BLOCK_M = 16  # rows of a segment per program (tl.dot wants >= 16)

@@ -1,6 +1,6 @@
 // CPU kernel of the LoRA delta for decode-like steps: every token reads its own adapter's
 // A and B straight from the slot buffers (no [T, r, in] weight copy), so a step with many
-// distinct adapters runs near memory bandwidth. Built on first use by kernels/cpu_ext.py.
+// distinct adapters runs near memory bandwidth. Built on first use by kernels/cpu/extension.py.
 //
 // out[t, col_i : col_i + out_i] += B_i[s] @ (A_i[s] @ x[t]) for each lora row t = rows[j]
 // with slot s = row_slots[j] and each slice i; only the first ranks[i][s] rows of A_i[s]

@@ -1,13 +1,13 @@
 // CPU kernel of paged prefill attention (float32): tiles of query tokens against chunks of
-// 16 cached positions with an online softmax (flash-attention order), reading K and V in
-// place through the block table. Built on first use by kernels/cpu_ext.py.
+// kChunk cached positions with an online softmax (flash-attention order), reading K and V in
+// place through the block table. Built on first use by kernels/cpu/extension.py.
 //
 // Token t of a sequence with context_len c and q_len n new tokens sits at position
 // c - n + t and attends positions 0 ..= that one (causal over the cached prefix and the new
 // tokens). A work item is (sequence, KV head, tile of up to kTile tokens): its rows are the
 // tile's tokens × the KV head's query heads, which all read the same K/V chunk; per chunk
-// S = Q·Kᵀ and O += P·V run as 4-row register tiles (every K or V vector loaded once for
-// four rows). Positions past a tile's last token are never read.
+// S = Q·Kᵀ and O += P·V run as 6 x 16 register tiles (tile_6x16.h: every K or V vector
+// loaded once for six rows). Positions past a tile's last token are never read.
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
@@ -17,6 +17,7 @@
 #include <limits>
 #include <vector>
 
+#include "tile_6x16.h"
 #include "vec.h"
 
 namespace {
@@ -31,26 +32,21 @@ struct Item {
 };
 
 #if defined(__AVX2__) && defined(__FMA__)
-// Six rows × sixteen columns of fp32 accumulators, named (an array of them is spilled):
-// c{r}0, c{r}1 hold row r's columns 0-7 and 8-15.
-#define LP_ACC_DECLARE                                                              \
-  __m256 c00, c01, c10, c11, c20, c21, c30, c31, c40, c41, c50, c51;
-#define LP_ROW_FMA(r, x, b0, b1)         \
-  c##r##0 = _mm256_fmadd_ps(x, b0, c##r##0); \
-  c##r##1 = _mm256_fmadd_ps(x, b1, c##r##1);
-#define LP_SIX_ROWS(a, stride, b0, b1)                                        \
-  LP_ROW_FMA(0, _mm256_broadcast_ss(a), b0, b1)                               \
-  LP_ROW_FMA(1, _mm256_broadcast_ss(a + (stride)), b0, b1)                    \
-  LP_ROW_FMA(2, _mm256_broadcast_ss(a + 2 * (stride)), b0, b1)                \
-  LP_ROW_FMA(3, _mm256_broadcast_ss(a + 3 * (stride)), b0, b1)                \
-  LP_ROW_FMA(4, _mm256_broadcast_ss(a + 4 * (stride)), b0, b1)                \
-  LP_ROW_FMA(5, _mm256_broadcast_ss(a + 5 * (stride)), b0, b1)
-#define LP_STORE_ROW(r, dst, stride)                       \
-  _mm256_storeu_ps(dst + r * (stride), c##r##0);          \
-  _mm256_storeu_ps(dst + r * (stride) + 8, c##r##1);
-#define LP_STORE_SIX(dst, stride)                                                      \
-  LP_STORE_ROW(0, dst, stride) LP_STORE_ROW(1, dst, stride) LP_STORE_ROW(2, dst, stride) \
-  LP_STORE_ROW(3, dst, stride) LP_STORE_ROW(4, dst, stride) LP_STORE_ROW(5, dst, stride)
+#define LP_ACC_DECLARE LP_TILE_ROWS(LP_TILE_DECLARE)
+#define LP_SIX_ROWS(a, stride, b0, b1)                                  \
+  LP_TILE_FMA(0, _mm256_broadcast_ss(a), b0, b1)                        \
+  LP_TILE_FMA(1, _mm256_broadcast_ss((a) + (stride)), b0, b1)           \
+  LP_TILE_FMA(2, _mm256_broadcast_ss((a) + 2 * (stride)), b0, b1)       \
+  LP_TILE_FMA(3, _mm256_broadcast_ss((a) + 3 * (stride)), b0, b1)       \
+  LP_TILE_FMA(4, _mm256_broadcast_ss((a) + 4 * (stride)), b0, b1)       \
+  LP_TILE_FMA(5, _mm256_broadcast_ss((a) + 5 * (stride)), b0, b1)
+#define LP_STORE_ROW(r) LP_TILE_STORE(r, lp_dst, lp_stride)
+#define LP_STORE_SIX(dst, stride)                 \
+  {                                               \
+    float* lp_dst = (dst);                        \
+    const int64_t lp_stride = (stride);           \
+    LP_TILE_ROWS(LP_STORE_ROW)                    \
+  }
 #endif
 
 // s[r][j] = Σ_d q[r][d] · kt[d][j] for kRows rows (q rows D apart) and the kChunk keys

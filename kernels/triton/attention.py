@@ -1,6 +1,7 @@
-"""Paged attention in Triton: KV store, decode, and prefill over the block table.
+"""Paged attention in Triton: the KV store and decode over the block table (prefill in
+``attention_prefill.py``).
 
-Same signatures and semantics as the torch twins in ``reference.py``. The key/value
+Same signatures and semantics as the torch backend's (``kernels/torch/attention.py``). The key/value
 positions a program reads are gathered token by token through the block table
 (``block = table[pos // block_size]``), so BLOCK_N is independent of the cache's
 block size and a context may end anywhere inside a block.
@@ -11,6 +12,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from .paged_kv import load_kv
 
 
 @triton.jit
@@ -59,16 +62,6 @@ def store_kv(
 
 
 @triton.jit
-def _load_kv(cache_ptr, table_row_ptr, offs_n, mask_n, kv_head, offs_d, mask_d,
-             block_size, stride_cb, stride_co, stride_ch, stride_cd):
-    """cache rows of context positions offs_n [BN] through the block table: [BN, D_PAD]."""
-    blk = tl.load(table_row_ptr + offs_n // block_size, mask=mask_n, other=0).to(tl.int64)
-    ptrs = cache_ptr + blk[:, None] * stride_cb + (offs_n % block_size)[:, None] * stride_co \
-        + kv_head * stride_ch + offs_d[None, :] * stride_cd
-    return tl.load(ptrs, mask=mask_n[:, None] & mask_d[None, :], other=0.0)
-
-
-@triton.jit
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, tables_ptr, ctx_ptr,
     scale, group, head_dim, block_size,
@@ -96,9 +89,9 @@ def _decode_kernel(
     for n0 in range(0, ctx, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < ctx
-        k = _load_kv(k_cache_ptr, table, offs_n, mask_n, kv_head, offs_d, mask_d,
+        k = load_kv(k_cache_ptr, table, offs_n, mask_n, kv_head, offs_d, mask_d,
                      block_size, stride_cb, stride_co, stride_ch, stride_cd).to(tl.float32)
-        v = _load_kv(v_cache_ptr, table, offs_n, mask_n, kv_head, offs_d, mask_d,
+        v = load_kv(v_cache_ptr, table, offs_n, mask_n, kv_head, offs_d, mask_d,
                      block_size, stride_cb, stride_co, stride_ch, stride_cd).to(tl.float32)
         s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # [G_PAD, BN]
         s = tl.where(mask_n[None, :], s, float("-inf"))
@@ -137,7 +130,3 @@ def paged_attention_decode(
         BLOCK_N=32 if head_dim <= 64 else 16,  # the [G, BLOCK_N, D] product stays in registers
     )
     return out
-
-
-# prefill lives beside decode but in its own file to keep each under ~300 lines
-from .attention_prefill import paged_attention_prefill  # noqa: E402, F401

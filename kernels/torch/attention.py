@@ -1,18 +1,10 @@
-"""Torch twins of the kernels: the test oracle, and the path wherever a kernel is not used.
-
-The attention and LoRA functions have exactly the signature of their Triton counterparts
-in ``attention.py`` / ``sgmv.py``; the decoder-layer elementwise ops (rms_norm,
-add_rms_norm_, rope_store_kv, silu_mul) that of their C++ CPU kernels
-(csrc/layer_ops.cpp). ``dispatch.py`` picks the form.
-"""
+"""Paged attention and the KV store in plain torch: the oracle the Triton and CPU
+kernels are tested against (gathered context, one matmul or SDPA per sequence)."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-
-from .segments import LoRASegments
-
 
 def store_kv(
     key: torch.Tensor,  # [T, Hkv, D]
@@ -28,49 +20,6 @@ def store_kv(
         slots, key, value = slot_mapping[keep], key[keep], value[keep]
     k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, key.to(k_cache.dtype))
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, value.to(v_cache.dtype))
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """weight * (x · rsqrt(mean(x²) + eps)) over the last dim, statistics in float32 and
-    rounded back to x's dtype before the weight, as transformers' LlamaRMSNorm."""
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(x.dtype)
-
-
-def add_rms_norm_(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                  eps: float) -> torch.Tensor:
-    """residual += x (in place: the residual stream), then rms_norm(residual)."""
-    residual.add_(x)
-    return rms_norm(residual, weight, eps)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE. x: [T, H, D]; cos/sin: [T, D]."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
-
-
-def rope_store_kv(
-    q: torch.Tensor,  # [T, Hq, D]
-    k: torch.Tensor,  # [T, Hkv, D]
-    v: torch.Tensor,  # [T, Hkv, D]
-    cos: torch.Tensor,  # [T, D]
-    sin: torch.Tensor,  # [T, D]
-    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,  # [T] int64; -1 = skip
-) -> torch.Tensor:  # [T, Hq, D], q rotated (the kernel rotates q and k in place)
-    """RoPE on q and k; the rotated k and v stored in the paged cache."""
-    store_kv(apply_rope(k, cos, sin), v, k_cache, v_cache, slot_mapping)
-    return apply_rope(q, cos, sin)
-
-
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I]
-    """silu(gate) * up of a fused gate_up projection."""
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
 
 
 def _gather_context(
@@ -154,72 +103,3 @@ def paged_attention_prefill(
             enable_gqa=num_heads != num_kv_heads,
         ).transpose(0, 1)
     return out
-
-
-# --- LoRA: segmented shrink / expand (twins of sgmv.py) -------------------------------
-
-
-def host_ranks(ranks: torch.Tensor, r_max: int) -> list[list[int]]:
-    """ranks as host lists [num_slices][max_loras]; on an accelerator, r_max everywhere
-    (padded rows/columns are zero, so the result is the same, without a device sync)."""
-    if ranks.device.type == "cpu":
-        return ranks.tolist()
-    return [[r_max] * ranks.shape[1] for _ in range(ranks.shape[0])]
-
-
-def lora_shrink(
-    x: torch.Tensor,  # [T, in]
-    lora_a: list[torch.Tensor],  # num_slices × [max_loras, r_max, in]
-    ranks: torch.Tensor,  # [num_slices, max_loras] int32
-    seg: LoRASegments,
-) -> torch.Tensor:  # [num_slices, T, r_max] float32
-    """h[i, t, :r] = x[t] @ A_i[slot_t, :r]ᵀ in fp32; rows of slot -1 tokens and columns
-    past a slot's rank are 0."""
-    r_max = lora_a[0].shape[1]
-    h = torch.zeros(len(lora_a), x.shape[0], r_max, dtype=torch.float32, device=x.device)
-    rk = host_ranks(ranks, r_max)
-    for slot, lo, hi in seg.lora_segments_host:
-        rows = seg.token_indices[lo:hi]  # [n]
-        xs = x[rows].float()  # [n, in]
-        for i, a in enumerate(lora_a):
-            r = rk[i][slot]
-            if r:
-                h[i, rows, :r] = xs @ a[slot, :r].float().t()
-    return h
-
-
-def lora_expand(
-    h: torch.Tensor,  # [num_slices, T, r_max] float32
-    lora_b: list[torch.Tensor],  # num_slices × [max_loras, out_i, r_max]
-    ranks: torch.Tensor,  # [num_slices, max_loras] int32
-    seg: LoRASegments,
-    out: torch.Tensor,  # [T, sum(out_i)]
-) -> None:
-    """out[t, off_i:off_i+out_i] += h[i, t, :r] @ B_i[slot_t, :, :r]ᵀ for tokens with a slot;
-    fp32 accumulation, one rounding to out's dtype."""
-    r_max = lora_b[0].shape[2]
-    rk = host_ranks(ranks, r_max)
-    for slot, lo, hi in seg.lora_segments_host:
-        rows = seg.token_indices[lo:hi]  # [n]
-        off = 0
-        for i, b in enumerate(lora_b):
-            r, width = rk[i][slot], b.shape[1]
-            if r:
-                y = h[i, rows, :r].float() @ b[slot, :, :r].float().t()  # [n, out_i]
-                cur = out[rows, off : off + width].float()
-                out[rows, off : off + width] = (cur + y).to(out.dtype)
-            off += width
-
-
-def add_lora(
-    out: torch.Tensor,  # [T, sum(out_i)]
-    x: torch.Tensor,  # [T, in]
-    lora_a: list[torch.Tensor],  # num_slices × [max_loras, r_max, in]
-    lora_b: list[torch.Tensor],  # num_slices × [max_loras, out_i, r_max]
-    ranks: torch.Tensor,  # [num_slices, max_loras] int32
-    seg: LoRASegments,
-) -> None:
-    """out += expand(shrink(x, A), B), by the fastest exact route for this shape."""
-    from .lora_cpu import add_lora_fast
-
-    add_lora_fast(out, x, lora_a, lora_b, ranks, seg)

@@ -1,5 +1,5 @@
 // CPU float32 GEMM y = x · Wᵀ (+ bias) with W packed once into 16-column panels: the linears
-// of the CPU path (PackedLinear). Built on first use by kernels/cpu_ext.py.
+// of the CPU path (PackedLinear). Built on first use by kernels/cpu/extension.py.
 //
 // Layout: panel p holds output columns 16p .. 16p+15 as [K][16] (columns past N are zero),
 // so a panel streams from memory once per call in the order the 6 x 16 register tile reads
@@ -19,8 +19,9 @@
 #include <cstring>
 #include <memory>
 
+#include "tile_6x16.h"
+
 #if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
 #define LP_PANEL_GEMM 1
 #endif
 
@@ -42,8 +43,6 @@ int64_t k_block(int64_t K, int64_t strips) {
 
 #ifdef LP_PANEL_GEMM
 // Up to six rows x sixteen columns of accumulators, named (an array of them is spilled).
-#define PG_ROWS(F) F(0) F(1) F(2) F(3) F(4) F(5)
-#define PG_DECLARE(r) __m256 c##r##0, c##r##1;
 #define PG_INIT(r)                                                         \
   if constexpr (R > r) {                                                   \
     if (acc) {                                                             \
@@ -57,13 +56,11 @@ int64_t k_block(int64_t K, int64_t strips) {
 #define PG_FMA(r)                                                          \
   if constexpr (R > r) {                                                   \
     const __m256 x = _mm256_broadcast_ss(a + r);                           \
-    c##r##0 = _mm256_fmadd_ps(x, b0, c##r##0);                             \
-    c##r##1 = _mm256_fmadd_ps(x, b1, c##r##1);                             \
+    LP_TILE_FMA(r, x, b0, b1)                                              \
   }
 #define PG_STORE(r)                                                        \
   if constexpr (R > r) {                                                   \
-    _mm256_storeu_ps(c + r * ldc, c##r##0);                                \
-    _mm256_storeu_ps(c + r * ldc + 8, c##r##1);                            \
+    LP_TILE_STORE(r, c, ldc)                                               \
   }
 
 // c[R][16] (rows ldc apart) = (acc ? c : bias) + Σ_k a[k][0..R) ⊗ b[k][0..16)
@@ -76,15 +73,15 @@ void tile(int64_t kc, const float* __restrict a, const float* __restrict b,
   for (int64_t i = 0; i < lines; ++i) _mm_prefetch(ahead + 64 * i, _MM_HINT_T0);
   const __m256 init0 = bias ? _mm256_loadu_ps(bias) : _mm256_setzero_ps();
   const __m256 init1 = bias ? _mm256_loadu_ps(bias + 8) : _mm256_setzero_ps();
-  PG_ROWS(PG_DECLARE)
-  PG_ROWS(PG_INIT)
+  LP_TILE_ROWS(LP_TILE_DECLARE)
+  LP_TILE_ROWS(PG_INIT)
   for (int64_t k = 0; k < kc; ++k) {
     const __m256 b0 = _mm256_load_ps(b), b1 = _mm256_load_ps(b + 8);
-    PG_ROWS(PG_FMA)
+    LP_TILE_ROWS(PG_FMA)
     a += kMr;
     b += kNr;
   }
-  PG_ROWS(PG_STORE)
+  LP_TILE_ROWS(PG_STORE)
 }
 
 void tile_rows(int64_t rows, int64_t kc, const float* a, const float* b, float* c,

@@ -1,0 +1,19 @@
+"""Errors raised to loraplex's callers by the engine and the adapter cache; the servers map
+each to one status (gRPC code, HTTP status). This module imports nothing: it is the bottom
+of the package's layers."""
+
+
+class InvalidRequestError(ValueError):
+    """A request field is wrong; the message names it and what is allowed."""
+
+
+class AdapterNotFoundError(LookupError):
+    """No adapter of that name is registered."""
+
+
+class AdapterExistsError(ValueError):
+    """An adapter of that name is already registered (and replace was not asked for)."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop has stopped after an internal fault."""

@@ -1,0 +1,112 @@
+"""KernelBackend: the one interface through which the model and the LoRA layers run their
+kernels. Three backends implement it (``kernels/torch``, ``kernels/triton``,
+``kernels/cpu``); ``kernels.select_backend`` picks one when the engine is built, and the
+engine hands that object to the model, the LoRA layers and the sampler. No call chooses
+again.
+
+Shapes: T tokens of the flat batch, B decoding sequences, S prefilling sequences, Hq/Hkv
+query/KV heads of D dims, caches [num_blocks, block_size, Hkv, D], L = max_loras slots of
+r_max rank, slices i of a fused linear with out_i outputs each.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from .lora_segments import LoRASegments
+
+
+class KernelBackend(ABC):
+    name: ClassVar[str]
+
+    def __init__(self, device: torch.device, dtype: torch.dtype):
+        self.device = device
+        self.dtype = dtype
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.device}, {self.dtype})"
+
+    # ---- set-up -------------------------------------------------------------------------
+    @classmethod
+    def auto_dtype(cls, native: torch.dtype, device: torch.device) -> torch.dtype:
+        """The dtype ``--dtype auto`` serves a checkpoint stored in ``native`` at."""
+        return native
+
+    def prepare_model(self, model: nn.Module, max_tokens: int, max_seqs: int) -> None:
+        """Last changes to a loaded model (weights repacked, say) before it serves: up to
+        ``max_tokens`` rows reach the decoder's linears, ``max_seqs`` the logits head."""
+
+    def lora_b_buffer(self, max_loras: int, out: int, max_rank: int) -> torch.Tensor:
+        """A zeroed B slot buffer, shaped [max_loras, out, max_rank] (its strides are the
+        backend's choice)."""
+        return torch.zeros(max_loras, out, max_rank, device=self.device, dtype=self.dtype)
+
+    def lora_segments(self, token_slots: list[int]) -> LoRASegments | None:
+        """This step's tokens grouped by slot (``token_slots[t]``: token t's slot, -1 for
+        none), in the form this backend's add_lora reads; None when no token has a slot."""
+        if all(s < 0 for s in token_slots):
+            return None
+        return LoRASegments.from_token_slots(token_slots, self.device)
+
+    # ---- LoRA ---------------------------------------------------------------------------
+    @abstractmethod
+    def add_lora(self, out: torch.Tensor, x: torch.Tensor, lora_a: list[torch.Tensor],
+                 lora_b: list[torch.Tensor], ranks: torch.Tensor, seg: LoRASegments) -> None:
+        """out[t, off_i:off_i+out_i] += (x[t] @ A_i[s, :r]ᵀ) @ B_i[s, :, :r]ᵀ, s = token t's
+        slot, r = ranks[i, s]; tokens of slot -1 untouched. out [T, Σ out_i], x [T, in],
+        A_i [L, r_max, in], B_i [L, out_i, r_max], ranks [num_slices, L] int32."""
+
+    # ---- attention ----------------------------------------------------------------------
+    @abstractmethod
+    def store_kv(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """k_cache.flat[slot_mapping[t]] = key[t], likewise v; slot -1 skipped. key, value
+        [T, Hkv, D], slot_mapping [T] int64 (block · block_size + offset)."""
+
+    @abstractmethod
+    def paged_attention_decode(self, q: torch.Tensor, k_cache: torch.Tensor,
+                               v_cache: torch.Tensor, block_tables: torch.Tensor,
+                               context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+        """out[b] = softmax(scale · q[b] K_bᵀ) V_b over the context_lens[b] cached positions
+        of sequence b. q [B, Hq, D] -> [B, Hq, D]; block_tables [B, max_blocks] int32,
+        context_lens [B] int32."""
+
+    @abstractmethod
+    def paged_attention_prefill(self, q: torch.Tensor, k_cache: torch.Tensor,
+                                v_cache: torch.Tensor, block_tables: torch.Tensor,
+                                query_start_loc: torch.Tensor, context_lens: torch.Tensor,
+                                scale: float) -> torch.Tensor:
+        """Causal attention of S sequences' new tokens, which sit at positions
+        context_lens[s] - q_len_s .. context_lens[s] - 1 and see every earlier position.
+        q [T, Hq, D] -> [T, Hq, D]; query_start_loc [S + 1] int32; context_lens [S] int32."""
+
+    # ---- decoder-layer elementwise ops --------------------------------------------------
+    @abstractmethod
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """weight · (x / sqrt(mean(x²) + eps)) over the last dim, statistics in fp32 and
+        rounded to x's dtype before the weight (transformers' LlamaRMSNorm). x [..., H]."""
+
+    @abstractmethod
+    def add_rms_norm_(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                      eps: float) -> torch.Tensor:
+        """residual += x in place, then rms_norm(residual). x, residual [T, H]."""
+
+    @abstractmethod
+    def rope_store_kv(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                      v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+        """Rotate-half RoPE on q and k; rotated k and v stored in the caches; returns the
+        rotated q (q and k may be rotated in place). q [T, Hq, D], k, v [T, Hkv, D],
+        cos, sin [T, D]."""
+
+    @abstractmethod
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """silu(gate) · up of a fused projection: [T, 2I] -> [T, I]."""
+
+    @abstractmethod
+    def argmax_rows(self, logits: torch.Tensor) -> torch.Tensor:
+        """Each row's first maximum, as torch.argmax: [N, vocab] -> [N] int64."""

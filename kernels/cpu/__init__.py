@@ -1,0 +1,97 @@
+"""The CPU backend: the C++ kernels of csrc/ (built by extension.py), the CPU routes of the
+LoRA delta (lora_routes.py) over r-major B slot buffers, packed float32 linears
+(packed_linear.py) and the per-ISA dtype rule (isa.py). Everything CPU-specific lives in
+this folder: without it, or without a compiler, the engine serves with the torch backend.
+
+Ops without a C++ kernel, or inputs outside a kernel's layout (a strided x for RMSNorm,
+non-float32 logits), run as the torch backend's.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..lora_segments import LoRASegments
+from ..torch import TorchBackend
+from . import attention, extension, isa, lora_routes
+from .packed_linear import gemm_layout, pack_model, packing_available, warm_up_packed
+from .segments import CPULoRASegments
+
+
+def available() -> bool:
+    """Whether the C++ kernels load here (built once per machine: ``make kernels``)."""
+    return extension.available()
+
+
+class CPUBackend(TorchBackend):
+    name = "cpu"
+
+    def __init__(self, device: torch.device, dtype: torch.dtype):
+        super().__init__(device, dtype)
+        if device.type != "cpu":
+            raise ValueError(f"the cpu kernel backend serves CPU tensors only, not {device}")
+        self.ext = extension.load()
+
+    @classmethod
+    def auto_dtype(cls, native: torch.dtype, device: torch.device) -> torch.dtype:
+        return isa.auto_dtype(native)
+
+    def prepare_model(self, model: nn.Module, max_tokens: int, max_seqs: int) -> None:
+        if packing_available(self.dtype):
+            pack_model(model, gemm_layout())
+            warm_up_packed(model, max_tokens, max_seqs)
+
+    def lora_b_buffer(self, max_loras: int, out: int, max_rank: int) -> torch.Tensor:
+        """Stored r-major ([L, r_max, out], returned transposed): the C++ expand then reads
+        each rank's outputs contiguously and runs as vector FMAs."""
+        return torch.zeros(max_loras, max_rank, out, dtype=self.dtype).transpose(1, 2)
+
+    def lora_segments(self, token_slots: list[int]) -> LoRASegments | None:
+        if all(s < 0 for s in token_slots):
+            return None
+        return CPULoRASegments.from_token_slots(token_slots, self.device)
+
+    def add_lora(self, out: torch.Tensor, x: torch.Tensor, lora_a: list[torch.Tensor],
+                 lora_b: list[torch.Tensor], ranks: torch.Tensor, seg: LoRASegments) -> None:
+        lora_routes.add_lora(out, x, lora_a, lora_b, ranks, seg)  # type: ignore[arg-type]
+
+    def paged_attention_decode(self, q: torch.Tensor, k_cache: torch.Tensor,
+                               v_cache: torch.Tensor, block_tables: torch.Tensor,
+                               context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+        return attention.paged_attention_decode(self.ext, q, k_cache, v_cache, block_tables,
+                                                context_lens, scale)
+
+    def paged_attention_prefill(self, q: torch.Tensor, k_cache: torch.Tensor,
+                                v_cache: torch.Tensor, block_tables: torch.Tensor,
+                                query_start_loc: torch.Tensor, context_lens: torch.Tensor,
+                                scale: float) -> torch.Tensor:
+        return attention.paged_attention_prefill(self.ext, q, k_cache, v_cache, block_tables,
+                                                 query_start_loc, context_lens, scale)
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        if x.stride(-1) != 1:
+            return super().rms_norm(x, weight, eps)
+        return self.ext.rms_norm(x.reshape(-1, x.shape[-1]), weight, eps).view(x.shape)
+
+    def add_rms_norm_(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                      eps: float) -> torch.Tensor:
+        if x.stride(-1) != 1 or residual.stride(-1) != 1:
+            return super().add_rms_norm_(x, residual, weight, eps)
+        return self.ext.add_rms_norm_(x, residual, weight, eps)
+
+    def rope_store_kv(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                      v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+        """Rotates q and k in place (the caches are the engine's dense ones)."""
+        return self.ext.rope_store_kv(q, k, v, cos, sin, k_cache, v_cache, slot_mapping)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if gate_up.dim() != 2 or gate_up.stride(-1) != 1:
+            return super().silu_mul(gate_up)
+        return self.ext.silu_mul(gate_up)
+
+    def argmax_rows(self, logits: torch.Tensor) -> torch.Tensor:
+        if logits.dtype != torch.float32 or logits.dim() != 2 or logits.stride(-1) != 1:
+            return super().argmax_rows(logits)
+        return self.ext.argmax_rows(logits)

@@ -1,0 +1,92 @@
+"""Build and load the C++ CPU kernels (csrc/).
+
+- csrc/lora_gather.cpp: the LoRA delta, each token reading its own adapter's A and B in
+  place (B r-major, so the expand is vector FMAs over the outputs).
+- csrc/paged_decode.cpp: paged decode attention, one query token per sequence; a KV head's
+  query heads take the cached rows window by window, each row read from memory once.
+- csrc/paged_prefill.cpp: tiled paged prefill attention (float32), online softmax.
+- csrc/layer_ops.cpp: residual add + RMSNorm, RoPE + KV store, silu · mul.
+- csrc/argmax.cpp: each row's first maximum (greedy sampling).
+- csrc/panel_gemm.cpp: float32 linears over weights packed into 16-column panels (AVX2).
+
+Built with the system C++ compiler (``-march=native``) on first use in a process and cached
+by torch under $TORCH_EXTENSIONS_DIR, once per machine and source digest (``make kernels``
+does it ahead of time). ``load()`` raises where the build fails (no compiler) or
+``LORAPLEX_CPU_KERNEL=0`` is set; the backend selector then serves with the torch backend.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import threading
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+log = logging.getLogger(__name__)
+
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = [CSRC / name for name in ("bindings.cpp", "lora_gather.cpp", "paged_decode.cpp",
+                                    "paged_prefill.cpp", "layer_ops.cpp", "argmax.cpp",
+                                    "panel_gemm.cpp")]
+HEADERS = [CSRC / "vec.h", CSRC / "tile_6x16.h"]
+_lock = threading.Lock()
+_module: ModuleType | None = None
+_error: Exception | None = None
+
+
+class KernelBuildError(RuntimeError):
+    """The C++ CPU kernels cannot be used in this process."""
+
+
+def _build() -> ModuleType:
+    from torch.utils.cpp_extension import load as load_extension
+
+    log.info("CPU kernels: loading the cached build, or compiling csrc/ (minutes, once per "
+             "machine)")
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES + HEADERS)).hexdigest()
+    # -march=native code must not be picked up by another kind of CPU sharing the cache, and
+    # two checkouts with different sources must not rebuild over each other's cache entry
+    isa = torch.backends.cpu.get_cpu_capability().lower()
+    name = f"loraplex_cpu_kernels_{isa}_{digest[:12]}"
+    return load_extension(name=name, sources=[str(p) for p in SOURCES],
+                          extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                          extra_ldflags=["-fopenmp"], extra_include_paths=[str(CSRC)],
+                          verbose=False)
+
+
+def load() -> ModuleType:
+    """The built kernel module; builds at most once per process (thread-safe). Raises
+    KernelBuildError where it cannot be built or ``LORAPLEX_CPU_KERNEL=0``."""
+    global _module, _error
+    if os.environ.get("LORAPLEX_CPU_KERNEL", "1") == "0":
+        raise KernelBuildError("the CPU kernels are switched off (LORAPLEX_CPU_KERNEL=0)")
+    with _lock:
+        if _module is None and _error is None:
+            try:
+                _module = _build()
+            except Exception as exc:  # no compiler, no headers
+                _error = KernelBuildError(f"the CPU kernels could not be built: {exc}")
+        if _module is None:
+            raise KernelBuildError(str(_error)) from _error
+        return _module
+
+
+def available() -> bool:
+    """Whether the kernels load in this process (building them if need be)."""
+    try:
+        load()
+    except KernelBuildError:
+        return False
+    return True
+
+
+if __name__ == "__main__":  # `make kernels`: build (or find) the extension, say where it is
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        print(f"CPU kernels: {load().__file__}")
+    except KernelBuildError as exc:  # not fatal: the engine serves with the torch backend
+        print(f"CPU kernels: not built ({exc}); the engine will use the torch backend")

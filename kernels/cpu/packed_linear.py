@@ -1,0 +1,154 @@
+"""PackedLinear: a CPU float32 linear whose weight is packed once, in one of two layouts:
+
+- "panels": the panel GEMM of the CPU kernels (csrc/panel_gemm.cpp: 16-column panels, 6 x 16
+  AVX2 register tiles). A row's result does not depend on its batch (the same FMA sequence
+  whatever the rows), and there is no per-size state.
+- "onednn": oneDNN's pre-packed (blocked) layout, the one inductor's CPU freezing pass
+  uses. Every distinct row count makes oneDNN build and cache a primitive (~0.6 MB of JIT
+  code), so rows run padded to a bounded set of sizes (``padded_rows``) and longer inputs
+  in chunks of ``CHUNK_ROWS``; ``warm_up`` builds every size at engine start.
+
+Which layout serves is a rule per instruction set (``GEMM_LAYOUT``), measured with
+``python -m loraplex.bench.gemm_layout`` on each ISA we could reach; results equal
+``F.linear`` up to fp32 summation order either way.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from . import extension
+from .isa import cpu_isa
+
+BATCH_HINT = 32  # the row count oneDNN tunes the packing for; any row count works
+CHUNK_ROWS = 512  # longer inputs run in chunks of this many rows
+
+# isa.cpu_isa() -> the faster layout there (bench/gemm_layout.py; figures in bench/results/).
+# Unlisted ISAs take oneDNN, the library.
+GEMM_LAYOUT: dict[str, str] = {
+    "AVX2": "panels",
+    "AVX512": "onednn",
+    "AMX": "onednn",
+}
+
+
+def gemm_layout() -> str:
+    """The packed layout this CPU's linears use: GEMM_LAYOUT's entry for its ISA, "onednn"
+    where unlisted or where the panel GEMM is not built (no AVX2/FMA)."""
+    layout = GEMM_LAYOUT.get(cpu_isa(), "onednn")
+    if layout == "panels" and not extension.load().panel_gemm_available():
+        return "onednn"
+    return layout
+
+
+def padded_rows(rows: int) -> int:
+    """The row count a oneDNN GEMM of ``rows`` (1..CHUNK_ROWS) runs at: ``rows`` up to 8,
+    even up to 64, then eight sizes per octave (a multiple of 2^(floor(log2(rows - 1)) -
+    3)): 60 sizes up to 512. Decode batches sit in 9..64 rows, where padding costs most."""
+    if rows <= 8:
+        return rows
+    step = 2 if rows <= 64 else 1 << ((rows - 1).bit_length() - 4)
+    return -(-rows // step) * step
+
+
+def packing_available(dtype: torch.dtype) -> bool:
+    """Packing serves float32 linears, where oneDNN's packed linear exists."""
+    return (dtype == torch.float32 and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+
+
+# the resolved overload: ~6 us a call less than going through the op packet
+_LINEAR = (torch.ops.mkldnn._linear_pointwise.default
+           if hasattr(torch.ops.mkldnn, "_linear_pointwise") else None)
+
+
+class PackedLinear(nn.Module):
+    """``x @ weightᵀ + bias`` with the weight held only in the packed ``layout``
+    ("panels": ``self.panels``; "onednn": ``self.packed``)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, layout: str):
+        super().__init__()
+        if layout not in ("panels", "onednn"):
+            raise ValueError(f"layout={layout!r}; allowed: panels, onednn")
+        self.out_features, self.in_features = weight.shape
+        self.bias = None if bias is None else bias.detach()
+        self.panels = self.panel_bias = self.packed = None
+        if layout == "panels":
+            self.panels = extension.load().pack_panels(weight.detach())
+            if self.bias is not None:  # padded to the panels' columns
+                columns = self.panels.shape[0] * self.panels.shape[2]
+                self.panel_bias = self.bias.float().new_zeros(columns)
+                self.panel_bias[: self.out_features] = self.bias
+        else:
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), BATCH_HINT)
+
+    @classmethod
+    def of(cls, linear: nn.Linear, layout: str) -> PackedLinear:
+        return cls(linear.weight, linear.bias, layout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // self.in_features
+        flat = x.reshape(rows, self.in_features)
+        if self.panels is not None:
+            out = extension.load().panel_linear(flat, self.panels, self.panel_bias,
+                                               self.out_features)
+        elif rows <= CHUNK_ROWS:
+            out = self._rows(flat)
+        else:
+            out = x.new_empty((rows, self.out_features))
+            for start in range(0, rows, CHUNK_ROWS):
+                out[start:start + CHUNK_ROWS] = self._rows(flat[start:start + CHUNK_ROWS])
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def _rows(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [rows <= CHUNK_ROWS, in]; the GEMM runs at padded_rows(rows) rows (the pad rows
+        are zeros; rows of a GEMM are independent, so they change nothing)."""
+        rows = x.shape[0]
+        padded = padded_rows(rows)
+        if padded != rows:
+            x = torch.cat([x, x.new_zeros((padded - rows, self.in_features))])
+        return _LINEAR(x, self.packed, self.bias, "none", [], "")[:rows]
+
+    def warm_up(self, max_rows: int) -> None:
+        """Build oneDNN's primitive for every padded size up to ``max_rows`` (capped at
+        CHUNK_ROWS) now, so serving neither grows nor stalls on a new batch size (the panel
+        GEMM has nothing to build)."""
+        if self.panels is not None:
+            return
+        sizes = {padded_rows(r) for r in range(1, min(max_rows, CHUNK_ROWS) + 1)}
+        for rows in sorted(sizes):
+            _LINEAR(torch.zeros(rows, self.in_features), self.packed, self.bias,
+                    "none", [], "")
+
+
+def pack_model(model: nn.Module, layout: str) -> int:
+    """Pack the logits head and replace every ``nn.Linear`` of the decoder (LoRA-wrapped
+    bases included) by a PackedLinear in ``layout``, freeing the row-major weights (a tied
+    head packs a copy: the embedding keeps its table); returns how many were packed."""
+    model.logits_head = PackedLinear(model.head_weight(), None, layout)
+    count = 1
+    for parent in list(model.model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is nn.Linear:
+                setattr(parent, name, PackedLinear.of(child, layout))
+                count += 1
+    if not model.tie_word_embeddings:
+        del model.lm_head  # its weight lives on in logits_head only
+    return count
+
+
+def warm_up_packed(model: nn.Module, max_tokens: int, max_seqs: int) -> int:
+    """Build the primitives of every padded size the model's packed linears can meet: up to
+    ``max_tokens`` rows in the decoder (tokens of a step), ``max_seqs`` in the head (rows
+    that need logits). Linears of one shape share their primitives, so each shape warms up
+    once. Returns how many shapes were warmed up."""
+    seen: set[tuple[int, int, bool, int]] = set()
+    for module in model.modules():
+        if isinstance(module, PackedLinear):
+            rows = max_seqs if module is getattr(model, "logits_head", None) else max_tokens
+            key = (module.in_features, module.out_features, module.bias is not None, rows)
+            if key not in seen:
+                seen.add(key)
+                module.warm_up(rows)
+    return len(seen)

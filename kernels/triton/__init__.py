@@ -1,0 +1,37 @@
+"""The Triton backend (CUDA; on CPU through ``TRITON_INTERPRET=1`` in tests): segmented-
+gather LoRA shrink/expand (sgmv.py), the paged KV store and decode (attention.py) and
+prefill (attention_prefill.py). The decoder layer's elementwise ops run as the torch
+backend's (RoPE in torch, the store by the Triton kernel)."""
+
+from __future__ import annotations
+
+import torch
+
+from ..lora_segments import LoRASegments
+from ..torch import TorchBackend
+from . import attention, attention_prefill, sgmv
+
+
+class TritonBackend(TorchBackend):
+    name = "triton"
+
+    def add_lora(self, out: torch.Tensor, x: torch.Tensor, lora_a: list[torch.Tensor],
+                 lora_b: list[torch.Tensor], ranks: torch.Tensor, seg: LoRASegments) -> None:
+        sgmv.add_lora(out, x, lora_a, lora_b, ranks, seg)
+
+    def store_kv(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        attention.store_kv(key, value, k_cache, v_cache, slot_mapping)
+
+    def paged_attention_decode(self, q: torch.Tensor, k_cache: torch.Tensor,
+                               v_cache: torch.Tensor, block_tables: torch.Tensor,
+                               context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+        return attention.paged_attention_decode(q, k_cache, v_cache, block_tables,
+                                                context_lens, scale)
+
+    def paged_attention_prefill(self, q: torch.Tensor, k_cache: torch.Tensor,
+                                v_cache: torch.Tensor, block_tables: torch.Tensor,
+                                query_start_loc: torch.Tensor, context_lens: torch.Tensor,
+                                scale: float) -> torch.Tensor:
+        return attention_prefill.paged_attention_prefill(
+            q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale)

@@ -1,0 +1,148 @@
+"""The package's layers: imports point one way (errors, kernels ← lora ← engine ← server),
+no module imports itself back through others, the backends stand apart, and the engine runs
+with kernels/cpu deleted."""
+
+from __future__ import annotations
+
+import ast
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+ROOT = Path(__file__).resolve().parents[1]  # the repository root is the package `loraplex`
+PACKAGES = ["kernels", "lora", "engine", "server", "proto", "bench"]
+LAYERS = {"errors": 0, "kernels": 1, "lora": 2, "engine": 3, "server": 4}
+
+
+def module_files() -> dict[str, Path]:
+    """loraplex module name -> file, for the top-level modules and the sub-packages."""
+    files = {f"loraplex.{p.stem}": p for p in ROOT.glob("*.py") if p.stem != "__init__"}
+    files["loraplex"] = ROOT / "__init__.py"
+    for package in PACKAGES:
+        for path in (ROOT / package).rglob("*.py"):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            files[".".join(("loraplex", *parts))] = path
+    return files
+
+
+def imports_of(name: str, path: Path, known: set[str]) -> set[str]:
+    """The loraplex modules ``name`` imports (anywhere in the file): ``from P import x``
+    counts as importing P.x where that is a module, else P."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.startswith("loraplex")}
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            elif node.module and node.module.startswith("loraplex"):
+                target = node.module
+            else:
+                continue
+            subs = {f"{target}.{a.name}" for a in node.names} & known
+            found |= subs or {target}
+    return found & known
+
+
+@pytest.fixture(scope="module")
+def graph() -> dict[str, set[str]]:
+    files = module_files()
+    return {name: imports_of(name, path, set(files)) for name, path in files.items()}
+
+
+def layer(module: str) -> int | None:
+    parts = module.split(".")
+    return LAYERS.get(parts[1]) if len(parts) > 1 else None
+
+
+def test_imports_point_down_the_layers(graph: dict[str, set[str]]) -> None:
+    upward = [(m, dep) for m, deps in graph.items() for dep in deps
+              if layer(m) is not None and layer(dep) is not None and layer(dep) > layer(m)]
+    assert not upward, f"imports up the layers (errors, kernels < lora < engine < server): {upward}"
+
+
+def test_no_import_cycles(graph: dict[str, set[str]]) -> None:
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(module: str, path: list[str]) -> None:
+        state[module] = 1
+        for dep in sorted(graph[module]):
+            if state.get(dep) == 1:
+                cycle = path[path.index(dep):] + [dep]
+                pytest.fail(f"import cycle: {' -> '.join(cycle)}")
+            if dep not in state:
+                visit(dep, path + [dep])
+        state[module] = 2
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [module])
+
+
+def test_backends_stand_apart(graph: dict[str, set[str]]) -> None:
+    """The torch backend imports no other backend; nothing outside kernels/cpu (and the
+    tools in bench/) imports it, so the folder can be deleted; the engine and the LoRA
+    layers reach the kernels only through the interface and the selector."""
+    def inside(module: str, package: str) -> bool:
+        return module == package or module.startswith(package + ".")
+
+    cpu, triton, torch_ = "loraplex.kernels.cpu", "loraplex.kernels.triton", \
+        "loraplex.kernels.torch"
+    for module, deps in graph.items():
+        if inside(module, torch_):
+            assert not any(inside(d, cpu) or inside(d, triton) for d in deps), module
+        if not inside(module, cpu) and not inside(module, "loraplex.bench"):
+            assert not any(inside(d, cpu) for d in deps), (module, deps)
+        if layer(module) in (2, 3, 4):
+            backends = [d for d in deps if inside(d, cpu) or inside(d, triton)
+                        or inside(d, torch_)]
+            assert not backends, (module, backends)
+
+
+def _copy_without_cpu_kernels(dest: Path) -> Path:
+    package = dest / "loraplex"
+    package.mkdir()
+    for path in ROOT.glob("*.py"):
+        shutil.copy(path, package / path.name)
+    for sub in PACKAGES:
+        shutil.copytree(ROOT / sub, package / sub,
+                        ignore=shutil.ignore_patterns("__pycache__", "results", "*.png"))
+    shutil.rmtree(package / "kernels" / "cpu")
+    return package
+
+
+def test_the_engine_runs_with_kernels_cpu_deleted(tiny_llama: Path, tmp_path: Path) -> None:
+    """A copy of the package without kernels/cpu serves on the torch backend, exact."""
+    package = _copy_without_cpu_kernels(tmp_path)
+    prompt, new = [5, 17, 42, 99, 7, 3], 6
+    script = (
+        "import loraplex, json\n"
+        "from loraplex import LLMEngine, SamplingParams\n"
+        f"engine = LLMEngine(model={str(tiny_llama)!r}, dtype='float32', max_model_len=64)\n"
+        f"out = engine.generate([{prompt}], SamplingParams(temperature=0.0, "
+        f"max_new_tokens={new}, min_new_tokens={new}))[0]\n"
+        "print(json.dumps([loraplex.__file__, engine.base.kernels.name, out.token_ids]))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "LORAPLEX_KERNELS"}
+    env["PYTHONPATH"] = str(tmp_path)
+    run = subprocess.run([sys.executable, "-c", script], env=env, cwd=tmp_path,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    import json
+
+    where, backend, tokens = json.loads(run.stdout.strip().splitlines()[-1])
+    assert where.startswith(str(package)) and backend == "torch"
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    want = model.generate(torch.tensor([prompt]), max_new_tokens=new, min_new_tokens=new,
+                          do_sample=False, pad_token_id=0)[0, len(prompt):].tolist()
+    assert tokens == want
