@@ -38,10 +38,6 @@ class BlockManager:
 
     # ---- accounting -------------------------------------------------------------------
     @property
-    def num_free_blocks(self) -> int:
-        return len(self.free)
-
-    @property
     def num_used_blocks(self) -> int:
         return self.num_blocks - len(self.free)
 

@@ -91,7 +91,7 @@ class LLMEngine:
                 f"min_new_tokens={params.min_new_tokens} cannot be reached: the prompt has "
                 f"{len(ids)} tokens and max_model_len is {self.max_model_len}, so at most "
                 f"{max_new} new tokens")
-        self._check_stop_token_ids(params.stop_token_ids)
+        self._check_vocab(params.stop_token_ids, "stop_token_ids")
         params.max_new_tokens = max_new
         if params.temperature is None:
             params.temperature = 1.0
@@ -106,27 +106,25 @@ class LLMEngine:
     def _check_prompt(self, ids: list[int]) -> None:
         if not ids:
             raise InvalidRequestError("the prompt is empty: give at least one token")
-        vocab = self.base.hf_config.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise InvalidRequestError(
-                f"token id {bad[0]} is out of range: ids must be in [0, {vocab})")
+        self._check_vocab(ids, "the prompt")
         if len(ids) >= self.max_model_len:
             raise InvalidRequestError(
                 f"the prompt has {len(ids)} tokens; max_model_len is {self.max_model_len}, so a "
                 f"prompt may have at most {self.max_model_len - 1}")
 
-    def _check_stop_token_ids(self, ids: list[int]) -> None:
+    def _check_vocab(self, ids: list[int], what: str) -> None:
         vocab = self.base.hf_config.vocab_size
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
             raise InvalidRequestError(
-                f"stop_token_ids holds {bad[0]}, out of range: ids must be in [0, {vocab})")
+                f"{what} holds token id {bad[0]}, out of range: ids must be in [0, {vocab})")
+
+    def is_base_model(self, name: str | None) -> bool:
+        """Whether ``name`` names the base model: empty, None, or the served model name."""
+        return not name or name == self.config.served_model_name
 
     def _adapter_id(self, adapter: str | None) -> int:
-        if not adapter or adapter == self.config.served_model_name:
-            return 0
-        return self.lora.lookup(adapter)
+        return 0 if self.is_base_model(adapter) else self.lora.lookup(adapter)
 
     def add_sequence(self, seq: Sequence) -> str:
         if seq.request_id in self.requests:
@@ -230,7 +228,7 @@ class LLMEngine:
     def add_adapter(self, name: str, path: str | Path, replace: bool = False, pin: bool = False,
                     preloaded: bool = False, weights: LoRAWeights | None = None) -> AdapterInfo:
         """Register an adapter; ``weights`` already read by ``read_adapter`` skip the disk."""
-        if not name or name == self.config.served_model_name:
+        if self.is_base_model(name):
             raise InvalidRequestError(f"adapter name {name!r} is empty or the base model's")
         if weights is None:
             weights = self.read_adapter(path, name)

@@ -14,7 +14,7 @@ from transformers import PretrainedConfig
 from ..kernels.backend import KernelBackend
 from ..kernels.step_metadata import AttentionMetadata, StepMetadata
 from .config import DEFAULT_CPU_KV_BYTES, EngineConfig
-from .models.llama import LlamaForCausalLM, head_dim_of
+from .models.llama import LlamaForCausalLM, head_dim_of, kv_heads_of
 from .sampler import Sampler
 from .scheduler import ScheduledBatch
 from .sequence import Sequence
@@ -32,9 +32,9 @@ class StepInputs:
 
 
 def kv_bytes_per_block(config: PretrainedConfig, block_size: int, dtype: torch.dtype) -> int:
-    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     elem = torch.tensor([], dtype=dtype).element_size()
-    return 2 * config.num_hidden_layers * block_size * kv_heads * head_dim_of(config) * elem
+    return 2 * config.num_hidden_layers * block_size * kv_heads_of(config) \
+        * head_dim_of(config) * elem
 
 
 def num_kv_blocks(cfg: EngineConfig, config: PretrainedConfig, dtype: torch.dtype,
@@ -75,10 +75,8 @@ class ModelRunner:
         dtype = kernels.dtype
         self.block_size = cfg.block_size
         self.sampler = Sampler(cfg.seed, kernels)
-        config = model.config
-        kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-        shape = (num_blocks, cfg.block_size, kv_heads, head_dim_of(config))
         for attn in model.attention_layers():
+            shape = (num_blocks, cfg.block_size, attn.num_kv_heads, attn.head_dim)
             attn.k_cache = torch.zeros(shape, dtype=dtype, device=device)
             attn.v_cache = torch.zeros(shape, dtype=dtype, device=device)
 

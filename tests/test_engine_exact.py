@@ -7,9 +7,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
-
 from loraplex import LLMEngine, SamplingParams
+from transformers import AutoModelForCausalLM
 
 ARCHS = ["llama", "qwen2", "qwen3", "mistral"]
 NEW_TOKENS = 10

@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from tests.conftest import ALL_TARGETS, make_adapter
+from loraplex import LLMEngine, SamplingParams
+from loraplex.engine.errors import AdapterExistsError, AdapterNotFoundError
 from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
-from loraplex import LLMEngine, SamplingParams
-from loraplex.engine.errors import AdapterExistsError, AdapterNotFoundError
+from tests.conftest import ALL_TARGETS, make_adapter
 
 NEW = 8
 ADAPTER_SPECS = {  # name -> make_adapter kwargs

@@ -23,6 +23,10 @@ def head_dim_of(config: PretrainedConfig) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
+def kv_heads_of(config: PretrainedConfig) -> int:
+    return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+
+
 class RMSNorm(nn.Module):
     """Computed in float32 as transformers does, cast back to the input dtype. Given the
     residual stream, adds x into it first (in place) and normalises the sum."""
@@ -71,7 +75,7 @@ class Attention(nn.Module):
         super().__init__()
         self.ops = ops
         self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.num_kv_heads = kv_heads_of(config)
         self.head_dim = head_dim_of(config)
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim

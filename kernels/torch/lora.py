@@ -7,6 +7,7 @@ import torch
 
 from ..lora_segments import LoRASegments
 
+
 def host_ranks(ranks: torch.Tensor, r_max: int) -> list[list[int]]:
     """ranks as host lists [num_slices][max_loras]; on an accelerator, r_max everywhere
     (padded rows/columns are zero, so the result is the same, without a device sync)."""
