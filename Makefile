@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml
 # The C++ CPU kernels (kernels/cpu/csrc), built once per machine into torch's extension cache
 # (minutes on 2 cores; a no-op afterwards), so no test, server start or benchmark pays for it.
 kernels: $(STAMP)
-	$(PY) -m loraplex.kernels.cpu.extension
+	$(PY) -m loraplex.kernels.cpu
 
 serve: kernels
 	$(VENV)/bin/loraplex serve --host $(HOST) --port $(PORT) $(SERVE_ARGS)

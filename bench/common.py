@@ -53,3 +53,17 @@ def timed(fn: Callable[[], object]) -> tuple[float, object]:
     start = time.perf_counter()
     result = fn()
     return time.perf_counter() - start, result
+
+
+def machine_line(kernels: str, dtype: str) -> str:
+    """What every benchmark prints first: the CPU's ISA (and native bf16), the kernel
+    backend and dtype it ran with, and the threads."""
+    import torch
+
+    try:
+        from ..kernels.cpu import isa
+
+        cpu = f"ISA {isa.cpu_isa()} (native bf16: {'yes' if isa.HALF_NATIVE else 'no'})"
+    except ImportError:  # kernels/cpu absent
+        cpu = f"ISA {torch.backends.cpu.get_cpu_capability()}"
+    return f"{cpu}, {kernels} kernels, {dtype}, {torch.get_num_threads()} threads"

@@ -12,7 +12,8 @@ import argparse
 
 import torch
 
-from .common import default_model_dir, random_prompts, timed
+from .. import kernels
+from .common import default_model_dir, machine_line, random_prompts, timed
 
 
 def run_loraplex(model_dir, prompts, new_tokens: int, dtype: str) -> float:
@@ -50,6 +51,7 @@ def main() -> None:
     prompts = random_prompts(args.requests, args.prompt_len, vocab=49152, seed=1)
     ours = run_loraplex(model_dir, prompts, args.new_tokens, args.dtype)
     theirs = run_transformers(model_dir, prompts, args.new_tokens, args.dtype)
+    print(machine_line(kernels.backend_name(torch.device("cpu")), args.dtype))
     print(f"SmolLM2-135M {args.dtype}, {args.requests} requests x {args.prompt_len} prompt "
           f"tokens x {args.new_tokens} new tokens, {torch.get_num_threads()} threads")
     print(f"loraplex      {ours:8.1f} output tok/s")

@@ -18,7 +18,8 @@ import time
 import torch
 
 from ..kernels.cpu.isa import cpu_isa
-from ..kernels.cpu.packed_linear import PackedLinear
+from ..kernels.cpu.packed_linear import GEMM_LAYOUT, PackedLinear
+from .common import machine_line
 
 HIDDEN, INTER, QKV, VOCAB, LAYERS = 576, 1536, 960, 49152, 30
 SHAPES = [(QKV, HIDDEN), (HIDDEN, HIDDEN), (2 * INTER, HIDDEN), (HIDDEN, INTER)]  # [out, in]
@@ -53,8 +54,9 @@ def main() -> None:
     for layers, head in models.values():  # oneDNN builds a primitive per row count
         for rows in args.rows:
             run(layers, head, rows)
-    print(f"ISA {cpu_isa()}, dtype float32, {torch.get_num_threads()} threads; "
-          f"SmolLM2 linears x {LAYERS} layers + head, cold weights, best of {args.rounds}")
+    print(machine_line("cpu", "float32"))
+    print(f"SmolLM2 linears x {LAYERS} layers + head, cold weights, best of {args.rounds}; "
+          f"GEMM_LAYOUT[{cpu_isa()!r}] = {GEMM_LAYOUT.get(cpu_isa(), 'onednn (unlisted)')!r}")
     print("| rows | panels ms | oneDNN ms | oneDNN / panels |")
     print("|---|---|---|---|")
     for rows in args.rows:

@@ -18,7 +18,7 @@ if ! "$PY" -m pip install --no-deps --no-build-isolation -e . > "$LOG/install.lo
   mkdir -p /tmp/loraplex-path && ln -sfn "$PWD" /tmp/loraplex-path/loraplex
   export PYTHONPATH="/tmp/loraplex-path${PYTHONPATH:+:$PYTHONPATH}"
 fi
-"$PY" -c 'import loraplex.kernels.sgmv' || { echo "cannot import loraplex"; exit 1; }
+"$PY" -c 'import loraplex.kernels.triton.sgmv' || { echo "cannot import loraplex"; exit 1; }
 
 # Compiled kernels, not the interpreter (conftest only sets TRITON_INTERPRET by default).
 export TRITON_INTERPRET=0 LORAPLEX_KERNELS=triton

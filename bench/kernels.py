@@ -1,4 +1,5 @@
-"""GPU kernel bench: each Triton kernel vs its torch twin vs the memory-bandwidth roofline.
+"""GPU kernel bench: each Triton kernel (kernels/triton) vs its torch twin (kernels/torch)
+vs the memory-bandwidth roofline.
 
     python -m loraplex.bench.kernels [--peak-tbs 4.8] [--quick]
 
@@ -8,6 +9,7 @@ every slot padded to the max rank (what a rank-unaware kernel does, vLLM-style),
 show what rank-awareness buys when adapters of ranks 8…64 share a batch.
 """
 
+# ruff: noqa: B023  (every lambda is timed at once, inside the loop that binds it)
 from __future__ import annotations
 
 import argparse
@@ -16,8 +18,11 @@ from collections.abc import Callable
 import torch
 from triton.testing import do_bench
 
-from ..kernels import attention, reference, sgmv
 from ..kernels.testing import make_lora_weights, make_paged_cache, segments
+from ..kernels.torch import attention as reference_attention
+from ..kernels.torch import lora as reference_lora
+from ..kernels.triton import attention, sgmv
+from ..kernels.triton.attention_prefill import paged_attention_prefill
 
 LORA_LAYERS = {  # Llama-3-8B shapes: name: (in, [out_i per slice])
     "qkv": (4096, [4096, 1024, 1024]),
@@ -56,11 +61,11 @@ def bench_lora(peak: float, dtype: torch.dtype, quick: bool) -> None:
             tag = f"{layer} T={tokens} n={adapters}"
             shrink_bytes = tokens * din * elt + len(outs) * (rsum * din * elt + tokens * R_MAX * 4)
             _row(f"shrink {tag}", _us(lambda: sgmv.lora_shrink(x, a, ranks, seg)),
-                 _us(lambda: reference.lora_shrink(x, a, ranks, seg)), shrink_bytes, peak,
+                 _us(lambda: reference_lora.lora_shrink(x, a, ranks, seg)), shrink_bytes, peak,
                  f"padded {_us(lambda: sgmv.lora_shrink(x, a, padded, seg)):.1f}")
             expand_bytes = sum(rsum * o * elt + tokens * (R_MAX * 4 + 2 * o * elt) for o in outs)
             _row(f"expand {tag}", _us(lambda: sgmv.lora_expand(h, b, ranks, seg, out)),
-                 _us(lambda: reference.lora_expand(h, b, ranks, seg, out)), expand_bytes, peak,
+                 _us(lambda: reference_lora.lora_expand(h, b, ranks, seg, out)), expand_bytes, peak,
                  f"padded {_us(lambda: sgmv.lora_expand(h, b, padded, seg, out)):.1f}")
 
 
@@ -75,7 +80,7 @@ def bench_attention(peak: float, dtype: torch.dtype) -> None:
         nbytes = 2 * sum(lens) * hkv * d * elt + 2 * q.numel() * elt
         _row(f"decode B={batch} ctx≈{ctx}",
              _us(lambda: attention.paged_attention_decode(q, k, v, tables, cl, d**-0.5)),
-             _us(lambda: reference.paged_attention_decode(q, k, v, tables, cl, d**-0.5)),
+             _us(lambda: reference_attention.paged_attention_decode(q, k, v, tables, cl, d**-0.5)),
              nbytes, peak)
     for seqs, new, prefix in [(4, 1024, 0), (2, 512, 1536)]:
         lens = [prefix + new] * seqs
@@ -85,8 +90,9 @@ def bench_attention(peak: float, dtype: torch.dtype) -> None:
         cl = torch.tensor(lens, dtype=torch.int32, device="cuda")
         nbytes = 2 * sum(lens) * hkv * d * elt + 2 * q.numel() * elt
         _row(f"prefill S={seqs} new={new} prefix={prefix}",
-             _us(lambda: attention.paged_attention_prefill(q, k, v, tables, qsl, cl, d**-0.5)),
-             _us(lambda: reference.paged_attention_prefill(q, k, v, tables, qsl, cl, d**-0.5)),
+             _us(lambda: paged_attention_prefill(q, k, v, tables, qsl, cl, d**-0.5)),
+             _us(lambda: reference_attention.paged_attention_prefill(q, k, v, tables, qsl, cl,
+                                                                     d**-0.5)),
              nbytes, peak, "(compute-bound: roofline is memory only)")
     tokens = 4096
     k, v, _ = make_paged_cache([tokens], bs, hkv, d, dtype, "cuda")
@@ -95,7 +101,7 @@ def bench_attention(peak: float, dtype: torch.dtype) -> None:
     slot_mapping = torch.randperm(tokens, device="cuda")
     _row(f"store_kv T={tokens}",
          _us(lambda: attention.store_kv(key, val, k, v, slot_mapping)),
-         _us(lambda: reference.store_kv(key, val, k, v, slot_mapping)),
+         _us(lambda: reference_attention.store_kv(key, val, k, v, slot_mapping)),
          4 * key.numel() * elt + tokens * 8, peak)
 
 

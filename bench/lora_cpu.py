@@ -1,4 +1,4 @@
-"""CPU figures for the LoRA delta of one wrapped linear, every route of the torch twin.
+"""CPU figures for the LoRA delta of one wrapped linear, every route of the cpu backend.
 
     .venv/bin/python -m loraplex.bench.lora_cpu [--threads 2] [--reps 20]
 
@@ -10,6 +10,7 @@ over 8, contiguous); fp32 and bf16. Prints µs per call
 figure) of the base linear and of each route, and which route ``add_lora`` chooses.
 """
 
+# ruff: noqa: B023  (every lambda is timed at once, inside the loop that binds it)
 from __future__ import annotations
 
 import argparse
@@ -19,10 +20,10 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from ..kernels import reference
-from ..kernels.lora_cpu import ROUTES, _compute_dtype, add_lora_fast, choose_route
-from ..kernels.segments import LoRASegments
-from ..lora.layers import lora_b_buffer
+from ..kernels.cpu import CPUBackend
+from ..kernels.cpu.lora_routes import ROUTES, _compute_dtype, add_lora, choose_route
+from ..kernels.cpu.segments import CPULoRASegments
+from ..kernels.torch import lora as reference
 
 LAYERS = {  # name: (in, [out_i per slice])
     "qkv": (576, [576, 192, 192]),
@@ -57,7 +58,8 @@ def best_us(fn: Callable[[], object], reps: int) -> float:
 def weights(din: int, outs: list[int], dtype: torch.dtype) -> tuple[list, list, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
     a = [(torch.randn(MAX_LORAS, RANK, din, generator=g) * 0.02).to(dtype) for _ in outs]
-    b = [lora_b_buffer(MAX_LORAS, o, RANK, torch.device("cpu"), dtype) for o in outs]
+    backend = CPUBackend(torch.device("cpu"), dtype)
+    b = [backend.lora_b_buffer(MAX_LORAS, o, RANK) for o in outs]
     for t in b:  # the engine's slot layout, random values
         t.copy_(torch.randn(t.shape, generator=g) * 0.02)
     return a, b, torch.full((len(outs), MAX_LORAS), RANK, dtype=torch.int32)
@@ -78,8 +80,8 @@ def run(reps: int, only: str, dtypes: list[torch.dtype],
         for case, (tokens, adapters, contiguous) in CASES.items():
             if only not in case:
                 continue
-            seg = LoRASegments.from_token_slots(token_slots(tokens, adapters, contiguous),
-                                                torch.device("cpu"))
+            seg = CPULoRASegments.from_token_slots(token_slots(tokens, adapters, contiguous),
+                                                   torch.device("cpu"))
             for layer, (din, outs) in LAYERS.items():
                 a, b, ranks = weights(din, outs, dtype)
                 x = torch.randn(tokens, din).to(dtype)
@@ -87,11 +89,11 @@ def run(reps: int, only: str, dtypes: list[torch.dtype],
                 out = torch.zeros(tokens, sum(outs), dtype=dtype)
                 row = {"base": best_us(lambda: F.linear(x, w), reps)}
                 for name in routes:
-                    row[name] = best_us(lambda name=name: add_lora_fast(
+                    row[name] = best_us(lambda name=name: add_lora(
                         out, x, a, b, ranks, seg, route=name, compute_dtype=dtype), reps)
                     row[f"{name}/f32"] = float("nan") if dtype == torch.float32 else best_us(
-                        lambda name=name: add_lora_fast(out, x, a, b, ranks, seg, route=name,
-                                                        compute_dtype=torch.float32), reps)
+                        lambda name=name: add_lora(out, x, a, b, ranks, seg, route=name,
+                                                   compute_dtype=torch.float32), reps)
                 row["shrink+expand"] = best_us(lambda: reference.lora_expand(
                     reference.lora_shrink(x, a, ranks, seg), b, ranks, seg, out), reps)
                 print(f"{str(dtype)[6:]:8s} {case:15s} {layer:8s} "

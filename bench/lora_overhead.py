@@ -23,7 +23,13 @@ from pathlib import Path
 
 import torch
 
-from .common import default_model_dir, make_random_adapters, random_prompts, timed
+from .common import (
+    default_model_dir,
+    machine_line,
+    make_random_adapters,
+    random_prompts,
+    timed,
+)
 
 
 def loraplex_engine(model_dir: Path, adapters: dict[str, Path], prompts: list[list[int]],
@@ -130,6 +136,7 @@ def main() -> None:
     peft_rounds = min(args.peft_rounds, args.rounds)
     rounds = interleaved_rounds(runs, args.rounds, peft_name, peft_rounds)
     rows = {name: statistics.median(v) for name, v in rounds.items()}
+    print(machine_line(engine.base.kernels.name, str(engine.base.dtype).removeprefix("torch.")))
     print(f"SmolLM2-135M {args.dtype}, {n} requests x {args.prompt_len} prompt x "
           f"{args.new_tokens} new tokens, rank 8 on all 7 targets, "
           f"{torch.get_num_threads()} threads, median of {args.rounds} interleaved rounds "

@@ -1,5 +1,6 @@
-"""Triton paged attention and KV store (under the interpreter) against their torch twins,
-and the prefill twin against a dense causal oracle."""
+"""Triton paged attention and KV store (kernels/triton, under the interpreter) against the
+torch backend's (kernels/torch/attention.py), and the torch prefill against a dense causal
+oracle."""
 
 from __future__ import annotations
 
@@ -8,14 +9,16 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
-from loraplex.kernels import attention, reference
 from loraplex.kernels.testing import make_paged_cache
+from loraplex.kernels.torch import attention as reference
+from loraplex.kernels.triton import attention
+from loraplex.kernels.triton.attention_prefill import paged_attention_prefill
 
 # compiled kernels on the GPU (bench/gpu_check.sh sets TRITON_INTERPRET=0), else the interpreter
 DEVICE = torch.device("cuda" if os.environ.get("TRITON_INTERPRET") == "0" else "cpu")
 HEAD_DIM = 40  # not a power of two: the kernels pad and mask it
 NUM_KV_HEADS = 2
-TOL = {torch.float32: dict(rtol=1e-4, atol=1e-4), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
+TOL = {torch.float32: {"rtol": 1e-4, "atol": 1e-4}, torch.bfloat16: {"rtol": 2e-2, "atol": 2e-2}}
 GRID = [(bs, ratio, dtype) for bs in (16, 32) for ratio in (1, 3)
         for dtype in (torch.float32, torch.bfloat16)]
 
@@ -80,7 +83,7 @@ def test_prefill_matches_twin(case: tuple) -> None:
     block_size, ratio, dtype = case
     args = _prefill_inputs(block_size, ratio, dtype)
     scale = HEAD_DIM**-0.5
-    got = attention.paged_attention_prefill(*args, scale)
+    got = paged_attention_prefill(*args, scale)
     want = reference.paged_attention_prefill(*args, scale)
     torch.testing.assert_close(got, want, **TOL[dtype])
 

@@ -1,22 +1,27 @@
-"""The C++ CPU kernels (kernels/cpu_ext.py) against their torch twins: paged decode
-attention here; the LoRA kernel is one of the routes in test_lora_twin.py."""
+"""The C++ CPU kernels (kernels/cpu/extension.py, kernels/cpu/attention.py) against the
+torch backend's ops: paged decode and prefill attention and argmax here; the LoRA kernel is
+one of the routes in test_lora_twin.py."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from loraplex.kernels import cpu_ext, dispatch, reference
+from loraplex.kernels import backend_name, select_backend
+from loraplex.kernels.cpu import attention as cpu_attention
+from loraplex.kernels.cpu import extension
 from loraplex.kernels.testing import make_paged_cache
+from loraplex.kernels.torch import attention as reference
 
-TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2e-2, atol=2e-2),
-       torch.float16: dict(rtol=2e-3, atol=2e-3)}
+CPU = torch.device("cpu")
+
+TOL = {torch.float32: {"rtol": 1e-5, "atol": 1e-5}, torch.bfloat16: {"rtol": 2e-2, "atol": 2e-2},
+       torch.float16: {"rtol": 2e-3, "atol": 2e-3}}
 
 
 @pytest.fixture(scope="module")
 def kernels():
-    module = cpu_ext.load()
-    assert module is not None, "the C++ CPU kernels did not build on this machine"
-    return module
+    assert extension.available(), "the C++ CPU kernels did not build on this machine"
+    return extension.load()
 
 
 def _inputs(context_lens: list[int], block_size: int, kv_heads: int, group: int,
@@ -74,18 +79,27 @@ def test_dispatch_uses_the_kernel_on_cpu(kernels, monkeypatch: pytest.MonkeyPatc
     q, k_cache, v_cache, tables, context_lens = _inputs([9, 40], 16, 2, 3, 16, torch.float32)
     calls = []
     real = kernels.paged_attention_decode
-    monkeypatch.setattr(cpu_ext, "load", lambda: type("M", (), {
+    monkeypatch.setattr(extension, "load", lambda: type("M", (), {
         "paged_attention_decode": staticmethod(lambda *a: calls.append(1) or real(*a))}))
-    got = dispatch.paged_attention_decode(q, k_cache, v_cache, tables, context_lens, 0.25)
+    backend = select_backend(CPU, torch.float32)
+    assert backend.name == "cpu"
+    got = backend.paged_attention_decode(q, k_cache, v_cache, tables, context_lens, 0.25)
     assert calls == [1]
     want = reference.paged_attention_decode(q, k_cache, v_cache, tables, context_lens, 0.25)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_dispatch_falls_back_to_the_twin(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without the kernels (LORAPLEX_CPU_KERNEL=0, or no compiler) CPU serves with the
+    torch backend."""
     q, k_cache, v_cache, tables, context_lens = _inputs([9, 40], 16, 2, 3, 16, torch.float32)
-    monkeypatch.setattr(cpu_ext, "load", lambda: None)
-    got = dispatch.paged_attention_decode(q, k_cache, v_cache, tables, context_lens, 0.25)
+    monkeypatch.setenv("LORAPLEX_CPU_KERNEL", "0")
+    with pytest.raises(extension.KernelBuildError):
+        extension.load()
+    assert backend_name(CPU) == "torch"
+    backend = select_backend(CPU, torch.float32)
+    assert backend.name == "torch"
+    got = backend.paged_attention_decode(q, k_cache, v_cache, tables, context_lens, 0.25)
     want = reference.paged_attention_decode(q, k_cache, v_cache, tables, context_lens, 0.25)
     torch.testing.assert_close(got, want)
 
@@ -134,14 +148,14 @@ def test_tiled_prefill_matches_twin_on_long_sequences(kernels, block_size: int, 
                                                       group: int, head_dim: int) -> None:
     args = (*_prefill_inputs(LONG_PREFILL_SEQS, block_size, kv_heads, group, head_dim,
                              torch.float32), head_dim**-0.5)
-    got = cpu_ext.paged_attention_prefill(*args)
+    got = cpu_attention.paged_attention_prefill(kernels, *args)
     torch.testing.assert_close(got, reference.paged_attention_prefill(*args),
                                **TOL[torch.float32])
 
 
 def test_tiled_prefill_skips_one_token_sequences_and_never_reads_past_a_context(kernels) -> None:
-    """The kernel alone leaves one-token sequences' rows unwritten (cpu_ext runs them as
-    decodes) and never reads a cache row past a tile's last token: NaN there changes
+    """The kernel alone leaves one-token sequences' rows unwritten (cpu/attention.py runs
+    them as decodes) and never reads a cache row past a tile's last token: NaN there changes
     nothing."""
     seqs = [(0, 40), (3, 1), (10, 70)]
     q, k_cache, v_cache, tables, qsl, lens = _prefill_inputs(seqs, 16, 2, 2, 32, torch.float32)
@@ -154,7 +168,8 @@ def test_tiled_prefill_skips_one_token_sequences_and_never_reads_past_a_context(
     mine = torch.ones(q.shape[0], dtype=torch.bool)
     mine[40] = False  # the one-token sequence's row
     torch.testing.assert_close(got[mine], want[mine], rtol=1e-5, atol=1e-5)
-    full = cpu_ext.paged_attention_prefill(q, k_cache, v_cache, tables, qsl, lens, 0.2)
+    full = cpu_attention.paged_attention_prefill(kernels, q, k_cache, v_cache, tables, qsl,
+                                                 lens, 0.2)
     torch.testing.assert_close(full, want, rtol=1e-5, atol=1e-5)
 
 
@@ -166,7 +181,7 @@ def test_prefill_through_the_decode_kernel_matches_twin(kernels, dtype: torch.dt
                                                         group: int, head_dim: int) -> None:
     args = (*_prefill_inputs(PREFILL_SEQS, block_size, kv_heads, group, head_dim, dtype),
             head_dim**-0.5)
-    got = cpu_ext.paged_attention_prefill(*args)
+    got = cpu_attention.paged_attention_prefill(kernels, *args)
     torch.testing.assert_close(got.float(), reference.paged_attention_prefill(*args).float(),
                                **TOL[dtype])
 
@@ -186,8 +201,10 @@ def test_argmax_rows_matches_torch_including_ties(kernels, vocab: int) -> None:
 
 def test_sampler_greedy_uses_the_kernel(kernels, monkeypatch: pytest.MonkeyPatch) -> None:
     calls = []
-    monkeypatch.setattr(cpu_ext, "load", lambda: type("M", (), {
+    monkeypatch.setattr(extension, "load", lambda: type("M", (), {
         "argmax_rows": staticmethod(lambda x: calls.append(1) or kernels.argmax_rows(x))}))
+    backend = select_backend(CPU, torch.float32)  # the sampler's kernels on CPU
+    assert backend.name == "cpu"
     logits = torch.randn(3, 300)
-    assert dispatch.argmax_rows(logits).tolist() == logits.argmax(-1).tolist()
+    assert backend.argmax_rows(logits).tolist() == logits.argmax(-1).tolist()
     assert calls == [1]

@@ -1,4 +1,5 @@
-"""Triton SGMV shrink / expand (under the interpreter) against their torch twins."""
+"""Triton SGMV shrink / expand (kernels/triton/sgmv.py, under the interpreter) against the
+torch backend's (kernels/torch/lora.py)."""
 
 from __future__ import annotations
 
@@ -6,8 +7,10 @@ import os
 
 import pytest
 import torch
-from loraplex.kernels import dispatch, reference, sgmv
+from loraplex.kernels import backend_name, select_backend
 from loraplex.kernels.testing import make_lora_weights, random_token_slots, segments
+from loraplex.kernels.torch import lora as reference
+from loraplex.kernels.triton import sgmv
 
 pytestmark = pytest.mark.triton
 # compiled kernels on the GPU (bench/gpu_check.sh sets TRITON_INTERPRET=0), else the interpreter
@@ -16,9 +19,9 @@ DEVICE = torch.device("cuda" if os.environ.get("TRITON_INTERPRET") == "0" else "
 MIXED = [1, 8, 16, 64, 0]  # slot ranks, mixed in every batch; rotated per slice
 SLICE_OUTS = {1: [200], 2: [136, 72], 3: [200, 72, 72]}
 TOL = {
-    torch.float32: dict(rtol=1e-4, atol=1e-4),
-    torch.float16: dict(rtol=1e-3, atol=1e-3),
-    torch.bfloat16: dict(rtol=1.6e-2, atol=1e-2),
+    torch.float32: {"rtol": 1e-4, "atol": 1e-4},
+    torch.float16: {"rtol": 1e-3, "atol": 1e-3},
+    torch.bfloat16: {"rtol": 1.6e-2, "atol": 1e-2},
 }
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 # (hidden, tokens, slices, dtype): the full grid at hidden 200, few tokens for the big ones
@@ -93,13 +96,18 @@ def test_kernels_without_adapter_tokens(slots: list[int]) -> None:
 
 def test_dispatch_runs_triton_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("LORAPLEX_KERNELS", "triton")
+    assert backend_name(DEVICE) == "triton"
     outs, lora_a, lora_b, ranks, slots, x = _case(200, 7, 3, BF16)
-    seg = segments(slots, DEVICE)
+    backend = select_backend(DEVICE, BF16)
+    assert backend.name == "triton"
+    seg = backend.lora_segments(slots)
     got = torch.zeros(len(slots), sum(outs), dtype=BF16, device=DEVICE)
-    dispatch.add_lora(got, x, lora_a, lora_b, ranks, seg)
+    backend.add_lora(got, x, lora_a, lora_b, ranks, seg)
     monkeypatch.setenv("LORAPLEX_KERNELS", "torch")
+    backend = select_backend(DEVICE, BF16)
+    assert backend.name == "torch"
     want = torch.zeros_like(got)
-    dispatch.add_lora(want, x, lora_a, lora_b, ranks, seg)
+    backend.add_lora(want, x, lora_a, lora_b, ranks, backend.lora_segments(slots))
     torch.testing.assert_close(got, want, **TOL[BF16])
 
 

@@ -1,5 +1,6 @@
-"""The decoder layer's elementwise C++ kernels (csrc/layer_ops.cpp) against their torch
-twins in kernels/reference.py, and the engine's use of them (no silent fallback)."""
+"""The decoder layer's elementwise C++ kernels (kernels/cpu/csrc/layer_ops.cpp) against
+their torch twins in kernels/torch/layer_ops.py, and the engine's use of them through the
+cpu backend (no silent fallback to the torch backend's ops)."""
 
 from __future__ import annotations
 
@@ -10,19 +11,23 @@ from pathlib import Path
 import pytest
 import torch
 from loraplex import LLMEngine, SamplingParams
-from loraplex.kernels import cpu_ext, reference
+from loraplex.kernels import backend_name, select_backend
+from loraplex.kernels.cpu import extension, packed_linear
+from loraplex.kernels.cpu.isa import cpu_isa
+from loraplex.kernels.torch import TorchBackend
+from loraplex.kernels.torch import attention as torch_attention
+from loraplex.kernels.torch import layer_ops as reference
 
-TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2e-2, atol=2e-2),
-       torch.float16: dict(rtol=2e-3, atol=2e-3)}
+TOL = {torch.float32: {"rtol": 1e-5, "atol": 1e-5}, torch.bfloat16: {"rtol": 2e-2, "atol": 2e-2},
+       torch.float16: {"rtol": 2e-3, "atol": 2e-3}}
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 WIDTHS = [576, 100, 7]  # the vector body only, body and tail, tail only
 
 
 @pytest.fixture(scope="module")
 def kernels():
-    module = cpu_ext.load()
-    assert module is not None, "the C++ CPU kernels did not build on this machine"
-    return module
+    assert extension.available(), "the C++ CPU kernels did not build on this machine"
+    return extension.load()
 
 
 def _randn(*shape: int, dtype: torch.dtype, seed: int, scale: float = 1.0) -> torch.Tensor:
@@ -109,13 +114,16 @@ def test_silu_mul_matches_twin(kernels, dtype: torch.dtype, width: int) -> None:
 KERNELS = ["rms_norm", "add_rms_norm_", "rope_store_kv", "silu_mul", "paged_attention_decode",
            "paged_attention_prefill", "argmax_rows", "pack_panels", "panel_linear"]
 WITHOUT_TWIN = {"argmax_rows", "pack_panels", "panel_linear"}  # torch's own ops are theirs
+TWIN_MODULES = {"paged_attention_decode": torch_attention,
+                "paged_attention_prefill": torch_attention}  # the rest: reference (layer_ops)
 
 
 def test_the_engine_runs_every_layer_kernel(kernels, tiny_models: Callable[[str], Path],
                                             monkeypatch: pytest.MonkeyPatch) -> None:
-    """A strided view or another layout the wrapper does not take would fall back to the
-    (much slower) twin without a word: the engine's steps must call each kernel and no
-    twin of them."""
+    """A strided view or another layout the cpu backend does not take would fall back to
+    the (much slower) torch backend's op without a word: the engine's steps must call each
+    kernel and no twin of them. The linears are packed in the panel layout (the rule of
+    AVX2 CPUs; GEMM_LAYOUT keeps oneDNN elsewhere) so that its kernels are counted too."""
     calls: Counter[str] = Counter()
 
     def counted(name: str):
@@ -124,12 +132,15 @@ def test_the_engine_runs_every_layer_kernel(kernels, tiny_models: Callable[[str]
 
     proxy = type("Counted", (), {name: counted(name) for name in KERNELS})
     proxy.panel_gemm_available = staticmethod(kernels.panel_gemm_available)
-    monkeypatch.setattr(cpu_ext, "load", lambda: proxy)
+    monkeypatch.setattr(extension, "load", lambda: proxy)
+    monkeypatch.setitem(packed_linear.GEMM_LAYOUT, cpu_isa(), "panels")
     twins = [k for k in KERNELS if k not in WITHOUT_TWIN]
     for name in twins:
-        monkeypatch.setattr(reference, name, lambda *a, name=name: pytest.fail(
-            f"the twin of {name} ran"))
+        fail = (lambda *a, name=name: pytest.fail(f"the twin of {name} ran"))
+        monkeypatch.setattr(TWIN_MODULES.get(name, reference), name, fail)
+        monkeypatch.setattr(TorchBackend, name, fail)  # the cpu backend's super() calls
     engine = LLMEngine(model=tiny_models("qwen3"), dtype="float32", max_model_len=128)
+    assert engine.base.kernels.name == "cpu"
     outs = engine.generate([[5, 6, 7], [9, 10]], SamplingParams(temperature=0.0,
                                                                 max_new_tokens=3))
     assert all(len(o.token_ids) == 3 for o in outs)
@@ -138,15 +149,25 @@ def test_the_engine_runs_every_layer_kernel(kernels, tiny_models: Callable[[str]
 
 def test_the_engine_without_the_kernels_gives_the_same_tokens(
         tiny_models: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch) -> None:
-    """No compiler (or LORAPLEX_CPU_KERNEL=0): every op falls back to its torch twin and
-    greedy decoding is unchanged."""
+    """No compiler (or LORAPLEX_CPU_KERNEL=0): the engine serves with the torch backend,
+    whose ops are the twins, and greedy decoding is unchanged."""
     prompts = [[5, 6, 7, 8], [9, 10], list(range(20, 60))]
     params = SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True)
 
-    def run() -> list[list[int]]:
+    def run(backend: str) -> list[list[int]]:
         engine = LLMEngine(model=tiny_models("llama"), dtype="float32", max_model_len=128)
+        assert engine.base.kernels.name == backend
         return [o.token_ids for o in engine.generate(prompts, params)]
 
-    with_kernels = run()
-    monkeypatch.setattr(cpu_ext, "load", lambda: None)
-    assert run() == with_kernels
+    with_kernels = run("cpu")
+    monkeypatch.setenv("LORAPLEX_CPU_KERNEL", "0")
+    with pytest.raises(extension.KernelBuildError):
+        extension.load()
+    assert backend_name(torch.device("cpu")) == "torch"
+    ops = select_backend(torch.device("cpu"), torch.float32)
+    assert type(ops) is TorchBackend
+    x = _randn(4, 64, dtype=torch.float32, seed=0)
+    w = _randn(64, dtype=torch.float32, seed=1)
+    assert torch.equal(ops.rms_norm(x, w, 1e-5), reference.rms_norm(x, w, 1e-5))
+    assert torch.equal(ops.silu_mul(x), reference.silu_mul(x))
+    assert run("torch") == with_kernels

@@ -1,26 +1,36 @@
-"""The LoRA torch twin (the CPU path) against a dense per-token oracle, its routes against
-each other, and the per-step segment metadata."""
+"""The torch backend's LoRA shrink/expand (the oracle) against a dense per-token oracle, the
+CPU backend's routes (kernels/cpu/lora_routes.py) against both and each other, the per-step
+segment metadata, and every backend's add_lora against the torch backend's."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from loraplex.kernels import dispatch, cpu_ext, reference
-from loraplex.kernels.lora_cpu import ROUTES, add_lora_fast, choose_route
-from loraplex.kernels.segments import LoRASegments
+from loraplex.kernels import backend_name, select_backend
+from loraplex.kernels.cpu import extension, lora_routes
+from loraplex.kernels.cpu.lora_routes import ROUTES, add_lora, choose_route
+from loraplex.kernels.cpu.segments import CPULoRASegments
 from loraplex.kernels.testing import (
     dense_lora_oracle,
     make_lora_weights,
     random_token_slots,
     segments,
 )
+from loraplex.kernels.torch import lora as reference
+
+CPU = torch.device("cpu")
+
+
+def cpu_segments(token_slots: list[int]) -> CPULoRASegments:
+    """The CPU backend's segments (the fields its routes read)."""
+    return CPULoRASegments.from_token_slots(token_slots, CPU)
 
 MIXED = [1, 8, 16, 64, 0]  # slot ranks; each slice rotates them so slots differ per slice
 SLICE_OUTS = {1: [200], 2: [136, 72], 3: [200, 72, 72]}
 TOL = {
-    torch.float32: dict(rtol=1e-4, atol=1e-4),
-    torch.float16: dict(rtol=2e-2, atol=2e-2),
-    torch.bfloat16: dict(rtol=4e-2, atol=4e-2),
+    torch.float32: {"rtol": 1e-4, "atol": 1e-4},
+    torch.float16: {"rtol": 2e-2, "atol": 2e-2},
+    torch.bfloat16: {"rtol": 4e-2, "atol": 4e-2},
 }
 
 
@@ -72,8 +82,8 @@ def test_every_route_matches_dense_oracle(route: str, case: str, dtype: torch.dt
     x = torch.randn(len(slots), 576).to(dtype)
     base = torch.randn(len(slots), sum(outs)).to(dtype)
     out = base.clone()
-    add_lora_fast(out, x, lora_a, lora_b, ranks, segments(slots), route=route,
-                  compute_dtype=dtype)  # the half-precision GEMMs too, even where emulated
+    add_lora(out, x, lora_a, lora_b, ranks, cpu_segments(slots), route=route,
+             compute_dtype=dtype)  # the half-precision GEMMs too, even where emulated
     want = base.float() + dense_lora_oracle(x, lora_a, lora_b, ranks, slots)
     torch.testing.assert_close(out.float(), want, **TOL[dtype])
 
@@ -86,7 +96,7 @@ def test_routes_agree_with_each_other(case: str) -> None:
     results = {}
     for route in ROUTES:
         out = torch.zeros(len(slots), sum(outs))
-        add_lora_fast(out, x, lora_a, lora_b, ranks, segments(slots), route=route)
+        add_lora(out, x, lora_a, lora_b, ranks, cpu_segments(slots), route=route)
         results[route] = out
     for route, out in results.items():
         torch.testing.assert_close(out, results["loop"], rtol=1e-5, atol=1e-5, msg=route)
@@ -102,9 +112,9 @@ def test_rank_exact_paths_never_read_past_the_rank(route: str, r_major_b: bool) 
     lora_a, lora_b, ranks = make_lora_weights(64, outs, slot_ranks, 64, torch.float32,
                                               past_rank=float("nan"), r_major_b=r_major_b)
     slots = CASES["mixed-random"]
-    seg, x = segments(slots), torch.randn(len(slots), 64)
+    seg, x = cpu_segments(slots), torch.randn(len(slots), 64)
     out = torch.zeros(len(slots), sum(outs))
-    add_lora_fast(out, x, lora_a, lora_b, ranks, seg, route=route)
+    add_lora(out, x, lora_a, lora_b, ranks, seg, route=route)
     assert torch.isfinite(out).all()
     out2 = torch.zeros_like(out)
     reference.lora_expand(reference.lora_shrink(x, lora_a, ranks, seg), lora_b, ranks, seg, out2)
@@ -128,7 +138,7 @@ def test_rank_exact_paths_never_read_past_the_rank(route: str, r_major_b: bool) 
 )
 def test_choose_route_by_shape(slots: list[int], dtype: torch.dtype, rank: int,
                                route: str) -> None:
-    assert choose_route(segments(slots), dtype, rank=rank) == route
+    assert choose_route(cpu_segments(slots), dtype, rank=rank) == route
 
 
 @pytest.mark.parametrize(
@@ -142,25 +152,36 @@ def test_choose_route_by_shape(slots: list[int], dtype: torch.dtype, rank: int,
 def test_choose_route_without_the_cpu_kernel(monkeypatch: pytest.MonkeyPatch,
                                              slots: list[int], dtype: torch.dtype,
                                              route: str) -> None:
-    monkeypatch.setattr(cpu_ext, "available", lambda: False)
-    assert choose_route(segments(slots), dtype) == route
+    """The rule past the kernel's reach: the CPU backend always has the kernel (without it
+    the engine serves with the torch backend), so "without" is the kernel never winning."""
+    monkeypatch.setattr(lora_routes, "KERNEL_MAX_WORK", 0)
+    assert choose_route(cpu_segments(slots), dtype) == route
 
 
 def test_kernel_route_falls_back_to_grouped_where_it_cannot_build(
         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the kernel cannot load, the fallback is a backend choice: the torch backend
+    serves (and gives the oracle's delta); the kernel route itself never falls back
+    silently."""
     outs, lora_a, lora_b, ranks = _case(200, 3, torch.float32)
     slots = CASES["decode-unsorted"]
     x = torch.randn(len(slots), 200)
-    monkeypatch.setattr(cpu_ext, "load", lambda: None)
+    monkeypatch.setenv("LORAPLEX_CPU_KERNEL", "0")
+    assert backend_name(CPU) == "torch"
+    backend = select_backend(CPU, torch.float32)
+    assert backend.name == "torch"
     out = torch.zeros(len(slots), sum(outs))
-    add_lora_fast(out, x, lora_a, lora_b, ranks, segments(slots), route="kernel")
+    backend.add_lora(out, x, lora_a, lora_b, ranks, backend.lora_segments(slots))
     torch.testing.assert_close(out, dense_lora_oracle(x, lora_a, lora_b, ranks, slots),
                                rtol=1e-4, atol=1e-4)
+    with pytest.raises(extension.KernelBuildError):
+        add_lora(torch.zeros_like(out), x, lora_a, lora_b, ranks, cpu_segments(slots),
+                 route="kernel")
 
 
 def test_cpu_kernel_refuses_out_of_range_slots() -> None:
-    module = cpu_ext.load()
-    assert module is not None, "the C++ CPU kernels did not build on this machine"
+    assert extension.available(), "the C++ CPU kernels did not build on this machine"
+    module = extension.load()
     lora_a, lora_b, ranks = make_lora_weights(16, [8], [[4, 4]], 8, torch.float32)
     x, out = torch.randn(2, 16), torch.zeros(2, 8)
     rows, bad_slots = torch.tensor([0, 1]), torch.tensor([0, 2])
@@ -172,9 +193,9 @@ def test_cpu_kernel_refuses_out_of_range_slots() -> None:
 def test_long_segments_of_mixed_ranks_take_the_rank_exact_loop() -> None:
     """Past the kernel's reach (tokens per adapter × rank > 4096): segments of 64 tokens or
     more whose ranks differ take the loop; shorter ones the grouped matmul."""
-    seg = segments([t * 8 // 2048 for t in range(2048)])  # 256 tokens each
+    seg = cpu_segments([t * 8 // 2048 for t in range(2048)])  # 256 tokens each
     assert choose_route(seg, torch.float32, mixed_ranks=True, rank=64) == "loop"
-    assert choose_route(segments([t % 8 for t in range(320)]), mixed_ranks=True,
+    assert choose_route(cpu_segments([t % 8 for t in range(320)]), mixed_ranks=True,
                         rank=128) == "grouped"  # 40 tokens each
 
 
@@ -184,18 +205,18 @@ def test_half_compute_in_fp32_matches_oracle(dtype: torch.dtype) -> None:
     slots = CASES["mixed-random"]
     x = torch.randn(len(slots), 200).to(dtype)
     out = torch.zeros(len(slots), sum(outs), dtype=dtype)
-    add_lora_fast(out, x, lora_a, lora_b, ranks, segments(slots), compute_dtype=torch.float32)
+    add_lora(out, x, lora_a, lora_b, ranks, cpu_segments(slots), compute_dtype=torch.float32)
     torch.testing.assert_close(out.float(), dense_lora_oracle(x, lora_a, lora_b, ranks, slots),
                                **TOL[dtype])
 
 
 def test_segments_group_tokens_by_slot() -> None:
-    seg = LoRASegments.from_token_slots([2, -1, 0, 2, 0, -1, 5], torch.device("cpu"))
-    assert seg.num_tokens == 7 and seg.num_lora_tokens == 5 and seg.first_lora_row == 2
+    seg = CPULoRASegments.from_token_slots([2, -1, 0, 2, 0, -1, 5], CPU)
+    assert seg.num_tokens == 7 and seg.num_lora_tokens == 5
     assert seg.token_indices.tolist() == [1, 5, 2, 4, 0, 3, 6]
     assert seg.seg_slots_host == [-1, 0, 2, 5] == seg.seg_slots.tolist()
     assert seg.seg_starts_host == [0, 2, 4, 6, 7] == seg.seg_starts.tolist()
-    assert seg.token_slots.dtype == torch.int32 and seg.token_indices.dtype == torch.int64
+    assert seg.token_indices.dtype == torch.int64
     assert seg.max_seg_len == 2 and seg.num_groups == 6
     assert seg.group_offsets.tolist() == [2, 2, 4, 4, 4, 5]
     assert seg.lora_rows.tolist() == [2, 4, 0, 3, 6]
@@ -207,38 +228,51 @@ def test_segments_group_tokens_by_slot() -> None:
 
 @pytest.mark.parametrize("slots", [[], [-1, -1]])
 def test_segments_without_adapters(slots: list[int]) -> None:
-    seg = segments(slots)
+    seg = cpu_segments(slots)
     assert seg.max_seg_len == 0 and seg.num_lora_tokens == 0 and seg.num_groups == 0
-    out = torch.zeros(len(slots), 8)
     lora_a, lora_b, ranks = make_lora_weights(16, [8], [[4, 4]], 8, torch.float32)
-    dispatch.add_lora(out, torch.randn(len(slots), 16), lora_a, lora_b, ranks, seg)
-    assert not out.any()
+    x = torch.randn(len(slots), 16)
+    for name in ("cpu", "torch"):
+        backend = select_backend(CPU, torch.float32, name)
+        assert backend.lora_segments(slots) is None  # the layers skip the delta
+        out = torch.zeros(len(slots), 8)
+        backend.add_lora(out, x, lora_a, lora_b, ranks,
+                         seg if name == "cpu" else segments(slots))
+        assert not out.any()
 
 
 def test_segments_sorted_batch_is_identity() -> None:
-    seg = segments([0, 0, 1, 1, 1, 3])
+    seg = cpu_segments([0, 0, 1, 1, 1, 3])
     assert seg.lora_rows_identity and seg.seg_row_start_host == [0, 2, 5]
 
 
 def test_dispatch_add_lora_on_cpu_uses_the_twin() -> None:
-    outs, lora_a, lora_b, ranks = _case(200, 3, torch.float32)
+    """The backend chosen for CPU where the kernels build is the cpu one; its add_lora
+    (over its own B layout and segments) gives the oracle's delta, and so do the torch
+    backend's shrink and expand."""
+    assert backend_name(CPU) == "cpu"
+    backend = select_backend(CPU, torch.float32)
+    assert backend.name == "cpu"
+    outs, lora_a, lora_b, ranks = _case(200, 3, torch.float32, r_major_b=True)
     slots = CASES["decode-unsorted"]
     x = torch.randn(len(slots), 200)
     out = torch.zeros(len(slots), sum(outs))
-    dispatch.add_lora(out, x, lora_a, lora_b, ranks, segments(slots))
+    backend.add_lora(out, x, lora_a, lora_b, ranks, backend.lora_segments(slots))
     torch.testing.assert_close(out, dense_lora_oracle(x, lora_a, lora_b, ranks, slots),
                                rtol=1e-4, atol=1e-4)
-    h = dispatch.lora_shrink(x, lora_a, ranks, segments(slots))
+    h = reference.lora_shrink(x, lora_a, ranks, segments(slots))
     out2 = torch.zeros_like(out)
-    dispatch.lora_expand(h, lora_b, ranks, segments(slots), out2)
+    reference.lora_expand(h, lora_b, ranks, segments(slots), out2)
     torch.testing.assert_close(out2, out, rtol=1e-4, atol=1e-4)
 
 
 def test_dispatch_rejects_unknown_backend(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("LORAPLEX_KERNELS", "cuda")
-    with pytest.raises(ValueError, match="LORAPLEX_KERNELS='cuda'; allowed: triton, torch"):
-        dispatch.lora_shrink(torch.zeros(1, 4), [torch.zeros(1, 1, 4)],
-                             torch.zeros(1, 1, dtype=torch.int32), segments([0]))
+    message = r"LORAPLEX_KERNELS='cuda'; allowed: triton, cpu, torch, or unset"
+    with pytest.raises(ValueError, match=message):
+        backend_name(CPU)
+    with pytest.raises(ValueError, match=message):
+        select_backend(CPU, torch.float32)
 
 
 @pytest.mark.parametrize("route", sorted(ROUTES))
@@ -249,6 +283,5 @@ def test_routes_skip_a_layer_no_present_adapter_targets(route: str) -> None:
     x = torch.randn(6, 64)
     out = torch.randn(6, 48)
     before = out.clone()
-    add_lora_fast(out, x, lora_a, lora_b, ranks, LoRASegments.from_token_slots(
-        [0, 1, 2, 3, 0, 1], torch.device("cpu")), route=route)
+    add_lora(out, x, lora_a, lora_b, ranks, cpu_segments([0, 1, 2, 3, 0, 1]), route=route)
     torch.testing.assert_close(out, before)

@@ -1,5 +1,5 @@
-"""PackedLinear (pre-packed CPU fp32 linears: the panel GEMM of the CPU kernels, else
-oneDNN) against F.linear, and pack_model on a real model: every decoder linear packed, the
+"""PackedLinear (kernels/cpu/packed_linear.py: pre-packed CPU fp32 linears, in the panel
+layout of the CPU kernels' GEMM or oneDNN's) against F.linear, and pack_model on a real model: every decoder linear packed, the
 head packed, outputs unchanged. Panel GEMM: a row's result is the same bits whatever it is
 batched with. oneDNN: row counts padded to a bounded set of sizes (each new size costs
 ~0.6 MB of oneDNN cache) that the engine's warm-up builds before serving."""
@@ -10,11 +10,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 from loraplex import LLMEngine
-from loraplex.engine.models import packed_linear
-from loraplex.kernels import cpu_ext
-from loraplex.engine.models.packed_linear import (
+from loraplex.kernels.cpu import extension, packed_linear
+from loraplex.kernels.cpu.packed_linear import (
     CHUNK_ROWS,
+    GEMM_LAYOUT,
     PackedLinear,
+    gemm_layout,
     pack_model,
     packing_available,
     padded_rows,
@@ -23,35 +24,36 @@ from loraplex.lora.layers import LoRALinear
 from torch import nn
 
 pytestmark = pytest.mark.skipif(
-    not packing_available(torch.device("cpu"), torch.float32),
+    not packing_available(torch.float32),
     reason="this torch build has no oneDNN")
 
 
 @pytest.fixture(scope="module")
 def panel_gemm() -> None:
-    module = cpu_ext.load()
-    assert module is not None, "the C++ CPU kernels did not build on this machine"
+    assert extension.available(), "the C++ CPU kernels did not build on this machine"
+    module = extension.load()
     assert module.panel_gemm_available(), "the CPU kernels were built without AVX2/FMA"
 
 
 @pytest.fixture(params=["panels", "onednn"])
-def layout(request: pytest.FixtureRequest) -> bool:
-    """PackedLinear's ``panels`` argument: True (the panel GEMM) or False (oneDNN)."""
+def layout(request: pytest.FixtureRequest) -> str:
+    """PackedLinear's ``layout``: "panels" (the panel GEMM) or "onednn"."""
     if request.param == "panels":
         request.getfixturevalue("panel_gemm")
-    return request.param == "panels"
+    return request.param
 
 
 @pytest.mark.parametrize("rows", [1, 7, 9, 32, 100, 513, 1100])
 @pytest.mark.parametrize("bias", [False, True])
-def test_packed_linear_matches_f_linear(rows: int, bias: bool, layout: bool) -> None:
+def test_packed_linear_matches_f_linear(rows: int, bias: bool, layout: str) -> None:
     g = torch.Generator().manual_seed(rows)
     linear = nn.Linear(96, 200, bias=bias)
     x = torch.randn(rows, 96, generator=g)
     want = linear(x)
-    packed = PackedLinear(linear.weight, linear.bias, panels=layout)
+    packed = PackedLinear(linear.weight, linear.bias, layout)
+    panels = layout == "panels"
     assert (packed.in_features, packed.out_features) == (96, 200)
-    assert (packed.panels is not None, packed.packed is not None) == (layout, not layout)
+    assert (packed.panels is not None, packed.packed is not None) == (panels, not panels)
     torch.testing.assert_close(packed(x), want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(packed(x.view(1, rows, 96)), want.view(1, rows, 200),
                                rtol=1e-5, atol=1e-5)
@@ -65,7 +67,7 @@ def test_panel_gemm_matches_f_linear(panel_gemm, k: int, n: int, bias: bool) -> 
     g = torch.Generator().manual_seed(k * n)
     weight = torch.randn(n, k, generator=g)
     b = torch.randn(n, generator=g) if bias else None
-    packed = PackedLinear(weight, b, panels=True)
+    packed = PackedLinear(weight, b, "panels")
     for rows in [*range(1, 14), 96, 97, 203]:
         x = torch.randn(rows, k, generator=g)
         exact = F.linear(x.double(), weight.double(), None if b is None else b.double())
@@ -79,7 +81,7 @@ def test_panel_gemm_rows_do_not_depend_on_their_batch(panel_gemm) -> None:
     request's logits do not change with the batch it is scheduled in."""
     g = torch.Generator().manual_seed(3)
     weight, bias = torch.randn(200, 700, generator=g), torch.randn(200, generator=g)
-    packed = PackedLinear(weight, bias, panels=True)
+    packed = PackedLinear(weight, bias, "panels")
     x = torch.randn(203, 700, generator=g)
     batched = packed(x)
     threads = torch.get_num_threads()
@@ -92,20 +94,36 @@ def test_panel_gemm_rows_do_not_depend_on_their_batch(panel_gemm) -> None:
     assert torch.equal(packed(x[5:11]), batched[5:11])
 
 
-def test_the_panel_gemm_is_the_default_where_it_is_built(panel_gemm) -> None:
-    packed = PackedLinear.of(nn.Linear(8, 8))
+def test_the_panel_gemm_is_the_default_where_it_is_built(
+        panel_gemm, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The default layout is GEMM_LAYOUT's rule for the CPU's ISA (oneDNN where unlisted):
+    on an ISA whose rule is the panel GEMM, which is built here, linears pack in panels;
+    where the kernels were built without AVX2/FMA, in oneDNN's layout."""
+    assert gemm_layout() == GEMM_LAYOUT.get(packed_linear.cpu_isa(), "onednn")
+    monkeypatch.setattr(packed_linear, "cpu_isa", lambda: "AVX2")
+    assert GEMM_LAYOUT["AVX2"] == "panels" and gemm_layout() == "panels"
+    packed = PackedLinear.of(nn.Linear(8, 8), gemm_layout())
     assert packed.panels is not None and packed.packed is None
+    monkeypatch.setattr(packed_linear.extension, "load", lambda: type("M", (), {
+        "panel_gemm_available": staticmethod(lambda: False)}))
+    assert gemm_layout() == "onednn"
+    monkeypatch.setattr(packed_linear, "cpu_isa", lambda: "NEON")  # unlisted
+    assert gemm_layout() == "onednn"
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])  # untied head, tied head
-def test_engine_packs_every_linear_and_keeps_the_logits(arch: str, tiny_models) -> None:
+def test_engine_packs_every_linear_and_keeps_the_logits(arch: str, layout: str, tiny_models,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(GEMM_LAYOUT, packed_linear.cpu_isa(), layout)  # this CPU's rule
     engine = LLMEngine(model=tiny_models(arch), dtype="float32", max_model_len=128)
     model = engine.base.model
     assert not [n for n, m in model.named_modules() if type(m) is nn.Linear]
     bases = [m.base for m in model.modules() if isinstance(m, LoRALinear)]
     assert bases and all(isinstance(b, PackedLinear) for b in bases)
-    if cpu_ext.load() is not None:
-        assert all(b.panels is not None for b in bases)
+    assert gemm_layout() == layout
+    panels = layout == "panels"
+    assert all((b.panels is not None, b.packed is not None) == (panels, not panels)
+               for b in bases)
     assert isinstance(model.logits_head, PackedLinear)
     hidden = torch.randn(5, model.config.hidden_size)
     embed = model.model.embed_tokens.weight
@@ -117,9 +135,9 @@ def test_engine_packs_every_linear_and_keeps_the_logits(arch: str, tiny_models) 
 
 def test_pack_model_counts_the_head_and_the_decoder_linears(tiny_models) -> None:
     engine = LLMEngine(model=tiny_models("llama"), dtype="float32", max_model_len=128)
-    fresh = type(engine.base.model)(engine.base.model.config, 128)
+    fresh = type(engine.base.model)(engine.base.model.config, 128, engine.base.kernels)
     layers = engine.base.model.config.num_hidden_layers
-    assert pack_model(fresh) == 1 + 4 * layers  # head + qkv, o, gate_up, down per layer
+    assert pack_model(fresh, gemm_layout()) == 1 + 4 * layers  # head + qkv, o, gate_up, down per layer
     assert not hasattr(fresh, "lm_head")
 
 
@@ -148,7 +166,7 @@ class _RowLog:
 def test_every_gemm_runs_at_a_padded_size(monkeypatch: pytest.MonkeyPatch) -> None:
     log = _RowLog(monkeypatch)
     linear = nn.Linear(48, 40)
-    packed = PackedLinear(linear.weight, linear.bias, panels=False)
+    packed = PackedLinear(linear.weight, linear.bias, "onednn")
     for rows in [*range(1, 140), 255, 257, 511, 512, 1000, 1025, 1537]:
         x = torch.randn(rows, 48)
         torch.testing.assert_close(packed(x), linear(x), rtol=1e-5, atol=1e-5)
@@ -159,7 +177,7 @@ def test_every_gemm_runs_at_a_padded_size(monkeypatch: pytest.MonkeyPatch) -> No
 def test_the_engine_warms_up_every_size_it_then_serves(monkeypatch: pytest.MonkeyPatch,
                                                          tiny_models) -> None:
     from loraplex import SamplingParams
-    monkeypatch.setattr(cpu_ext, "pack_panels", lambda weight: None)  # oneDNN's layout
+    monkeypatch.setitem(GEMM_LAYOUT, packed_linear.cpu_isa(), "onednn")  # oneDNN's layout
     log = _RowLog(monkeypatch)
     engine = LLMEngine(model=tiny_models("llama"), dtype="float32", max_model_len=128,
                        max_num_seqs=16, max_num_batched_tokens=96)

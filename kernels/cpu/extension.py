@@ -10,8 +10,8 @@
 - csrc/panel_gemm.cpp: float32 linears over weights packed into 16-column panels (AVX2).
 
 Built with the system C++ compiler (``-march=native``) on first use in a process and cached
-by torch under $TORCH_EXTENSIONS_DIR, once per machine and source digest (``make kernels``
-does it ahead of time). ``load()`` raises where the build fails (no compiler) or
+by torch under $TORCH_EXTENSIONS_DIR, once per machine and source digest (``make kernels``,
+= ``python -m loraplex.kernels.cpu``, does it ahead of time). ``load()`` raises where the build fails (no compiler) or
 ``LORAPLEX_CPU_KERNEL=0`` is set; the backend selector then serves with the torch backend.
 """
 
@@ -82,11 +82,3 @@ def available() -> bool:
     except KernelBuildError:
         return False
     return True
-
-
-if __name__ == "__main__":  # `make kernels`: build (or find) the extension, say where it is
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    try:
-        print(f"CPU kernels: {load().__file__}")
-    except KernelBuildError as exc:  # not fatal: the engine serves with the torch backend
-        print(f"CPU kernels: not built ({exc}); the engine will use the torch backend")

@@ -15,6 +15,8 @@ Which layout serves is a rule per instruction set (``GEMM_LAYOUT``), measured wi
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import nn
 
@@ -34,9 +36,12 @@ GEMM_LAYOUT: dict[str, str] = {
 
 
 def gemm_layout() -> str:
-    """The packed layout this CPU's linears use: GEMM_LAYOUT's entry for its ISA, "onednn"
-    where unlisted or where the panel GEMM is not built (no AVX2/FMA)."""
-    layout = GEMM_LAYOUT.get(cpu_isa(), "onednn")
+    """The packed layout this CPU's linears use: ``LORAPLEX_GEMM_LAYOUT`` if set (to check
+    the rule on another CPU), else GEMM_LAYOUT's entry for its ISA; "onednn" where unlisted
+    or where the panel GEMM is not built (no AVX2/FMA)."""
+    layout = os.environ.get("LORAPLEX_GEMM_LAYOUT") or GEMM_LAYOUT.get(cpu_isa(), "onednn")
+    if layout not in ("panels", "onednn"):
+        raise ValueError(f"LORAPLEX_GEMM_LAYOUT={layout!r}; allowed: panels, onednn")
     if layout == "panels" and not extension.load().panel_gemm_available():
         return "onednn"
     return layout
@@ -58,7 +63,7 @@ def packing_available(dtype: torch.dtype) -> bool:
             and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 
 
-# the resolved overload: ~6 us a call less than going through the op packet
+# the resolved overload: cheaper per call than going through the op packet
 _LINEAR = (torch.ops.mkldnn._linear_pointwise.default
            if hasattr(torch.ops.mkldnn, "_linear_pointwise") else None)
 

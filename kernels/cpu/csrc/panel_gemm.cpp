@@ -32,9 +32,9 @@ constexpr int64_t kStripsPerChunk = 16;  // 96 rows of packed x stay in L2 acros
 
 // K in near-equal blocks of at most 320, or of 96 (64) for up to 10 (2) strips of x: then a
 // k block of every strip (24 B a k each) and of B (64 B a k) fit in L1 together, and each
-// block of B is read from L1 by all the strips (cold weights, 32 rows: +6-11 %, 8 rows
-// +15-20 %; at 64 rows and up, 320 is as fast or faster). The k blocks do not change the
-// order of the FMAs, so the result does not depend on them.
+// block of B is read from L1 by all the strips (with more strips, 320 is as fast or
+// faster). The k blocks do not change the order of the FMAs, so the result does not depend
+// on them.
 int64_t k_block(int64_t K, int64_t strips) {
   const int64_t max_kc = strips <= 2 ? 64 : strips <= 10 ? 96 : 320;
   const int64_t blocks = (K + max_kc - 1) / max_kc;
@@ -122,8 +122,7 @@ void pack_rows(const float* x, int64_t M, int64_t K, float* strips) {
 // Panels [p0, p1) of y for strips [c0, c1). Full panels write y in place; the last panel of
 // an N that is no multiple of 16 goes through a scratch tile. While the strips read a block
 // of B from L1, each also prefetches its share of the next block (this panel's next k block,
-// else the next panel's first): B then streams from memory ahead of its first use (measured
-// with the faster strip packing: +13-15 % at 32 and at 512 rows).
+// else the next panel's first): B then streams from memory ahead of its first use.
 void panel_range(int64_t p0, int64_t p1, int64_t c0, int64_t c1, const float* strips,
                  const float* panels, const float* bias, float* y, int64_t M, int64_t N,
                  int64_t K) {
