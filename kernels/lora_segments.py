@@ -66,16 +66,16 @@ class LoRASegments:
     def fields_of(cls, host: SegmentsHost, device: torch.device) -> dict:
         """The constructor arguments of the shared fields (subclasses add their own)."""
         lora_counts = host.counts[host.seg_slots >= 0]
-        return dict(
-            token_indices=host.order.to(device, non_blocking=True),
-            seg_starts=torch.tensor(host.starts, dtype=torch.int32).to(device,
-                                                                         non_blocking=True),
-            seg_slots=host.seg_slots.to(torch.int32).to(device, non_blocking=True),
-            seg_starts_host=host.starts,
-            seg_slots_host=host.seg_slots.tolist(),
-            max_seg_len=int(lora_counts.max()) if lora_counts.numel() else 0,
-            num_tokens=host.order.numel(),
-        )
+        return {
+            "token_indices": host.order.to(device, non_blocking=True),
+            "seg_starts": torch.tensor(host.starts, dtype=torch.int32).to(device,
+                                                                          non_blocking=True),
+            "seg_slots": host.seg_slots.to(torch.int32).to(device, non_blocking=True),
+            "seg_starts_host": host.starts,
+            "seg_slots_host": host.seg_slots.tolist(),
+            "max_seg_len": int(lora_counts.max()) if lora_counts.numel() else 0,
+            "num_tokens": host.order.numel(),
+        }
 
     @classmethod
     def from_host(cls, host: SegmentsHost, device: torch.device) -> LoRASegments:

@@ -5,6 +5,7 @@ with kernels/cpu deleted."""
 from __future__ import annotations
 
 import ast
+import json
 import os
 import shutil
 import subprocess
@@ -136,10 +137,8 @@ def test_the_engine_runs_with_kernels_cpu_deleted(tiny_llama: Path, tmp_path: Pa
     env = {k: v for k, v in os.environ.items() if k != "LORAPLEX_KERNELS"}
     env["PYTHONPATH"] = str(tmp_path)
     run = subprocess.run([sys.executable, "-c", script], env=env, cwd=tmp_path,
-                         capture_output=True, text=True, timeout=300)
+                         capture_output=True, text=True, timeout=300, check=False)
     assert run.returncode == 0, run.stderr[-3000:]
-    import json
-
     where, backend, tokens = json.loads(run.stdout.strip().splitlines()[-1])
     assert where.startswith(str(package)) and backend == "torch"
     model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()

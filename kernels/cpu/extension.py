@@ -68,7 +68,7 @@ def load() -> ModuleType:
         if _module is None and _error is None:
             try:
                 _module = _build()
-            except Exception as exc:  # no compiler, no headers
+            except Exception as exc:  # noqa: BLE001  (no compiler, no headers, a build error)
                 _error = KernelBuildError(f"the CPU kernels could not be built: {exc}")
         if _module is None:
             raise KernelBuildError(str(_error)) from _error

@@ -4,6 +4,7 @@ adapted tokens, their slots, per-slot offsets for grouped matmul), built once pe
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import pairwise
 
 import torch
 
@@ -57,4 +58,4 @@ def _range_starts(order: torch.Tensor, starts: list[int]) -> list[int]:
     breaks = torch.zeros(n + 1, dtype=torch.int64)
     torch.cumsum(step_breaks, 0, out=breaks[1:])  # breaks[j]: breaks in rows < j
     return [int(order[lo]) if int(breaks[hi] - breaks[lo + 1]) == 0 else -1
-            for lo, hi in zip(starts[:-1], starts[1:])]
+            for lo, hi in pairwise(starts)]

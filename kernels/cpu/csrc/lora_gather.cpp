@@ -63,18 +63,19 @@ constexpr int64_t kExpandChunk = 256;  // B rows per chunk: 8 KB at rank 8, L1-r
 
 // The expand of a block of cnt rows from an r-major B (bt[k * ld + n] = B[n, k], the CPU
 // slot layout): o[q][n] += Σ_k h[q * r + k] · bt[k * ld + n] for n < width, vectorised over
-// n with no horizontal sums; each B vector is loaded once for the block's CNT rows.
-template <int CNT>
-int64_t expand_block_t_f32(const float* bt, int64_t ld, const float* h, int64_t r,
-                           int64_t width, float* const* o) {
+// n with no horizontal sums; each B vector is loaded once for the block's CNT rows. float
+// and bfloat16 (B and o converted on load, o rounded once on store).
+template <typename scalar_t, int CNT>
+int64_t expand_block_t_vec(const scalar_t* bt, int64_t ld, const float* h, int64_t r,
+                           int64_t width, scalar_t* const* o) {
   int64_t n = 0;
 #if defined(__AVX2__) && defined(__FMA__)
   for (; n + 16 <= width; n += 16) {
     __m256 acc[CNT][2];
     for (int q = 0; q < CNT; ++q) acc[q][0] = acc[q][1] = _mm256_setzero_ps();
     for (int64_t k = 0; k < r; ++k) {
-      const __m256 b0 = _mm256_loadu_ps(bt + k * ld + n);
-      const __m256 b1 = _mm256_loadu_ps(bt + k * ld + n + 8);
+      const __m256 b0 = load8(bt + k * ld + n);
+      const __m256 b1 = load8(bt + k * ld + n + 8);
       for (int q = 0; q < CNT; ++q) {
         const __m256 hq = _mm256_set1_ps(h[q * r + k]);
         acc[q][0] = _mm256_fmadd_ps(hq, b0, acc[q][0]);
@@ -82,8 +83,8 @@ int64_t expand_block_t_f32(const float* bt, int64_t ld, const float* h, int64_t 
       }
     }
     for (int q = 0; q < CNT; ++q) {
-      _mm256_storeu_ps(o[q] + n, _mm256_add_ps(_mm256_loadu_ps(o[q] + n), acc[q][0]));
-      _mm256_storeu_ps(o[q] + n + 8, _mm256_add_ps(_mm256_loadu_ps(o[q] + n + 8), acc[q][1]));
+      store8(o[q] + n, _mm256_add_ps(load8(o[q] + n), acc[q][0]));
+      store8(o[q] + n + 8, _mm256_add_ps(load8(o[q] + n + 8), acc[q][1]));
     }
   }
 #endif
@@ -94,12 +95,12 @@ template <typename scalar_t>
 void expand_block_t(const scalar_t* bt, int64_t ld, const float* h, int64_t r, int64_t cnt,
                     int64_t width, scalar_t* const* o) {
   int64_t n = 0;
-  if constexpr (std::is_same_v<scalar_t, float>) {
+  if constexpr (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, c10::BFloat16>) {
     switch (cnt) {
-      case 1: n = expand_block_t_f32<1>(bt, ld, h, r, width, o); break;
-      case 2: n = expand_block_t_f32<2>(bt, ld, h, r, width, o); break;
-      case 3: n = expand_block_t_f32<3>(bt, ld, h, r, width, o); break;
-      default: n = expand_block_t_f32<4>(bt, ld, h, r, width, o); break;
+      case 1: n = expand_block_t_vec<scalar_t, 1>(bt, ld, h, r, width, o); break;
+      case 2: n = expand_block_t_vec<scalar_t, 2>(bt, ld, h, r, width, o); break;
+      case 3: n = expand_block_t_vec<scalar_t, 3>(bt, ld, h, r, width, o); break;
+      default: n = expand_block_t_vec<scalar_t, 4>(bt, ld, h, r, width, o); break;
     }
   }
   for (int64_t q = 0; q < cnt; ++q)
@@ -115,6 +116,24 @@ void expand_block_t(const scalar_t* bt, int64_t ld, const float* h, int64_t r, i
 template <typename scalar_t>
 void shrink_block(const scalar_t* a, int64_t in, const float* x, int64_t cnt, int64_t r,
                   float* h) {
+#if defined(__AVX2__) && defined(__FMA__)
+  if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {  // A converted eight at a time
+    if (in % 8 == 0) {
+      for (int64_t k = 0; k < r; ++k) {
+        const scalar_t* a_k = a + k * in;
+        __m256 s[kBlock];
+        for (int64_t q = 0; q < cnt; ++q) s[q] = _mm256_setzero_ps();
+        for (int64_t c = 0; c < in; c += 8) {
+          const __m256 av = load8(a_k + c);
+          for (int64_t q = 0; q < cnt; ++q)
+            s[q] = _mm256_fmadd_ps(av, _mm256_loadu_ps(x + q * in + c), s[q]);
+        }
+        for (int64_t q = 0; q < cnt; ++q) h[q * r + k] = hsum8(s[q]);
+      }
+      return;
+    }
+  }
+#endif
   if (cnt == 1) {
     for (int64_t k = 0; k < r; ++k) {
       const scalar_t* a_k = a + k * in;

@@ -2,10 +2,41 @@
 // every kernel keeps a scalar path for other CPUs and dtypes).
 #pragma once
 
+#include <c10/util/BFloat16.h>
+
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 
 namespace loraplex_vec {
+
+// Eight floats from eight float or bfloat16 values (a bfloat16 is the high half of a float).
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
+}
+
+// Eight floats stored as float, or rounded to bfloat16 as c10 rounds (to nearest even; NaN
+// to the quiet NaN 0x7FC0).
+inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+inline void store8(c10::BFloat16* p, __m256 v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  __m256i rounded = _mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF)));
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  rounded = _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7FC00000), nan);
+  const __m256i high = _mm256_srli_epi32(rounded, 16);  // each value in a lane's low half
+  const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(high),
+                                          _mm256_extracti128_si256(high, 1));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
+}
+
+// The sum of a vector's eight lanes.
+inline float hsum8(__m256 v) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 0x55)));
+}
 
 // e^x for 8 floats (Cephes' expf: range reduction by ln 2, degree-5 polynomial; within
 // 2 ulp of std::exp over the softmax's range x <= 0, and 0 below -87.3).
@@ -59,6 +90,9 @@ inline float exp_shift_sum(float* s, int64_t n, float m) {
 }  // namespace loraplex_vec
 
 using loraplex_vec::exp256;
+using loraplex_vec::hsum8;
+using loraplex_vec::load8;
+using loraplex_vec::store8;
 using loraplex_vec::exp_shift_sum;
 using loraplex_vec::sum8;
 #endif
