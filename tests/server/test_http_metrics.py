@@ -5,6 +5,7 @@ fronts, vllm:lora_requests_info naming the adapter of a running request, and
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -53,10 +54,14 @@ def scrape(server: Any) -> dict[str, Any]:
     return {f.name: f for f in text_string_to_metric_families(r.text)}
 
 
-def value(families: dict[str, Any], sample: str, **labels: str) -> float:
-    """The one sample named ``sample`` whose labels include ``labels``."""
+def value(families: dict[str, Any], sample: str, absent: float | None = None,
+          **labels: str) -> float:
+    """The one sample named ``sample`` whose labels include ``labels`` (``absent`` if there
+    is none and that is allowed: per-adapter series appear with an adapter's first use)."""
     hits = [s.value for f in families.values() for s in f.samples
             if s.name == sample and all(s.labels.get(k) == v for k, v in labels.items())]
+    if not hits and absent is not None:
+        return absent
     assert len(hits) == 1, (sample, labels, hits)
     return hits[0]
 
@@ -90,7 +95,7 @@ def test_counters_rise_by_exactly_the_tokens_served(server: Any, oai: openai.Ope
     after = scrape(server)
 
     def delta(sample: str, **labels: str) -> float:
-        return value(after, sample, **labels) - value(before, sample, **labels)
+        return value(after, sample, **labels) - value(before, sample, absent=0.0, **labels)
 
     prompt = sum(u.prompt_tokens for u in served) + grpc_usage.prompt_tokens
     generated = sum(u.completion_tokens for u in served) + grpc_usage.completion_tokens
@@ -109,15 +114,18 @@ def test_counters_rise_by_exactly_the_tokens_served(server: Any, oai: openai.Ope
 
 
 @contextmanager
-def running_stream(server: Any, model: str) -> Iterator[httpx.Response]:
-    """A streamed completion for ``model``, its first event read (so it runs), left open."""
+def running_stream(server: Any, model: str) -> Iterator[Iterator[str]]:
+    """A streamed completion for ``model``, its first event read (so it runs), left open;
+    its remaining lines. (Dropping a line iterator closes the response: a disconnect.)"""
     body = {"model": model, "prompt": "the cat", "max_tokens": 200, "ignore_eos": True,
             "stream": True}
     with slow_steps(server.engine, 0.01), httpx.Client(timeout=60) as http:
         with http.stream("POST", f"{server.http_url}/v1/completions", json=body) as r:
             assert r.status_code == 200
-            next(r.iter_lines())
-            yield r
+            lines = r.iter_lines()
+            first = json.loads(next(lines).removeprefix("data: "))
+            assert first["choices"][0]["finish_reason"] is None, first
+            yield lines
 
 
 def test_lora_requests_info_lists_the_running_adapter(server: Any) -> None:
