@@ -100,6 +100,12 @@ GENERATE_CASES = [
     gen("chat-template-on-token-ids", INVALID, "apply_chat_template", prompt=None,
         prompt_token_ids=[5], apply_chat_template=True),
     gen("request_id-over-long", INVALID, "request_id", request_id="r" * 257),
+    gen("messages-and-prompt", INVALID, "exactly one",
+        messages=[{"role": "user", "content": "the cat"}]),
+    gen("messages-role-unknown", INVALID, "role", prompt=None,
+        messages=[{"role": "wizard", "content": "the cat"}]),
+    gen("messages-over-max_model_len", INVALID, "max_model_len", prompt=None,
+        messages=[{"role": "user", "content": "the " * 300}]),
     # adapter names
     gen("adapter-unknown", NOT_FOUND, "'nope'", adapter="nope"),
     gen("adapter-over-long", NOT_FOUND, "unknown adapter", adapter="x" * 20000),

@@ -119,13 +119,13 @@ def running_stream(server: Any, model: str) -> Iterator[Iterator[str]]:
     its remaining lines. (Dropping a line iterator closes the response: a disconnect.)"""
     body = {"model": model, "prompt": "the cat", "max_tokens": 200, "ignore_eos": True,
             "stream": True}
-    with slow_steps(server.engine, 0.01), httpx.Client(timeout=60) as http:
-        with http.stream("POST", f"{server.http_url}/v1/completions", json=body) as r:
-            assert r.status_code == 200
-            lines = r.iter_lines()
-            first = json.loads(next(lines).removeprefix("data: "))
-            assert first["choices"][0]["finish_reason"] is None, first
-            yield lines
+    url = f"{server.http_url}/v1/completions"
+    with slow_steps(server.engine, 0.01), httpx.stream("POST", url, json=body, timeout=60) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        first = json.loads(next(lines).removeprefix("data: "))
+        assert first["choices"][0]["finish_reason"] is None, first
+        yield lines
 
 
 def test_lora_requests_info_lists_the_running_adapter(server: Any) -> None:
