@@ -1,4 +1,5 @@
-"""Bearer-token auth as a server interceptor.
+"""Bearer-token auth: the rule both fronts share (``required_tokens``, ``refusal``) and the
+gRPC server interceptor (server/http/auth.py reads the same rule from HTTP headers).
 
 AdapterAdmin needs the admin token when one is set; Inference and ServerInfo need the API
 token when one is set (the admin token is accepted there too). Health and reflection stay

@@ -67,13 +67,13 @@ def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     """(message, param) for pydantic's errors: each names its field and what is wanted."""
     parts, param = [], None
     for err in exc.errors():
+        if err.get("type") == "json_invalid":  # loc holds a character offset, no field
+            parts.append(f"the body is not valid JSON ({err.get('ctx', {}).get('error', '')})")
+            continue
         loc = [str(x) for x in err.get("loc", ()) if x != "body"]
         where = ".".join(loc) or "the request body"
         param = param or (where if loc else None)
-        if err.get("type") == "json_invalid":
-            parts.append(f"the body is not valid JSON ({err.get('ctx', {}).get('error', '')})")
-        else:
-            parts.append(f"{where}: {err.get('msg')}")
+        parts.append(f"{where}: {err.get('msg')}")
     return "; ".join(parts[:5]) or "invalid request", param
 
 
