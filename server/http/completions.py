@@ -17,7 +17,7 @@ from ..state import ServerState
 from .auth import require, server_state
 from .convert import chat_input, completion_input
 from .errors import error_body, http_status_of
-from .protocol import ChatCompletionRequest, CompletionRequest, _Sampling
+from .protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from .responses import DONE, Reply, sse
 from .streaming import ClosingStreamingResponse, until_disconnect
 
@@ -45,7 +45,7 @@ def _tokenizer(state: ServerState) -> object | None:
 
 
 async def _answer(state: ServerState, request: Request, reply: Reply, inp: GenerateInput,
-                  body: _Sampling) -> Response:
+                  body: SamplingFields) -> Response:
     if not body.stream:
         out = await until_disconnect(request, generation.complete(state, inp))
         return JSONResponse(reply.body(out))

@@ -10,17 +10,23 @@ from ...engine.sampling_params import SamplingParams
 from ..chat import ChatTurn
 from ..generation import GenerateInput
 from ..prompt import resolve_prompt
-from .protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, _Request, _Sampling
+from .protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    RequestBody,
+    SamplingFields,
+)
 
 
-def check_supported(req: _Request) -> None:
+def check_supported(req: RequestBody) -> None:
     unsupported = req.unsupported()
     if unsupported:
         raise ValueError(f"{', '.join(unsupported)}: not supported by loraplex; leave "
                          f"{'it' if len(unsupported) == 1 else 'them'} unset")
 
 
-def _check_choices(req: _Sampling) -> None:
+def _check_choices(req: SamplingFields) -> None:
     if req.n != 1:
         raise ValueError(f"n={req.n}: loraplex returns one choice per request; send n=1 "
                          "(or several requests)")
@@ -28,7 +34,7 @@ def _check_choices(req: _Sampling) -> None:
         raise ValueError("stream_options is only allowed with stream=true")
 
 
-def sampling_params(req: _Sampling, max_tokens: int | None) -> SamplingParams:
+def sampling_params(req: SamplingFields, max_tokens: int | None) -> SamplingParams:
     """OpenAI's / vLLM's names -> the engine's; unset fields keep the model's defaults."""
     top_k = None if req.top_k in (None, -1, 0) else req.top_k
     return SamplingParams(

@@ -9,7 +9,7 @@ client never silently loses, say, its logprobs. Value ranges beyond what the typ
 
 from __future__ import annotations
 
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -17,7 +17,7 @@ TokenId = Annotated[int, Field(ge=0)]
 Stop = str | list[str] | None
 
 
-class _Request(BaseModel):
+class RequestBody(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow")
 
     UNSUPPORTED: ClassVar[tuple[str, ...]] = ()  # set fields of these names are refused
@@ -34,7 +34,7 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _Sampling(_Request):
+class SamplingFields(RequestBody):
     """The fields completions and chat share."""
 
     model: str | None = None  # an adapter name or the base model's; None = the base
@@ -52,7 +52,7 @@ class _Sampling(_Request):
     stop_token_ids: list[TokenId] | None = None
 
 
-class CompletionRequest(_Sampling):
+class CompletionRequest(SamplingFields):
     UNSUPPORTED: ClassVar[tuple[str, ...]] = ("echo", "logprobs", "suffix", "presence_penalty", "frequency_penalty",
                    "repetition_penalty", "logit_bias", "best_of", "guided_json",
                    "guided_regex", "guided_choice", "response_format")
@@ -78,7 +78,7 @@ class ChatMessage(BaseModel):
         return self.content or ""
 
 
-class ChatCompletionRequest(_Sampling):
+class ChatCompletionRequest(SamplingFields):
     UNSUPPORTED: ClassVar[tuple[str, ...]] = ("tools", "tool_choice", "functions", "function_call", "logprobs",
                    "top_logprobs", "response_format", "presence_penalty",
                    "frequency_penalty", "repetition_penalty", "logit_bias", "echo",
@@ -89,26 +89,22 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
 
 
-class LoadLoRAAdapterRequest(_Request):
+class LoadLoRAAdapterRequest(RequestBody):
     lora_name: str
     lora_path: str
 
 
-class UnloadLoRAAdapterRequest(_Request):
+class UnloadLoRAAdapterRequest(RequestBody):
     lora_name: str
 
 
-class TokenizeRequest(_Request):
+class TokenizeRequest(RequestBody):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True  # for a prompt; chat templates write their own
 
 
-class DetokenizeRequest(_Request):
+class DetokenizeRequest(RequestBody):
     model: str | None = None
     tokens: list[TokenId]
-
-
-def dump(obj: Any) -> dict[str, Any]:
-    return obj.model_dump() if isinstance(obj, BaseModel) else dict(obj)
