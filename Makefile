@@ -5,6 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 HOST ?= 127.0.0.1
 PORT ?= 50051
+HTTP_PORT ?= 8000
 PYTEST_ARGS ?=
 
 .PHONY: venv kernels serve test bench soak clean
@@ -26,7 +27,7 @@ kernels: $(STAMP)
 	$(PY) -m loraplex.kernels.cpu
 
 serve: kernels
-	$(VENV)/bin/loraplex serve --host $(HOST) --port $(PORT) $(SERVE_ARGS)
+	$(VENV)/bin/loraplex serve --host $(HOST) --port $(PORT) --http-port $(HTTP_PORT) $(SERVE_ARGS)
 
 test: kernels
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)

@@ -48,7 +48,8 @@ def lora_module(text: str) -> Any:
 
 # ---- serve -------------------------------------------------------------------------------
 def add_serve(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("serve", help="serve a base model and LoRA adapters over gRPC")
+    p = sub.add_parser("serve", help="serve a base model and LoRA adapters over gRPC (and "
+                       "OpenAI-compatible HTTP with --http-port)")
     p.add_argument("--model", help="local Hugging Face model dir (default: the embedded "
                                    "SmolLM2-135M-Instruct and the demo adapters)")
     p.add_argument("--served-model-name", help="alias requests may use for the base model")
@@ -76,6 +77,9 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
     net = p.add_argument_group("network and security")
     net.add_argument("--host", default=DEFAULT_HOST)
     net.add_argument("--port", type=int, default=DEFAULT_PORT)
+    net.add_argument("--http-port", type=int, metavar="PORT",
+                     help="also serve vLLM's OpenAI-compatible HTTP API and /metrics on PORT "
+                     "(same process, engine, tokens and TLS; off unless given)")
     net.add_argument("--api-token", default=os.environ.get("LORAPLEX_API_TOKEN"),
                      help="require it on Inference/ServerInfo (env LORAPLEX_API_TOKEN)")
     net.add_argument("--admin-token", default=os.environ.get("LORAPLEX_ADMIN_TOKEN"),
@@ -106,7 +110,8 @@ def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         engine_kw = _engine_kwargs(args, modules)
         EngineConfig(model=args.model, **engine_kw)  # validates the knobs now
         options = ServerOptions(
-            host=args.host, port=args.port, max_queue=args.max_queue, api_token=args.api_token,
+            host=args.host, port=args.port, http_port=args.http_port,
+            max_queue=args.max_queue, api_token=args.api_token,
             admin_token=args.admin_token, adapter_roots=args.adapter_root,
             ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile,
             ssl_ca_certs=args.ssl_ca_certs, shutdown_grace_s=args.shutdown_grace_period,

@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -50,11 +50,15 @@ def sampling_params(temperature: float | None = None, top_p: float | None = None
 
 def generate_request(prompt: str | None = None, *, prompt_token_ids: Sequence[int] | None = None,
                      adapter: str = "", request_id: str = "", apply_chat_template: bool = False,
+                     messages: Sequence[Mapping[str, str]] | None = None,
                      **sampling: object) -> pb.GenerateRequest:
+    """``messages`` ({"role", "content"} dicts, as OpenAI's) go through the chat template:
+    the way to prompt an Instruct model."""
+    turns = [pb.ChatMessage(role=m["role"], content=m["content"]) for m in messages or ()]
     return pb.GenerateRequest(
         request_id=request_id, adapter=adapter, prompt=prompt or "",
         prompt_token_ids=list(prompt_token_ids or ()), apply_chat_template=apply_chat_template,
-        params=sampling_params(**sampling))  # type: ignore[arg-type]
+        messages=turns, params=sampling_params(**sampling))  # type: ignore[arg-type]
 
 
 def _pem(value: Pem) -> bytes | None:

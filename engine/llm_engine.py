@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
+from collections.abc import Callable, Iterable
 from collections.abc import Sequence as Seq
 from pathlib import Path
 
@@ -31,6 +33,9 @@ Prompt = str | list[int]
 class LLMEngine:
     def __init__(self, model: str | Path | None = None, progress: bool = False, **kwargs):
         self.config = cfg = EngineConfig(model=None if model is None else str(model), **kwargs)
+        # (tier, seconds) per adapter load: "host" = disk -> host memory, "device" = host ->
+        # slot; called on whichever thread loaded (engine, loader, a server worker)
+        self.adapter_load_observers: list[Callable[[str, float], None]] = []
         self.base: BaseModel = load_base_model(cfg, progress)
         self.tokenizer = self.base.tokenizer
         self.max_model_len: int = cfg.max_model_len  # type: ignore[assignment]  # set by loader
@@ -44,7 +49,7 @@ class LLMEngine:
         self.base_shapes = BaseShapes.from_hf_config(self.base.hf_config, str(self.base.path))
         self.lora = AdapterCache(cfg.max_loras, cfg.max_cpu_loras,  # type: ignore[arg-type]
                                  read=lambda name, path: self.read_adapter(path, name),
-                                 load_slot=self.slot_buffers.load,
+                                 load_slot=self._load_slot,
                                  clear_slot=self.slot_buffers.clear)
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs,
                                    cfg.max_num_batched_tokens, self.lora,
@@ -223,7 +228,19 @@ class LLMEngine:
     # ---- adapters -----------------------------------------------------------------------
     def read_adapter(self, path: str | Path, name: str = "") -> LoRAWeights:
         """Read and validate a PEFT adapter dir for this base model (safe on any thread)."""
-        return read_peft_adapter(path, self.base_shapes, self.config.max_lora_rank, name)
+        start = time.perf_counter()
+        weights = read_peft_adapter(path, self.base_shapes, self.config.max_lora_rank, name)
+        self._observe_adapter_load("host", time.perf_counter() - start)
+        return weights
+
+    def _load_slot(self, slot: int, weights: LoRAWeights) -> None:
+        start = time.perf_counter()
+        self.slot_buffers.load(slot, weights)
+        self._observe_adapter_load("device", time.perf_counter() - start)
+
+    def _observe_adapter_load(self, tier: str, seconds: float) -> None:
+        for observe in self.adapter_load_observers:
+            observe(tier, seconds)
 
     def add_adapter(self, name: str, path: str | Path, replace: bool = False, pin: bool = False,
                     preloaded: bool = False, weights: LoRAWeights | None = None) -> AdapterInfo:
@@ -254,6 +271,14 @@ class LLMEngine:
             "lora_slots_in_use": self.lora.slots_in_use,
             "adapters_loaded": len(self.lora.names),
         }
+
+    def adapters_in_use(self) -> tuple[list[str], list[str]]:
+        """(running, waiting): the sorted names of adapters with a running / a waiting
+        request (the base model is not named). Engine thread only."""
+        def names(seqs: Iterable[Sequence]) -> list[str]:
+            return sorted({s.adapter_name for s in seqs if s.adapter_name})
+
+        return names(self.scheduler.running), names(self.scheduler.waiting)
 
     def __repr__(self) -> str:
         return f"LLMEngine({self.base.path}, {self.base.dtype}, {self.base.device})"

@@ -1,10 +1,12 @@
-"""LoraplexServer: the grpc.aio server around one AsyncEngine, from start-up to shutdown.
+"""LoraplexServer: the grpc.aio server (and, with ``--http-port``, the OpenAI-compatible
+HTTP front in the same event loop) around one AsyncEngine, from start-up to shutdown.
 
 Life cycle: ``start`` binds the port with health NOT_SERVING (phase STARTING, generate calls
 get UNAVAILABLE); ``load`` builds the engine off the event loop, starts its thread, warms it
 up with one tiny generate and only then turns health SERVING; ``stop`` turns health
 NOT_SERVING, refuses new calls, lets in-flight ones finish within the grace period, cancels
-the rest (which aborts them in the engine) and stops the engine thread.
+the rest (which aborts them in the engine) and stops the engine thread. Both fronts share
+the ServerState: one phase, one ``--max-queue`` count, one set of metrics.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import logging
 import signal
 from collections.abc import Callable
 from contextlib import aclosing
+from typing import TYPE_CHECKING
 
 import grpc
 from grpc_health.v1 import health as health_mod
@@ -33,6 +36,9 @@ from .server_info import ServerInfoServicer, describe
 from .state import SERVICE_NAMES, Phase, ServerState
 from .tls import server_credentials
 
+if TYPE_CHECKING:
+    from .http.server import HttpServer
+
 log = logging.getLogger(__name__)
 
 EngineSource = LLMEngine | Callable[[], LLMEngine]
@@ -44,6 +50,7 @@ class LoraplexServer:
         self.state = ServerState(options)
         self._engine_source = engine
         self._server: grpc.aio.Server | None = None
+        self.http: HttpServer | None = None  # the OpenAI-compatible front, with --http-port
         self.port: int | None = None
 
     # ---- start-up -----------------------------------------------------------------------
@@ -66,7 +73,22 @@ class LoraplexServer:
         self._server = server
         log.info("listening on %s:%d (%s)", options.host, self.port,
                  "mutual TLS" if options.ssl_ca_certs else "TLS" if options.tls else "plaintext")
+        if options.http_port is not None:
+            await self._start_http()
         return self.port
+
+    async def _start_http(self) -> None:
+        from .http.server import HttpServer  # FastAPI and uvicorn load only when asked for
+
+        self.http = HttpServer(self.state, self.options)
+        port = await self.http.start()
+        scheme = "https" if self.options.tls else "http"
+        log.info("OpenAI-compatible HTTP on %s://%s:%d/v1 (metrics at /metrics)", scheme,
+                 self.options.host, port)
+
+    @property
+    def http_port(self) -> int | None:
+        return self.http.port if self.http is not None else None
 
     async def load(self) -> None:
         """Build the engine (off the event loop), start its thread, warm up, then SERVING."""
@@ -87,9 +109,9 @@ class LoraplexServer:
         if self.state.phase is not Phase.DEAD:
             await self.state.set_phase(Phase.DRAINING)
         await self.state.health.enter_graceful_shutdown()
-        if self._server is not None:
-            log.info("draining: %d requests in flight, grace %.1fs", self.state.in_flight, grace)
-            await self._server.stop(grace)
+        log.info("draining: %d requests in flight, grace %.1fs", self.state.in_flight, grace)
+        fronts = [f.stop(grace) for f in (self._server, self.http) if f is not None]
+        await asyncio.gather(*fronts)  # both fronts drain at once, within the same grace
         if self.state.engine is not None:
             await asyncio.to_thread(self.state.engine.shutdown)
         log.info("stopped")
@@ -171,6 +193,8 @@ def _install_signal_handlers(stop: asyncio.Event, server: LoraplexServer) -> lis
             log.warning("%s again: cancelling in-flight requests now", sig.name)
             if server._server is not None:
                 asyncio.ensure_future(server._server.stop(0))
+            if server.http is not None:
+                server.http.cancel_now()
             return
         log.info("%s: draining (send it again to stop at once)", sig.name)
         stop.set()

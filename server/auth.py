@@ -1,4 +1,5 @@
-"""Bearer-token auth as a server interceptor.
+"""Bearer-token auth: the rule both fronts share (``required_tokens``, ``refusal``) and the
+gRPC server interceptor (server/http/auth.py reads the same rule from HTTP headers).
 
 AdapterAdmin needs the admin token when one is set; Inference and ServerInfo need the API
 token when one is set (the admin token is accepted there too). Health and reflection stay
@@ -7,6 +8,7 @@ open so that load balancers and grpcurl can probe without secrets.
 
 from __future__ import annotations
 
+import enum
 import hmac
 from collections.abc import Awaitable, Callable, Sequence
 
@@ -32,18 +34,47 @@ def _matches(token: str | None, accepted: Sequence[str]) -> bool:
     return any(hits)
 
 
+class Scope(enum.Enum):
+    ADMIN = "admin"  # adapter load / unload
+    API = "api"  # inference and server info
+    OPEN = "open"  # health, reflection, version, metrics
+
+
+def required_tokens(scope: Scope, api_token: str | None, admin_token: str | None
+                    ) -> tuple[str, list[str]] | None:
+    """(the flag that sets the token, the tokens accepted) for ``scope``; None if open.
+    The one rule of both fronts: admin calls need --admin-token when it is set; API calls
+    need --api-token when it is set, and take the admin token too."""
+    if scope is Scope.ADMIN and admin_token is not None:
+        return "--admin-token", [admin_token]
+    if scope is Scope.API and api_token is not None:
+        return "--api-token", [t for t in (api_token, admin_token) if t]
+    return None
+
+
+def refusal(token: str | None, scope: Scope, api_token: str | None, admin_token: str | None,
+            what: str) -> str | None:
+    """Why ``token`` may not call ``what`` (UNAUTHENTICATED), or None if it may."""
+    required = required_tokens(scope, api_token, admin_token)
+    if required is None:
+        return None
+    flag, accepted = required
+    if _matches(token, accepted):
+        return None
+    why = "no bearer token was sent" if token is None else "the bearer token is wrong"
+    return f"{what} needs authorization: Bearer <token> with the server's {flag}; {why}"
+
+
+def scope_of_method(method: str) -> Scope:
+    if method.startswith(ADMIN_PREFIX):
+        return Scope.ADMIN
+    return Scope.API if method.startswith(API_PREFIXES) else Scope.OPEN
+
+
 class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
     def __init__(self, api_token: str | None, admin_token: str | None):
         self.api_token = api_token
         self.admin_token = admin_token
-
-    def _required(self, method: str) -> tuple[str, list[str]] | None:
-        """(what the token is called, the tokens accepted) for ``method``; None if open."""
-        if method.startswith(ADMIN_PREFIX) and self.admin_token is not None:
-            return "--admin-token", [self.admin_token]
-        if method.startswith(API_PREFIXES) and self.api_token is not None:
-            return "--api-token", [t for t in (self.api_token, self.admin_token) if t]
-        return None
 
     async def intercept_service(
         self, continuation: Callable[[grpc.HandlerCallDetails],
@@ -51,16 +82,12 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
         details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
         handler = await continuation(details)
-        required = self._required(details.method)
-        if handler is None or required is None:
+        if handler is None:
             return handler
-        flag, accepted = required
         token = bearer_token(details.invocation_metadata)
-        if _matches(token, accepted):
-            return handler
-        why = "no bearer token was sent" if token is None else "the bearer token is wrong"
-        return _refusal(handler, f"{details.method} needs authorization: Bearer <token> with "
-                                 f"the server's {flag}; {why}")
+        why = refusal(token, scope_of_method(details.method), self.api_token,
+                      self.admin_token, details.method)
+        return handler if why is None else _refusal(handler, why)
 
 
 def _refusal(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:

@@ -1,20 +1,48 @@
-"""A user prompt wrapped in the model's chat template, as token ids."""
+"""Chat turns wrapped in the model's chat template, as token ids: the one path that gRPC
+(``messages``, ``apply_chat_template``) and HTTP (``/v1/chat/completions``) share."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
+# The roles OpenAI's chat API defines; what a role means is up to the model's template.
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
-def chat_prompt_ids(tokenizer: Any | None, prompt: str) -> list[int]:
-    """``prompt`` as one user message plus the generation prompt; ValueError if the model has
-    no tokenizer or no chat template."""
+
+@dataclass(frozen=True)
+class ChatTurn:
+    role: str
+    content: str
+
+
+def check_turns(turns: Sequence[ChatTurn]) -> list[dict[str, str]]:
+    """The turns as the template's ``messages``; ValueError naming a bad role or no turns."""
+    if not turns:
+        raise ValueError("messages is empty: give at least one {role, content} message")
+    for i, turn in enumerate(turns):
+        if turn.role not in CHAT_ROLES:
+            raise ValueError(f"messages[{i}].role is {turn.role[:64]!r}; allowed: "
+                             f"{', '.join(CHAT_ROLES)}")
+    return [{"role": t.role, "content": t.content} for t in turns]
+
+
+def chat_ids(tokenizer: Any | None, turns: Sequence[ChatTurn]) -> list[int]:
+    """``turns`` through the chat template plus the generation prompt; ValueError if the
+    model has no tokenizer or no chat template, or a turn is bad."""
+    messages = check_turns(turns)
     if tokenizer is None:
         raise ValueError("this model has no tokenizer, so no chat template: send "
-                         "prompt_token_ids without apply_chat_template")
+                         "prompt_token_ids without chat messages")
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("this model's tokenizer has no chat template: send a plain prompt "
                          "(apply_chat_template false; `loraplex generate --no-chat-template`)")
-    text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
-                                         add_generation_prompt=True, tokenize=False)
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     # The template writes any BOS itself; tokenizing must not add another.
     return list(tokenizer(text, add_special_tokens=False).input_ids)
+
+
+def chat_prompt_ids(tokenizer: Any | None, prompt: str) -> list[int]:
+    """``prompt`` as one user message plus the generation prompt (see ``chat_ids``)."""
+    return chat_ids(tokenizer, [ChatTurn("user", prompt)])

@@ -8,7 +8,9 @@ from typing import Any
 from ..engine.output_processor import RequestOutput
 from ..engine.sampling_params import SamplingParams
 from ..proto import loraplex_pb2 as pb
-from .chat import chat_prompt_ids
+from .chat import ChatTurn
+from .generation import GenerateInput
+from .prompt import Prompt, resolve_prompt
 
 _OPTIONAL_PARAMS = ("temperature", "top_p", "top_k", "seed", "max_new_tokens")
 MAX_REQUEST_ID_LEN = 256
@@ -22,18 +24,12 @@ def sampling_params(msg: pb.SamplingParams) -> SamplingParams:
                           stop_token_ids=list(msg.stop_token_ids), ignore_eos=msg.ignore_eos)
 
 
-def prompt_of(request: pb.GenerateRequest, tokenizer: Any | None) -> str | list[int]:
-    """The prompt as text or token ids; exactly one of the two fields must be set."""
-    has_text, has_ids = bool(request.prompt), len(request.prompt_token_ids) > 0
-    if has_text and has_ids:
-        raise ValueError("both prompt and prompt_token_ids are set: give exactly one")
-    if not has_text and not has_ids:
-        raise ValueError("the request has no prompt: set prompt (text) or prompt_token_ids")
-    if request.apply_chat_template:
-        if not has_text:
-            raise ValueError("apply_chat_template needs a text prompt, not prompt_token_ids")
-        return chat_prompt_ids(tokenizer, request.prompt)
-    return request.prompt if has_text else list(request.prompt_token_ids)
+def prompt_of(request: pb.GenerateRequest, tokenizer: Any | None) -> Prompt:
+    """The prompt as text or token ids; exactly one of prompt, prompt_token_ids and
+    messages must be set."""
+    turns = [ChatTurn(m.role, m.content) for m in request.messages]
+    return resolve_prompt(tokenizer, request.prompt, list(request.prompt_token_ids), turns,
+                          request.apply_chat_template)
 
 
 def request_id_of(request: pb.GenerateRequest) -> str | None:
@@ -43,11 +39,10 @@ def request_id_of(request: pb.GenerateRequest) -> str | None:
     return rid or None
 
 
-def adapter_of(name: str, served_model_name: str | None) -> str | None:
-    """None for the base model ("" or its served name), else the adapter name."""
-    if name == "" or (served_model_name is not None and name == served_model_name):
-        return None
-    return name
+def generate_input(request: pb.GenerateRequest, tokenizer: Any | None) -> GenerateInput:
+    """A GenerateRequest checked and converted for server/generation.py."""
+    return GenerateInput(prompt_of(request, tokenizer), sampling_params(request.params),
+                         request.adapter, request_id_of(request))
 
 
 def _usage(out: RequestOutput) -> pb.Usage:

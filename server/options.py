@@ -15,6 +15,7 @@ DEFAULT_GRACE_S = 20.0
 class ServerOptions:
     host: str = DEFAULT_HOST
     port: int = DEFAULT_PORT  # 0: pick a free port (tests)
+    http_port: int | None = None  # the OpenAI-compatible HTTP front; None: off, 0: any free
     max_queue: int = DEFAULT_MAX_QUEUE  # requests in flight (waiting + running)
     api_token: str | None = None  # guards Inference and ServerInfo when set
     admin_token: str | None = None  # guards AdapterAdmin when set (also accepted for the rest)
@@ -29,6 +30,8 @@ class ServerOptions:
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port={self.port} must be in [0, 65535]")
+        if self.http_port is not None and not 0 <= self.http_port <= 65535:
+            raise ValueError(f"http_port={self.http_port} must be in [0, 65535]")
         if self.max_queue < 1:
             raise ValueError(f"max_queue={self.max_queue} must be >= 1")
         if self.shutdown_grace_s < 0:

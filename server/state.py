@@ -19,6 +19,8 @@ from grpc_health.v1 import health_pb2
 from grpc_health.v1._async import HealthServicer
 
 from ..engine.async_engine import AsyncEngine
+from ..engine.llm_engine import LLMEngine
+from .metrics import ServerMetrics
 from .options import ServerOptions
 from .status import ServiceError
 
@@ -55,6 +57,8 @@ class ServerState:
         self.requests_total = 0
         self.loop: asyncio.AbstractEventLoop | None = None
         self.died = asyncio.Event()  # set with phase DEAD: ``serve`` then exits non-zero
+        self.metrics = ServerMetrics()  # both fronts record into it
+        self.model_name = options.served_model_name or ""  # the base's id; set by ``attach``
 
     # ---- phase --------------------------------------------------------------------------
     async def set_phase(self, phase: Phase) -> None:
@@ -73,6 +77,9 @@ class ServerState:
         """Serve ``engine``; its loop's death turns health NOT_SERVING (from any thread)."""
         self.engine = engine
         self.loop = asyncio.get_running_loop()
+        self.model_name = base_model_id(engine.engine, self.options)
+        self.metrics.bind(self.model_name, engine.engine.config.max_loras)
+        engine.engine.adapter_load_observers.append(self.metrics.adapter_loaded)
         loop = self.loop
 
         def on_death(exc: BaseException) -> None:
@@ -80,6 +87,13 @@ class ServerState:
             loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self.set_phase(Phase.DEAD)))
 
         engine.on_death = on_death
+
+    def adapter_of(self, model: str) -> str | None:
+        """None for the base model ("", the served model name or the base's id), else the
+        adapter name (which the engine resolves, NOT_FOUND if unknown)."""
+        if model in ("", self.options.served_model_name, self.model_name):
+            return None
+        return model
 
     # ---- admission ----------------------------------------------------------------------
     def require_engine(self, while_draining: bool = False) -> AsyncEngine:
@@ -107,3 +121,9 @@ class ServerState:
             yield engine
         finally:
             self.in_flight -= 1
+
+
+def base_model_id(engine: LLMEngine, options: ServerOptions) -> str:
+    """The base model's name for clients (vLLM's rule): the served model name, else the
+    --model argument as given, else (the embedded default) its directory name."""
+    return options.served_model_name or engine.config.model or engine.base.path.name

@@ -46,8 +46,9 @@ def test_contract_names() -> None:
     def fields(msg: type) -> set[str]:
         return set(msg.DESCRIPTOR.fields_by_name)
 
-    assert {"request_id", "adapter", "prompt", "prompt_token_ids", "params"} <= \
+    assert {"request_id", "adapter", "prompt", "prompt_token_ids", "params", "messages"} <= \
         fields(pb.GenerateRequest)
+    assert fields(pb.ChatMessage) == {"role", "content"}
     assert {"temperature", "top_p", "top_k", "seed", "max_new_tokens", "min_new_tokens",
             "stop", "stop_token_ids", "ignore_eos"} <= fields(pb.SamplingParams)
     assert {"request_id", "adapter", "text", "token_ids", "finish_reason", "usage"} <= \

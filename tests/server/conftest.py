@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import Callable, Coroutine, Iterator
 from concurrent.futures import Future
+from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -47,6 +48,24 @@ def launch_serve(cmd: list[str], log_path: Path) -> tuple[subprocess.Popen, int]
     return proc, port
 
 
+@contextmanager
+def slow_steps(engine: LLMEngine, seconds: float) -> Iterator[None]:
+    """Every engine step of ``engine`` sleeps ``seconds`` first, so that a request is
+    surely still running while a test looks at it (the engine loop looks ``step`` up on
+    each turn, so this takes effect at the next step)."""
+    step = engine.step
+
+    def slow() -> Any:
+        time.sleep(seconds)
+        return step()
+
+    engine.step = slow  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        del engine.step
+
+
 ENGINE_KW = {"dtype": "float32", "device": "cpu", "max_model_len": 256, "max_num_seqs": 32,
                  "max_num_batched_tokens": 256}
 
@@ -74,6 +93,12 @@ class RunningServer:
     @property
     def target(self) -> str:
         return f"127.0.0.1:{self.port}"
+
+    @property
+    def http_url(self) -> str:
+        """The HTTP front's base URL (start with ``http_port=0``)."""
+        assert self.server.http_port is not None, "started without http_port"
+        return f"http://127.0.0.1:{self.server.http_port}"
 
     @property
     def engine(self) -> LLMEngine:

@@ -1,7 +1,8 @@
 """A table of bad inputs through the real server: each gets its exact status code and a
 message that names what was wrong, and a healthy request right after it still gets the
-engine's own greedy answer. After the whole table nothing is left holding a KV block or an
-adapter slot.
+engine's own greedy answer. The HTTP front gets a table of its own on the same server
+(status and OpenAI error body), and a client disconnect mid-request. After the whole table
+nothing is left holding a KV block or an adapter slot.
 
 Cases are data: ``Case(id, call, kwargs, code, fragment)``. ``call`` is ``generate`` (sent
 unary and streaming), ``load`` or ``unload``; a ``load`` path written ``@name`` is the broken
@@ -19,11 +20,14 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import httpx
 import pytest
 import torch
 from google.protobuf.message import Message
 from loraplex import SamplingParams
 from safetensors.torch import load_file, save_file
+
+from tests.server.conftest import slow_steps, wait_until
 
 ALIAS = "tiny-base"
 GOOD = "good"
@@ -96,6 +100,12 @@ GENERATE_CASES = [
     gen("chat-template-on-token-ids", INVALID, "apply_chat_template", prompt=None,
         prompt_token_ids=[5], apply_chat_template=True),
     gen("request_id-over-long", INVALID, "request_id", request_id="r" * 257),
+    gen("messages-and-prompt", INVALID, "exactly one",
+        messages=[{"role": "user", "content": "the cat"}]),
+    gen("messages-role-unknown", INVALID, "role", prompt=None,
+        messages=[{"role": "wizard", "content": "the cat"}]),
+    gen("messages-over-max_model_len", INVALID, "max_model_len", prompt=None,
+        messages=[{"role": "user", "content": "the " * 300}]),
     # adapter names
     gen("adapter-unknown", NOT_FOUND, "'nope'", adapter="nope"),
     gen("adapter-over-long", NOT_FOUND, "unknown adapter", adapter="x" * 20000),
@@ -253,7 +263,7 @@ def layout(tmp_path_factory: pytest.TempPathFactory, tiny_llama: Path, tiny_adap
 @pytest.fixture(scope="module")
 def server(serve, make_engine, tiny_llama: Path, layout: dict[str, Path]) -> Any:
     return serve(lambda: make_engine(tiny_llama, lora_modules={GOOD: str(layout["ok"])}),
-                 served_model_name=ALIAS, adapter_roots=[layout["root"]])
+                 served_model_name=ALIAS, adapter_roots=[layout["root"]], http_port=0)
 
 
 @pytest.fixture(scope="module")
@@ -310,6 +320,125 @@ def test_bad_input(client: Any, layout: dict[str, Path], healthy_reference: list
     healthy = client.generate(prompt_token_ids=HEALTHY_IDS, adapter=GOOD, temperature=0.0,
                               max_new_tokens=HEALTHY_N, ignore_eos=True, timeout=30)
     assert list(healthy.token_ids) == healthy_reference
+
+
+# ---- the same server over HTTP ----------------------------------------------------------
+@dataclass(frozen=True)
+class HttpCase:
+    id: str
+    path: str
+    body: Any = field(hash=False)  # a dict is sent as JSON; bytes as they are
+    status: int = 400
+    fragment: str = ""  # the error message must contain it
+
+
+def completion(id: str, status: int, fragment: str, **fields: Any) -> HttpCase:
+    return HttpCase(id, "/v1/completions",
+                    {"model": GOOD, "prompt": "the cat", "max_tokens": 2, **fields},
+                    status, fragment)
+
+
+def chat(id: str, status: int, fragment: str, **fields: Any) -> HttpCase:
+    body = {"model": GOOD, "messages": [{"role": "user", "content": "the cat"}],
+            "max_tokens": 2, **fields}
+    return HttpCase(id, "/v1/chat/completions", body, status, fragment)
+
+
+HTTP_CASES = [
+    HttpCase("malformed-json", "/v1/completions", b'{"model": "good", "prompt": ', 400,
+             "not valid JSON"),
+    HttpCase("body-not-an-object", "/v1/completions", b"[1, 2]", 400, "body"),
+    completion("wrong-type-max_tokens", 400, "max_tokens", max_tokens="ten"),
+    completion("wrong-type-prompt", 400, "prompt", prompt=5),
+    completion("wrong-type-temperature", 400, "temperature", temperature="hot"),
+    completion("wrong-type-stream", 400, "stream", stream="yes"),
+    chat("wrong-type-messages", 400, "messages", messages="the cat"),
+    completion("n-2", 400, "n=2", n=2),
+    chat("chat-n-2", 400, "n=2", n=2),
+    completion("max_tokens-negative", 400, "max_tokens", max_tokens=-1),
+    completion("prompt-over-max_model_len", 400, "max_model_len", prompt="the " * 300),
+    completion("prompt-ids-over-max_model_len", 400, "max_model_len",
+               prompt=[5] * MAX_MODEL_LEN),
+    completion("stream-prompt-over-max_model_len", 400, "max_model_len",
+               prompt="the " * 300, stream=True),
+    chat("role-unknown", 400, "role", messages=[{"role": "wizard", "content": "hi"}]),
+    chat("content-part-unknown", 400, "content",
+         messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]),
+    completion("temperature-negative", 400, "temperature", temperature=-1.0),
+    completion("stream-temperature-negative", 400, "temperature", temperature=-1.0,
+               stream=True),
+    completion("token-id-equal-vocab", 400, "out of range", prompt=[5, VOCAB]),
+    completion("several-prompts", 400, "one prompt", prompt=["a", "b"]),
+    completion("unsupported-logprobs", 400, "logprobs", logprobs=2),
+    completion("stream_options-without-stream", 400, "stream_options",
+               stream_options={"include_usage": True}),
+    completion("model-unknown", 404, "'nope'", model="nope"),
+    chat("chat-model-unknown", 404, "'nope'", model="nope"),
+    HttpCase("load-name-not-allowed", "/v1/load_lora_adapter",
+             {"lora_name": ".hidden", "lora_path": "@ok"}, 400, "not allowed"),
+    HttpCase("load-duplicate", "/v1/load_lora_adapter",
+             {"lora_name": GOOD, "lora_path": "@ok"}, 400, "already exists"),
+    HttpCase("load-outside-root", "/v1/load_lora_adapter",
+             {"lora_name": "new", "lora_path": "../../../../../../etc"}, 403,
+             "outside the adapter roots"),
+    HttpCase("load-broken", "/v1/load_lora_adapter",
+             {"lora_name": "new", "lora_path": "@nan"}, 400, "NaN or Inf"),
+    HttpCase("load-missing-field", "/v1/load_lora_adapter", {"lora_name": "new"}, 400,
+             "lora_path"),
+    HttpCase("unload-unknown", "/v1/unload_lora_adapter", {"lora_name": "nope"}, 404,
+             "unknown adapter 'nope'"),
+]
+
+
+def test_http_table_is_big_enough() -> None:
+    assert len(HTTP_CASES) >= 25 and len({c.id for c in HTTP_CASES}) == len(HTTP_CASES)
+
+
+@pytest.mark.parametrize("case", HTTP_CASES, ids=[c.id for c in HTTP_CASES])
+def test_bad_http_input(server: Any, client: Any, layout: dict[str, Path], case: HttpCase,
+                        healthy_reference: list[int]) -> None:
+    body = case.body
+    if isinstance(body, dict) and "lora_path" in body:
+        body = {**body, "lora_path": _path(body["lora_path"], layout)}
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    r = httpx.post(server.http_url + case.path, content=content, timeout=30,
+                   headers={"content-type": "application/json"})
+    assert r.status_code == case.status, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["code"] == case.status
+    assert case.fragment in error["message"], error
+    assert server.server.state.in_flight == 0
+    healthy = client.generate(prompt_token_ids=HEALTHY_IDS, adapter=GOOD, temperature=0.0,
+                              max_new_tokens=HEALTHY_N, ignore_eos=True, timeout=30)
+    assert list(healthy.token_ids) == healthy_reference
+
+
+def _aborted(server: Any) -> float:
+    value = server.server.state.metrics.registry.get_sample_value(
+        "vllm:request_success_total", {"model_name": ALIAS, "finished_reason": "abort"})
+    return value or 0.0
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "whole"])
+def test_http_disconnect_mid_request_aborts(server: Any, stream: bool) -> None:
+    """The client goes away while its request runs: the engine aborts the sequence (an
+    abort is counted), its KV blocks are freed and its --max-queue place is given back."""
+    body = {"model": GOOD, "prompt": "the cat", "max_tokens": 200, "ignore_eos": True,
+            "stream": stream}
+    aborted = _aborted(server)
+    engine = server.engine
+    with slow_steps(engine, 0.01):
+        if stream:
+            with httpx.stream("POST", f"{server.http_url}/v1/completions", json=body,
+                              timeout=30) as r:
+                lines = r.iter_lines()
+                assert json.loads(next(lines).removeprefix("data: "))["choices"]
+        else:  # a whole answer: the client times out while the engine runs it
+            with pytest.raises(httpx.ReadTimeout):
+                httpx.post(f"{server.http_url}/v1/completions", json=body, timeout=0.3)
+        wait_until(lambda: _aborted(server) == aborted + 1, what="the abort")
+    wait_until(lambda: not engine.requests and engine.block_manager.num_used_blocks == 0
+               and server.server.state.in_flight == 0, what="nothing held")
 
 
 def test_nothing_leaks_after_the_table(client: Any, server: Any) -> None:

@@ -197,3 +197,27 @@ def test_mutual_tls(serve, make_engine, tiny_llama: Path, pki: dict[str, Path]) 
         assert client.health() == "SERVING"
     with server.client(root_certificates=pki["ca"], timeout=3.0) as no_client_cert:
         assert code_of(no_client_cert.generate, "the cat") == grpc.StatusCode.UNAVAILABLE
+
+
+def test_http_front_takes_the_same_tls(serve, make_engine, tiny_llama: Path,
+                                       pki: dict[str, Path]) -> None:
+    """--ssl-* apply to the HTTP port too: https with the server's cert, and with
+    --ssl-ca-certs a client certificate signed by that CA is required."""
+    import ssl
+
+    import httpx
+
+    server = serve(lambda: make_engine(tiny_llama), ssl_certfile=pki["server_cert"],
+                   ssl_keyfile=pki["server_key"], ssl_ca_certs=pki["ca"], http_port=0)
+    url = f"https://127.0.0.1:{server.server.http_port}"
+    trusted = ssl.create_default_context(cafile=str(pki["ca"]))
+    with_cert = ssl.create_default_context(cafile=str(pki["ca"]))
+    with_cert.load_cert_chain(pki["client_cert"], pki["client_key"])
+    assert httpx.get(f"{url}/health", verify=with_cert).status_code == 200
+    r = httpx.post(f"{url}/v1/completions", verify=with_cert, timeout=30,
+                   json={"prompt": "the cat", "max_tokens": 2})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+    with pytest.raises(httpx.HTTPError):  # no client certificate
+        httpx.get(f"{url}/health", verify=trusted, timeout=3.0)
+    with pytest.raises(httpx.HTTPError):  # plaintext
+        httpx.get(f"http://127.0.0.1:{server.server.http_port}/health", timeout=3.0)

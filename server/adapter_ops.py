@@ -1,0 +1,60 @@
+"""Load, unload and list adapters: the admin operations, front-neutral. The gRPC
+AdapterAdmin servicer and HTTP's /v1/load_lora_adapter and /v1/unload_lora_adapter call
+these, so the name rules, the ``--adapter-root`` confinement and the engine calls are one
+code path."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+
+from ..engine.llm_engine import LLMEngine
+from ..lora.cache import AdapterInfo
+from .adapter_paths import check_adapter_name, confine
+from .state import ServerState
+from .status import ServiceError
+
+
+def _lora_method(engine: LLMEngine, name: str) -> Callable[..., Any]:
+    method = getattr(engine, name, None)
+    if method is None:
+        raise ServiceError(grpc.StatusCode.UNIMPLEMENTED,
+                           f"this engine has no multi-LoRA support ({name} is missing)")
+    return method
+
+
+async def load_adapter(state: ServerState, name: str, path: str, replace: bool = False,
+                       pin: bool = False) -> AdapterInfo:
+    """Register the PEFT dir ``path`` as ``name``; INVALID_ARGUMENT for a bad name or
+    adapter, PERMISSION_DENIED outside the adapter roots, ALREADY_EXISTS without replace."""
+    engine = state.require_engine()
+    options = state.options
+    name = check_adapter_name(name, options.served_model_name)
+    resolved = confine(path, options.adapter_roots)
+    model = engine.engine
+    _lora_method(model, "add_adapter")
+    # Reading and validating the weights is slow (disk): it happens here, off the engine
+    # thread, so running requests keep stepping; registering is quick, between steps.
+    read = getattr(model, "read_adapter", None)
+    weights = await asyncio.to_thread(read, str(resolved), name) if read is not None else None
+    extra = {"weights": weights} if weights is not None else {}
+    return await engine.run(lambda e: e.add_adapter(
+        name, str(resolved), replace=replace, pin=pin, **extra))
+
+
+async def unload_adapter(state: ServerState, name: str) -> None:
+    """New requests for ``name`` get NOT_FOUND at once; in-flight ones finish first."""
+    engine = state.require_engine()
+    if not name:
+        raise ValueError("adapter name is empty: give the name of a loaded adapter "
+                         "(the base model cannot be unloaded)")
+    await engine.run(lambda e: _lora_method(e, "remove_adapter")(name))
+
+
+async def list_adapters(state: ServerState, while_draining: bool = False
+                        ) -> list[AdapterInfo]:
+    engine = state.require_engine(while_draining=while_draining)
+    return await engine.run(lambda e: _lora_method(e, "list_adapters")())

@@ -1,0 +1,101 @@
+"""One generate request through the engine, front-neutral: the gRPC Inference servicer and
+the HTTP completions routes both call these, so admission (``--max-queue``), the adapter
+rule, error mapping and metrics are the same on every front.
+
+Invariant: closing an ``outputs`` stream early (client cancel, disconnect, deadline) aborts
+the request in the engine at once, which frees its KV blocks, and counts it as an abort.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, aclosing
+from dataclasses import dataclass
+
+import grpc
+
+from ..engine.async_engine import AsyncEngine
+from ..engine.output_processor import RequestOutput
+from ..engine.sampling_params import SamplingParams
+from .prompt import Prompt
+from .state import ServerState
+from .status import ServiceError
+
+
+@dataclass
+class GenerateInput:
+    """A checked request: what to continue, how, on which model."""
+
+    prompt: Prompt
+    params: SamplingParams
+    model: str = ""  # an adapter name, or "" / the served model name / the base's id
+    request_id: str | None = None
+
+
+async def outputs(state: ServerState, engine: AsyncEngine, inp: GenerateInput
+                  ) -> AsyncIterator[RequestOutput]:
+    """The engine's outputs for ``inp``, recorded in ``state.metrics``; the last one is
+    finished. An engine-side failure of the request raises INTERNAL."""
+    adapter = state.adapter_of(inp.model)
+    track = state.metrics.track(adapter)
+    finished = False
+    try:
+        stream = engine.generate(inp.prompt, inp.params, adapter, inp.request_id)
+        async with aclosing(stream) as outs:
+            async for out in outs:
+                if out.finish_reason == "error":
+                    raise ServiceError(grpc.StatusCode.INTERNAL,
+                                       f"request {out.request_id} failed in the engine: "
+                                       f"{out.error or 'no detail'}")
+                track.observe(out)
+                finished = out.finished
+                yield out
+    except (asyncio.CancelledError, GeneratorExit):
+        if not finished:  # the caller left: the engine aborts it
+            track.finish("abort")
+        raise
+
+
+async def complete(state: ServerState, inp: GenerateInput) -> RequestOutput:
+    """Run ``inp`` to the end inside one of the ``--max-queue`` places; the last output."""
+    with state.admit() as engine:
+        last: RequestOutput | None = None
+        async with aclosing(outputs(state, engine, inp)) as outs:
+            async for out in outs:
+                last = out
+    assert last is not None and last.finished  # the engine always ends with a finished one
+    return last
+
+
+class OpenStream:
+    """A streamed request already admitted and accepted by the engine (its first output
+    is in hand, so a bad request fails before anything is streamed). Iterate it once;
+    ``aclose`` (always call it) aborts what is unfinished and frees the admission place."""
+
+    def __init__(self, first: RequestOutput, rest: AsyncIterator[RequestOutput],
+                 stack: AsyncExitStack):
+        self.first = first
+        self._rest = rest
+        self._stack = stack
+
+    @classmethod
+    async def open(cls, state: ServerState, inp: GenerateInput) -> OpenStream:
+        stack = AsyncExitStack()
+        try:
+            engine = stack.enter_context(state.admit())
+            outs = await stack.enter_async_context(aclosing(outputs(state, engine, inp)))
+            first = await anext(outs)
+        except BaseException:
+            await stack.aclose()
+            raise
+        return cls(first, outs, stack)
+
+    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        yield self.first
+        if not self.first.finished:
+            async for out in self._rest:
+                yield out
+
+    async def aclose(self) -> None:
+        await self._stack.aclose()

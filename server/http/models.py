@@ -1,0 +1,60 @@
+"""GET /v1/models and POST /v1/load_lora_adapter, /v1/unload_lora_adapter: model cards
+for the base model and every adapter, and the admin operations of server/adapter_ops.py
+(the AdapterAdmin RPCs' code path: the same name rules, adapter roots and admin token)
+with vLLM's bodies: a plain-text success message, or an error body (400 / 404)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import PlainTextResponse
+
+from ...lora.cache import AdapterInfo
+from .. import adapter_ops
+from ..auth import Scope
+from ..state import ServerState
+from .auth import require, server_state
+from .protocol import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
+
+OWNED_BY = "loraplex"
+router = APIRouter()
+
+
+def _card(state: ServerState, model_id: str, root: str, parent: str | None, created: int
+          ) -> dict[str, Any]:
+    engine = state.require_engine(while_draining=True).engine
+    return {"id": model_id, "object": "model", "created": created, "owned_by": OWNED_BY,
+            "root": root, "parent": parent, "max_model_len": engine.max_model_len,
+            "permission": []}
+
+
+def model_cards(state: ServerState, adapters: list[AdapterInfo]) -> list[dict[str, Any]]:
+    """The base model first (parent null), then each adapter (parent = the base's id)."""
+    created = int(time.time())
+    base_root = str(state.require_engine(while_draining=True).engine.base.path)
+    cards = [_card(state, state.model_name, base_root, None, created)]
+    cards += [_card(state, a.name, str(a.path), state.model_name, created) for a in adapters]
+    return cards
+
+
+@router.get("/v1/models", dependencies=[Depends(require(Scope.API))])
+async def list_models(request: Request) -> dict[str, Any]:
+    state = server_state(request)
+    adapters = await adapter_ops.list_adapters(state, while_draining=True)
+    return {"object": "list", "data": model_cards(state, adapters)}
+
+
+@router.post("/v1/load_lora_adapter", dependencies=[Depends(require(Scope.ADMIN))])
+async def load_lora_adapter(body: LoadLoRAAdapterRequest, request: Request
+                            ) -> PlainTextResponse:
+    await adapter_ops.load_adapter(server_state(request), body.lora_name, body.lora_path)
+    return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+
+@router.post("/v1/unload_lora_adapter", dependencies=[Depends(require(Scope.ADMIN))])
+async def unload_lora_adapter(body: UnloadLoRAAdapterRequest, request: Request
+                              ) -> PlainTextResponse:
+    await adapter_ops.unload_adapter(server_state(request), body.lora_name)
+    return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")

@@ -1,0 +1,53 @@
+"""GET /health, /ping, /version and /metrics: open routes (no token), as vLLM has them,
+so that load balancers, Kubernetes probes and Prometheus need no secret."""
+
+from __future__ import annotations
+
+from http import HTTPStatus
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from ...engine.errors import EngineDeadError
+from ..engine_snapshot import take_snapshot
+from ..server_info import version
+from ..state import Phase
+from .auth import server_state
+from .errors import error_response
+
+router = APIRouter()
+
+
+@router.get("/health")
+@router.get("/ping")
+@router.post("/ping")
+async def health(request: Request) -> Response:
+    """200 (empty) while SERVING; 503 with the reason while starting, draining or dead."""
+    state = server_state(request)
+    if state.phase is Phase.SERVING:
+        return Response(status_code=HTTPStatus.OK)
+    try:
+        state.require_engine()
+    except Exception as exc:  # noqa: BLE001 - the reason becomes the body
+        return error_response(HTTPStatus.SERVICE_UNAVAILABLE, str(exc))
+    return error_response(HTTPStatus.SERVICE_UNAVAILABLE, state.phase.value)
+
+
+@router.get("/version")
+async def get_version() -> dict[str, str]:
+    return {"version": version()}
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    """Prometheus text. The gauges are refreshed from a snapshot the engine thread takes
+    between steps; without a live engine the last values stay."""
+    state = server_state(request)
+    engine = state.engine
+    if engine is not None and engine.alive:
+        try:
+            state.metrics.refresh(await engine.run(take_snapshot))
+        except EngineDeadError:
+            pass
+    return Response(state.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)

@@ -1,0 +1,59 @@
+"""POST /tokenize and /detokenize (vLLM's): the served tokenizer, for clients that count or
+build prompts in token ids. ``model``, when given, must name the base model or an adapter
+(they share the tokenizer)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request
+
+from ...engine.errors import AdapterNotFoundError
+from .. import adapter_ops
+from ..auth import Scope
+from ..prompt import resolve_prompt
+from ..state import ServerState
+from .auth import require, server_state
+from .convert import chat_turns, check_supported
+from .protocol import DetokenizeRequest, TokenizeRequest
+
+router = APIRouter(dependencies=[Depends(require(Scope.API))])
+
+
+async def _tokenizer(state: ServerState, model: str | None) -> Any:
+    engine = state.require_engine()
+    adapter = state.adapter_of(model or "")
+    if adapter is not None:
+        names = {a.name for a in await adapter_ops.list_adapters(state)}
+        if adapter not in names:
+            raise AdapterNotFoundError(f"unknown model {adapter!r}: give the base model "
+                                       f"{state.model_name!r} or a loaded adapter")
+    if engine.engine.tokenizer is None:
+        raise ValueError("this model has no tokenizer")
+    return engine.engine.tokenizer
+
+
+@router.post("/tokenize")
+async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
+    state = server_state(request)
+    check_supported(body)
+    tokenizer = await _tokenizer(state, body.model)
+    if body.messages is not None:
+        ids = resolve_prompt(tokenizer, turns=chat_turns(body.messages))
+    elif body.prompt is not None:
+        ids = list(tokenizer(body.prompt, add_special_tokens=body.add_special_tokens).input_ids)
+    else:
+        raise ValueError("give prompt (text) or messages (chat) to tokenize")
+    return {"count": len(ids), "max_model_len": state.require_engine().engine.max_model_len,
+            "tokens": ids, "token_strs": None}
+
+
+@router.post("/detokenize")
+async def detokenize(body: DetokenizeRequest, request: Request) -> dict[str, str]:
+    state = server_state(request)
+    tokenizer = await _tokenizer(state, body.model)
+    vocab = state.require_engine().engine.base.hf_config.vocab_size
+    bad = [t for t in body.tokens if t >= vocab]
+    if bad:
+        raise ValueError(f"token id {bad[0]} is out of range: ids must be in [0, {vocab})")
+    return {"prompt": tokenizer.decode(body.tokens)}
