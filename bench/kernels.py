@@ -18,11 +18,12 @@ from collections.abc import Callable
 import torch
 from triton.testing import do_bench
 
-from ..kernels.testing import make_lora_weights, make_paged_cache, segments
+from ..kernels.testing import make_lora_weights, make_paged_cache
 from ..kernels.torch import attention as reference_attention
 from ..kernels.torch import lora as reference_lora
 from ..kernels.triton import attention, sgmv
 from ..kernels.triton.attention_prefill import paged_attention_prefill
+from ..kernels.triton.segments import TritonLoRASegments
 
 LORA_LAYERS = {  # Llama-3-8B shapes: name: (in, [out_i per slice])
     "qkv": (4096, [4096, 1024, 1024]),
@@ -53,7 +54,7 @@ def bench_lora(peak: float, dtype: torch.dtype, quick: bool) -> None:
         padded = torch.full_like(ranks, R_MAX)  # same buffers, every slot at the max rank
         for tokens, adapters in shapes:
             slots = [(t * 7) % adapters for t in range(tokens)]
-            seg = segments(slots, "cuda")
+            seg = TritonLoRASegments.from_token_slots(slots, torch.device("cuda"))
             rsum = sum(slot_ranks[0][s] for s in set(slots))  # weight rows read per slice
             x = torch.randn(tokens, din, dtype=dtype, device="cuda")
             out = torch.zeros(tokens, sum(outs), dtype=dtype, device="cuda")

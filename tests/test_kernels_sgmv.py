@@ -8,11 +8,18 @@ import os
 import pytest
 import torch
 from loraplex.kernels import backend_name, select_backend
-from loraplex.kernels.testing import make_lora_weights, random_token_slots, segments
+from loraplex.kernels.testing import make_lora_weights, random_token_slots
 from loraplex.kernels.torch import lora as reference
 from loraplex.kernels.triton import sgmv
+from loraplex.kernels.triton.segments import TritonLoRASegments
 
 pytestmark = pytest.mark.triton
+
+
+def segments(slots: list[int], device: str | torch.device = "cpu") -> TritonLoRASegments:
+    """The step's segments with the SGMV work list (what TritonBackend.lora_segments builds)."""
+    return TritonLoRASegments.from_token_slots(slots, torch.device(device))
+
 # compiled kernels on the GPU (bench/gpu_check.sh sets TRITON_INTERPRET=0), else the interpreter
 DEVICE = torch.device("cuda" if os.environ.get("TRITON_INTERPRET") == "0" else "cpu")
 
@@ -115,3 +122,37 @@ def test_more_than_three_slices_is_refused() -> None:
     lora_a, _, ranks = make_lora_weights(16, [8] * 4, [[4]] * 4, 8, F32)
     with pytest.raises(ValueError, match="1 to 3 slices, got 4"):
         sgmv.lora_shrink(torch.randn(2, 16), lora_a, ranks, segments([0, 0]))
+
+
+def test_work_list_holds_exactly_the_row_blocks_of_adapted_segments() -> None:
+    """One 100-token segment beside 20 one-token segments and base tokens: 7 + 20 items,
+    each a block of at most BLOCK_M rows of one segment with an adapter."""
+    slots = [0] * 100 + list(range(1, 21)) + [-1] * 5
+    seg = segments(slots)
+    assert seg.num_work == 7 + 20 == seg.work_seg.numel() == seg.work_start.numel()
+    items = list(zip(seg.work_seg.tolist(), seg.work_start.tolist()))
+    for s, start in items:
+        assert seg.seg_slots_host[s] >= 0
+        assert seg.seg_starts_host[s] <= start < seg.seg_starts_host[s + 1]
+        assert (start - seg.seg_starts_host[s]) % 16 == 0
+    covered = sorted(r for s, start in items
+                     for r in range(start, min(start + 16, seg.seg_starts_host[s + 1])))
+    assert covered == list(range(5, len(slots)))  # every adapted row once, base rows never
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16])
+def test_mixed_long_and_single_segments_with_r_major_b(dtype: torch.dtype) -> None:
+    """A long prefill segment among one-token decode segments, B in the r-major layout the
+    Triton backend stores: equal to the torch backend."""
+    outs, slot_ranks = [72, 40, 40], [[8, 16, 4, 1], [16, 8, 0, 4], [4, 4, 8, 16]]
+    lora_a, lora_b, ranks = make_lora_weights(96, outs, slot_ranks, 16, dtype, DEVICE, seed=3,
+                                              r_major_b=True)
+    slots = [2] * 37 + [0, 1, 3, -1, 1, 0, 3]
+    x = torch.randn(len(slots), 96, generator=torch.Generator().manual_seed(2)).to(dtype)
+    x = x.to(DEVICE)
+    seg = segments(slots, DEVICE)
+    got = torch.zeros(len(slots), sum(outs), dtype=dtype, device=DEVICE)
+    sgmv.add_lora(got, x, lora_a, lora_b, ranks, seg)
+    want = torch.zeros_like(got)
+    reference.add_lora(want, x, lora_a, lora_b, ranks, seg)
+    torch.testing.assert_close(got, want, **TOL[dtype])

@@ -10,14 +10,28 @@ import torch
 from ..lora_segments import LoRASegments
 from ..torch import TorchBackend
 from . import attention, attention_prefill, sgmv
+from .segments import TritonLoRASegments
 
 
 class TritonBackend(TorchBackend):
     name = "triton"
 
+    def lora_b_buffer(self, max_loras: int, out: int, max_rank: int) -> torch.Tensor:
+        """Stored r-major ([L, r_max, out], returned transposed): an expand tile's lanes
+        read neighbouring outputs."""
+        return torch.zeros(max_loras, max_rank, out, device=self.device,
+                           dtype=self.dtype).transpose(1, 2)
+
+    def lora_segments(self, token_slots: list[int]) -> LoRASegments | None:
+        """With the SGMV work list: one item per block of BLOCK_M rows of each adapted
+        segment."""
+        if all(s < 0 for s in token_slots):
+            return None
+        return TritonLoRASegments.from_token_slots(token_slots, self.device)
+
     def add_lora(self, out: torch.Tensor, x: torch.Tensor, lora_a: list[torch.Tensor],
                  lora_b: list[torch.Tensor], ranks: torch.Tensor, seg: LoRASegments) -> None:
-        sgmv.add_lora(out, x, lora_a, lora_b, ranks, seg)
+        sgmv.add_lora(out, x, lora_a, lora_b, ranks, seg)  # type: ignore[arg-type]
 
     def store_kv(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:

@@ -1,10 +1,24 @@
 """Segmented-gather LoRA shrink / expand in Triton (Punica SGMV, rank-aware).
 
-One launch covers every slice of a fused layer (q/k/v: 3 slices, gate/up: 2). Programs
-are laid out over (segment, block of the segment's rows, slice × block of r or out);
-a program whose segment has slot -1, whose slot has rank 0 for its slice, or whose
-block lies past the slot's rank, returns at once, so a rank-r segment costs r columns
-of work, not r_max (vLLM pads to the max rank; we don't).
+    shrink: h[i, t, :r] = x[t] @ A_i[s, :r]ᵀ                 x [T, K], A_i [L, R_MAX, K]
+    expand: out[t, off_i : off_i + N_i] += h[i, t, :r] @ B_i[s, :, :r]ᵀ      B_i [L, N_i, R_MAX]
+    (s = token t's slot, r = ranks[i, s]; h [NS, T, R_MAX] float32; tokens of slot -1 and
+    ranks of 0 are skipped.)
+
+Launches: one program per work item (a block of BLOCK_M rows of one adapted segment, from
+the step's TritonLoRASegments) in shrink, which reads each x tile once for every slice of a
+fused layer; one per (work item, block of BLOCK_N outputs of one slice) in expand, the
+blocks of every slice laid end to end (no padding to the widest slice).
+
+Bytes: a slot of rank r reads r rows of A and r columns of B whatever ``max_lora_rank``
+(masked loads fetch nothing): a rank-8 adapter with max_lora_rank 64 reads 8/64 of its slot.
+Its shrink still computes the full R_PAD (next power of two >= max_lora_rank) columns of
+the tile. B is stored r-major (TritonBackend.lora_b_buffer: [L, R_MAX, N_i] storage, a
+transposed view), so neighbouring lanes of an expand tile read neighbouring outputs.
+
+Precision: float32 operands multiply in full fp32 ("ieee", never TF32); fp16/bf16 x and A
+multiply as half with fp32 accumulation; expand multiplies the fp32 h by B upcast to fp32
+("ieee") and rounds into out once.
 """
 
 from __future__ import annotations
@@ -15,21 +29,16 @@ import torch
 import triton
 import triton.language as tl
 
-from ..lora_segments import LoRASegments
+from .segments import BLOCK_M, TritonLoRASegments
 
 MAX_SLICES = 3
-BLOCK_M = 16  # rows of a segment per program (tl.dot wants >= 16)
-BLOCK_R = 16  # rank columns per program / per inner step
 BLOCK_K = 64  # input features per inner step of shrink
 BLOCK_N = 64  # output features per program of expand
+BLOCK_R = 16  # rank columns per inner step of expand
 
 
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-def _precision(dtype: torch.dtype) -> str:
-    return "ieee" if dtype == torch.float32 else "tf32"
 
 
 @triton.jit
@@ -44,79 +53,101 @@ def _pick(slice_id, p0, p1, p2):
 
 
 @triton.jit
+def _shrink_slice(acc, xt, a_ptr, rank, offs_k, mask_k, offs_r, K, stride_ar,
+                  UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """acc [BM, R_PAD] += xt [BM, BK] @ A[:rank, offs_k]ᵀ (A of one slot, rows K apart)."""
+    at = tl.load(a_ptr + offs_r[None, :] * stride_ar + offs_k[:, None],
+                 mask=mask_k[:, None] & (offs_r[None, :] < rank), other=0.0)  # [BK, R_PAD]
+    if UPCAST:
+        at = at.to(tl.float32)
+    return acc + tl.dot(xt, at, input_precision=PRECISION)
+
+
+@triton.jit
+def _store_h(h_ptr, acc, tok, mask_m, offs_r, rank, stride_ht):
+    tl.store(h_ptr + tok[:, None] * stride_ht + offs_r[None, :], acc,
+             mask=mask_m[:, None] & (offs_r[None, :] < rank))
+
+
+@triton.jit
 def _shrink_kernel(
     x_ptr, a0_ptr, a1_ptr, a2_ptr, h_ptr,  # x [T, K]; a_i [L, R_MAX, K]; h [NS, T, R_MAX] f32
     ranks_ptr, token_idx_ptr, seg_starts_ptr, seg_slots_ptr,  # [NS, L], [T], [S+1], [S]
-    K, max_loras, num_r_blocks,
-    stride_xt, stride_xk, stride_al, stride_ar, stride_ak, stride_hs, stride_ht, stride_hr,
-    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    work_seg_ptr, work_start_ptr,  # [W], [W]
+    K, max_loras, stride_xt, stride_al, stride_ar, stride_hs, stride_ht,
+    NUM_SLICES: tl.constexpr, R_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """h[i, t, r0:r0+BR] = x[t] @ A_i[slot, r0:r0+BR]ᵀ for BLOCK_M rows t of one segment.
-    Shapes: x [T, K], A_i [L, R_MAX, K], h [NS, T, R_MAX] fp32."""
-    seg_id = tl.program_id(0)
-    m_blk = tl.program_id(1)
-    slice_id = tl.program_id(2) // num_r_blocks
-    r0 = (tl.program_id(2) % num_r_blocks) * BLOCK_R
-    slot = tl.load(seg_slots_ptr + seg_id)
-    if slot < 0:
-        return
-    rank = tl.load(ranks_ptr + slice_id * max_loras + slot)
-    start = tl.load(seg_starts_ptr + seg_id) + m_blk * BLOCK_M
-    end = tl.load(seg_starts_ptr + seg_id + 1)
-    if (r0 >= rank) | (start >= end):
-        return
+    """h[i, t, :rank_i] = x[t] @ A_i[slot, :rank_i]ᵀ for the rows of one work item and every
+    slice i: each x tile is loaded once for all slices. A_i and x are dense in K."""
+    w = tl.program_id(0)
+    seg = tl.load(work_seg_ptr + w)
+    start = tl.load(work_start_ptr + w)
+    end = tl.minimum(tl.load(seg_starts_ptr + seg + 1), start + BLOCK_M)
+    slot = tl.load(seg_slots_ptr + seg)
     offs_m = start + tl.arange(0, BLOCK_M)  # [BM] positions in token_indices
     mask_m = offs_m < end
     tok = tl.load(token_idx_ptr + offs_m, mask=mask_m, other=0).to(tl.int64)  # [BM]
-    offs_r = r0 + tl.arange(0, BLOCK_R)  # [BR]
-    mask_r = offs_r < rank
-    a_ptr = _pick(slice_id, a0_ptr, a1_ptr, a2_ptr) + slot.to(tl.int64) * stride_al
-    acc = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
+    offs_r = tl.arange(0, R_PAD)
+    slot_off = slot.to(tl.int64) * stride_al
+    rank0 = tl.load(ranks_ptr + slot)
+    rank1 = rank0 * 0
+    rank2 = rank0 * 0
+    if NUM_SLICES > 1:
+        rank1 = tl.load(ranks_ptr + max_loras + slot)
+    if NUM_SLICES > 2:
+        rank2 = tl.load(ranks_ptr + 2 * max_loras + slot)
+    acc0 = tl.zeros([BLOCK_M, R_PAD], dtype=tl.float32)
+    acc1 = tl.zeros([BLOCK_M, R_PAD], dtype=tl.float32)
+    acc2 = tl.zeros([BLOCK_M, R_PAD], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)  # [BK]
         mask_k = offs_k < K
-        xt = tl.load(x_ptr + tok[:, None] * stride_xt + offs_k[None, :] * stride_xk,
+        xt = tl.load(x_ptr + tok[:, None] * stride_xt + offs_k[None, :],
                      mask=mask_m[:, None] & mask_k[None, :], other=0.0)  # [BM, BK]
-        at = tl.load(a_ptr + offs_r[None, :] * stride_ar + offs_k[:, None] * stride_ak,
-                     mask=mask_k[:, None] & mask_r[None, :], other=0.0)  # [BK, BR]
         if UPCAST:
             xt = xt.to(tl.float32)
-            at = at.to(tl.float32)
-        acc += tl.dot(xt, at, input_precision=PRECISION)
-    h_ptrs = h_ptr + slice_id * stride_hs + tok[:, None] * stride_ht + offs_r[None, :] * stride_hr
-    tl.store(h_ptrs, acc, mask=mask_m[:, None] & mask_r[None, :])
+        acc0 = _shrink_slice(acc0, xt, a0_ptr + slot_off, rank0, offs_k, mask_k, offs_r, K,
+                             stride_ar, UPCAST, PRECISION)
+        if NUM_SLICES > 1:
+            acc1 = _shrink_slice(acc1, xt, a1_ptr + slot_off, rank1, offs_k, mask_k, offs_r,
+                                 K, stride_ar, UPCAST, PRECISION)
+        if NUM_SLICES > 2:
+            acc2 = _shrink_slice(acc2, xt, a2_ptr + slot_off, rank2, offs_k, mask_k, offs_r,
+                                 K, stride_ar, UPCAST, PRECISION)
+    _store_h(h_ptr, acc0, tok, mask_m, offs_r, rank0, stride_ht)
+    if NUM_SLICES > 1:
+        _store_h(h_ptr + stride_hs, acc1, tok, mask_m, offs_r, rank1, stride_ht)
+    if NUM_SLICES > 2:
+        _store_h(h_ptr + 2 * stride_hs, acc2, tok, mask_m, offs_r, rank2, stride_ht)
 
 
 @triton.jit
 def _expand_kernel(
     h_ptr, b0_ptr, b1_ptr, b2_ptr, out_ptr,  # h [NS, T, R] f32; b_i [L, N_i, R]; out [T, ΣN]
-    meta_ptr,  # [NS, 5] int64: width N_i, column offset, stride_l, stride_n, stride_r of b_i
-    ranks_ptr, token_idx_ptr, seg_starts_ptr, seg_slots_ptr,
-    max_loras, num_n_blocks,
-    stride_hs, stride_ht, stride_hr, stride_ot, stride_on,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-    PRECISION: tl.constexpr,
+    layer_ptr,  # [NS, 4] int64: width N_i, column offset, stride_l, stride_r of b_i
+    blocks_ptr,  # [Z, 2] int32: (slice, first output) of every output block of the layer
+    ranks_ptr, token_idx_ptr, seg_starts_ptr, seg_slots_ptr, work_seg_ptr, work_start_ptr,
+    max_loras, stride_hs, stride_ht, stride_ot,
+    STRIDE_BN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr,
 ):
-    """out[t, off_i + n] += h[i, t, :rank] @ B_i[slot, n, :rank]ᵀ for BLOCK_M rows t and
-    BLOCK_N columns n. Shapes: h [NS, T, R_MAX] fp32, B_i [L, N_i, R_MAX], out [T, ΣN_i]."""
-    seg_id = tl.program_id(0)
-    m_blk = tl.program_id(1)
-    slice_id = tl.program_id(2) // num_n_blocks
-    n0 = (tl.program_id(2) % num_n_blocks) * BLOCK_N
-    slot = tl.load(seg_slots_ptr + seg_id)
-    if slot < 0:
-        return
+    """out[t, off_i + n] += h[i, t, :rank] @ B_i[slot, n, :rank]ᵀ for the rows of one work
+    item and one block of BLOCK_N outputs of slice i; fp32 products and accumulation."""
+    w = tl.program_id(0)
+    slice_id = tl.load(blocks_ptr + tl.program_id(1) * 2)
+    n0 = tl.load(blocks_ptr + tl.program_id(1) * 2 + 1)
+    seg = tl.load(work_seg_ptr + w)
+    slot = tl.load(seg_slots_ptr + seg)
     rank = tl.load(ranks_ptr + slice_id * max_loras + slot)
-    width = tl.load(meta_ptr + slice_id * 5)
-    start = tl.load(seg_starts_ptr + seg_id) + m_blk * BLOCK_M
-    end = tl.load(seg_starts_ptr + seg_id + 1)
-    if (rank == 0) | (n0 >= width) | (start >= end):
+    if rank == 0:
         return
-    col_off = tl.load(meta_ptr + slice_id * 5 + 1)
-    stride_bl = tl.load(meta_ptr + slice_id * 5 + 2)
-    stride_bn = tl.load(meta_ptr + slice_id * 5 + 3)
-    stride_br = tl.load(meta_ptr + slice_id * 5 + 4)
+    start = tl.load(work_start_ptr + w)
+    end = tl.minimum(tl.load(seg_starts_ptr + seg + 1), start + BLOCK_M)
+    width = tl.load(layer_ptr + slice_id * 4)
+    col_off = tl.load(layer_ptr + slice_id * 4 + 1)
+    stride_bl = tl.load(layer_ptr + slice_id * 4 + 2)
+    stride_br = tl.load(layer_ptr + slice_id * 4 + 3)
     offs_m = start + tl.arange(0, BLOCK_M)  # [BM]
     mask_m = offs_m < end
     tok = tl.load(token_idx_ptr + offs_m, mask=mask_m, other=0).to(tl.int64)  # [BM]
@@ -127,13 +158,12 @@ def _expand_kernel(
     for r0 in range(0, rank, BLOCK_R):  # only the slot's true rank
         offs_r = r0 + tl.arange(0, BLOCK_R)  # [BR]
         mask_r = offs_r < rank
-        ht = tl.load(h_ptr + slice_id * stride_hs + tok[:, None] * stride_ht
-                     + offs_r[None, :] * stride_hr,
+        ht = tl.load(h_ptr + slice_id * stride_hs + tok[:, None] * stride_ht + offs_r[None, :],
                      mask=mask_m[:, None] & mask_r[None, :], other=0.0)  # [BM, BR] f32
-        bt = tl.load(b_ptr + offs_r[:, None] * stride_br + offs_n[None, :] * stride_bn,
+        bt = tl.load(b_ptr + offs_r[:, None] * stride_br + offs_n[None, :] * STRIDE_BN,
                      mask=mask_r[:, None] & mask_n[None, :], other=0.0)  # [BR, BN]
-        acc += tl.dot(ht, bt.to(tl.float32), input_precision=PRECISION)
-    o_ptrs = out_ptr + tok[:, None] * stride_ot + (col_off + offs_n)[None, :] * stride_on
+        acc += tl.dot(ht, bt.to(tl.float32), input_precision="ieee")
+    o_ptrs = out_ptr + tok[:, None] * stride_ot + (col_off + offs_n)[None, :]
     mask = mask_m[:, None] & mask_n[None, :]
     cur = tl.load(o_ptrs, mask=mask, other=0.0).to(tl.float32)
     tl.store(o_ptrs, (cur + acc).to(out_ptr.dtype.element_ty), mask=mask)
@@ -146,55 +176,70 @@ def _three(ts: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 def lora_shrink(
-    x: torch.Tensor,  # [T, in]
-    lora_a: list[torch.Tensor],  # num_slices × [max_loras, r_max, in]
+    x: torch.Tensor,  # [T, in], dense rows
+    lora_a: list[torch.Tensor],  # num_slices × [max_loras, r_max, in], dense
     ranks: torch.Tensor,  # [num_slices, max_loras] int32
-    seg: LoRASegments,
+    seg: TritonLoRASegments,
 ) -> torch.Tensor:  # [num_slices, T, r_max] float32
     """h[i, t, :r] = x[t] @ A_i[slot_t, :r]ᵀ in fp32; rows of slot -1 tokens are 0."""
-    lora_a = [a.contiguous() for a in lora_a]
     max_loras, r_max, k = lora_a[0].shape
+    x = x if x.stride(1) == 1 else x.contiguous()
     h = torch.zeros(len(lora_a), x.shape[0], r_max, dtype=torch.float32, device=x.device)
-    if seg.max_seg_len == 0:
+    if seg.num_work == 0:
         return h
-    num_r_blocks = triton.cdiv(r_max, BLOCK_R)
-    grid = (seg.num_segments, triton.cdiv(seg.max_seg_len, BLOCK_M), len(lora_a) * num_r_blocks)
     a0, a1, a2 = _three(lora_a)
-    _shrink_kernel[grid](
-        x, a0, a1, a2, h, ranks.contiguous(), seg.token_indices, seg.seg_starts, seg.seg_slots,
-        k, max_loras, num_r_blocks,
-        x.stride(0), x.stride(1), *a0.stride(), *h.stride(),
-        BLOCK_M=BLOCK_M, BLOCK_R=BLOCK_R, BLOCK_K=BLOCK_K,
-        UPCAST=_interpreting(), PRECISION=_precision(x.dtype),
+    _shrink_kernel[(seg.num_work,)](
+        x, a0, a1, a2, h, ranks, seg.token_indices, seg.seg_starts, seg.seg_slots,
+        seg.work_seg, seg.work_start, k, max_loras, x.stride(0), a0.stride(0), a0.stride(1),
+        h.stride(0), h.stride(1),
+        NUM_SLICES=len(lora_a), R_PAD=max(16, triton.next_power_of_2(r_max)),
+        BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K, UPCAST=_interpreting(),
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
     )
     return h
 
 
+_LAYERS: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _layer_tables(lora_b: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(per-slice [width, column offset, stride_l, stride_r], the (slice, first output) of
+    every output block) of one layer's B buffers, built once per layer and device: the key
+    holds everything the tables are made of."""
+    key = tuple((b.device, b.data_ptr(), *b.shape, *b.stride()) for b in lora_b)
+    tables = _LAYERS.get(key)
+    if tables is None:
+        rows, blocks, col = [], [], 0
+        for i, b in enumerate(lora_b):
+            rows.append([b.shape[1], col, b.stride(0), b.stride(2)])
+            blocks += [[i, n0] for n0 in range(0, b.shape[1], BLOCK_N)]
+            col += b.shape[1]
+        device = lora_b[0].device
+        tables = _LAYERS[key] = (torch.tensor(rows, dtype=torch.int64, device=device),
+                                 torch.tensor(blocks, dtype=torch.int32, device=device))
+    return tables
+
+
 def lora_expand(
-    h: torch.Tensor,  # [num_slices, T, r_max] float32
-    lora_b: list[torch.Tensor],  # num_slices × [max_loras, out_i, r_max]
+    h: torch.Tensor,  # [num_slices, T, r_max] float32, dense
+    lora_b: list[torch.Tensor],  # num_slices × [max_loras, out_i, r_max], one stride along out
     ranks: torch.Tensor,  # [num_slices, max_loras] int32
-    seg: LoRASegments,
-    out: torch.Tensor,  # [T, sum(out_i)]
+    seg: TritonLoRASegments,
+    out: torch.Tensor,  # [T, sum(out_i)], dense rows
 ) -> None:
     """out[t, off_i:off_i+out_i] += h[i, t] @ B_i[slot_t]ᵀ for tokens with a slot, fp32 acc."""
-    if seg.max_seg_len == 0:
+    if seg.num_work == 0:
         return
-    widths = [b.shape[1] for b in lora_b]
-    offsets = [sum(widths[:i]) for i in range(len(widths))]
-    meta = torch.tensor(
-        [[w, o, *b.stride()] for w, o, b in zip(widths, offsets, lora_b)],
-        dtype=torch.int64,
-    ).to(h.device, non_blocking=True)  # [NS, 5]
-    num_n_blocks = triton.cdiv(max(widths), BLOCK_N)
-    grid = (seg.num_segments, triton.cdiv(seg.max_seg_len, BLOCK_M), len(lora_b) * num_n_blocks)
+    stride_bn = lora_b[0].stride(1)
+    if any(b.stride(1) != stride_bn for b in lora_b):
+        raise ValueError("the B buffers of one layer must share their stride along out")
+    layer, blocks = _layer_tables(lora_b)
     b0, b1, b2 = _three(lora_b)
-    _expand_kernel[grid](
-        h, b0, b1, b2, out, meta, ranks.contiguous(), seg.token_indices, seg.seg_starts,
-        seg.seg_slots, lora_b[0].shape[0], num_n_blocks,
-        *h.stride(), *out.stride(),
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_R=BLOCK_R,
-        PRECISION=_precision(lora_b[0].dtype),
+    _expand_kernel[(seg.num_work, blocks.shape[0])](
+        h, b0, b1, b2, out, layer, blocks, ranks, seg.token_indices, seg.seg_starts,
+        seg.seg_slots, seg.work_seg, seg.work_start, lora_b[0].shape[0],
+        h.stride(0), h.stride(1), out.stride(0),
+        STRIDE_BN=stride_bn, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_R=BLOCK_R,
     )
 
 
@@ -204,7 +249,7 @@ def add_lora(
     lora_a: list[torch.Tensor],  # num_slices × [max_loras, r_max, in]
     lora_b: list[torch.Tensor],  # num_slices × [max_loras, out_i, r_max]
     ranks: torch.Tensor,  # [num_slices, max_loras] int32
-    seg: LoRASegments,
+    seg: TritonLoRASegments,
 ) -> None:
     """out += expand(shrink(x, A), B): two launches, every slice in each."""
     lora_expand(lora_shrink(x, lora_a, ranks, seg), lora_b, ranks, seg, out)
