@@ -1,37 +1,57 @@
 #!/usr/bin/env bash
-# GPU check for the kernels: compiled Triton kernel tests, then bench/kernels.py.
+# GPU check of the Triton backend, one verdict: the kernel tests compiled for the GPU, then
+# bench/kernels.py (every benchmarked shape checked against its torch twin, then timed
+# against the HBM roofline; FAIL on a mismatch, a NaN or a register spill).
 # For the GPU machine (torch + triton preinstalled, no package registry); < 5 minutes.
-# Logs go to $OUT (or /tmp/loraplex-gpu-check). Usage: bash bench/gpu_check.sh
+#
+#   bash bench/gpu_check.sh            # on the GPU machine
+#   bash bench/gpu_check.sh --dry-run  # on CPU: interpreter, tiny shapes (make test runs it)
+#
+# Logs go to $OUT (or /tmp/loraplex-gpu-check). The last line is the verdict:
+# "gpu_check: PASS | ..." or "gpu_check: FAIL | ..."; the exit status is 0 only on PASS.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 LOG="${OUT:-/tmp/loraplex-gpu-check}"
 mkdir -p "$LOG"
 PY="${PYTHON:-python}"
+DRY=0
+[[ "${1:-}" == "--dry-run" ]] && DRY=1
 
-{ nvidia-smi; "$PY" -c 'import torch, triton; print(torch.__version__, triton.__version__)'; } \
-  > "$LOG/env.txt" 2>&1
-cat "$LOG/env.txt"
+fail() { echo "gpu_check: FAIL | $*"; exit 1; }
 
-# No registry: no deps and no isolated build env (it would fetch setuptools).
-if ! "$PY" -m pip install --no-deps --no-build-isolation -e . > "$LOG/install.log" 2>&1; then
-  echo "pip install failed (see install.log); importing through a symlink instead"
-  mkdir -p /tmp/loraplex-path && ln -sfn "$PWD" /tmp/loraplex-path/loraplex
-  export PYTHONPATH="/tmp/loraplex-path${PYTHONPATH:+:$PYTHONPATH}"
-fi
-"$PY" -c 'import loraplex.kernels.triton.sgmv' || { echo "cannot import loraplex"; exit 1; }
-
-# Compiled kernels, not the interpreter (conftest only sets TRITON_INTERPRET by default).
-export TRITON_INTERPRET=0 LORAPLEX_KERNELS=triton
-status=0
-if "$PY" -c 'import pytest' 2>/dev/null; then
-  timeout 150 "$PY" -m pytest -q -p no:cacheprovider \
-    tests/test_kernels_sgmv.py tests/test_kernels_attention.py 2>&1 | tee "$LOG/tests.log"
-  status=${PIPESTATUS[0]}
+if (( DRY )); then
+  export TRITON_INTERPRET=1
+  TESTS=(tests/test_kernels_sgmv.py::test_work_list_holds_exactly_the_row_blocks_of_adapted_segments)
+  BENCH=(--dry-run)
 else
-  echo "pytest is not installed here: kernel tests skipped" | tee "$LOG/tests.log"
+  { nvidia-smi; "$PY" -c 'import torch, triton; print(torch.__version__, triton.__version__)'; } \
+    > "$LOG/env.txt" 2>&1
+  cat "$LOG/env.txt"
+  export TRITON_INTERPRET=0
+  TESTS=(tests/test_kernels_sgmv.py tests/test_kernels_attention.py)
+  BENCH=()
+  # No registry: no deps and no isolated build env (it would fetch setuptools).
+  if ! "$PY" -m pip install --no-deps --no-build-isolation -e . > "$LOG/install.log" 2>&1; then
+    echo "pip install failed (see install.log); importing through a symlink instead"
+    mkdir -p /tmp/loraplex-path && ln -sfn "$PWD" /tmp/loraplex-path/loraplex
+    export PYTHONPATH="/tmp/loraplex-path${PYTHONPATH:+:$PYTHONPATH}"
+  fi
 fi
+export LORAPLEX_KERNELS=triton
 
-timeout 120 "$PY" -m loraplex.bench.kernels 2>&1 | tee "$LOG/bench.log"
-bench_status=${PIPESTATUS[0]}
-echo "tests exit $status, bench exit $bench_status; logs in $LOG"
-exit $(( status != 0 || bench_status != 0 ))
+"$PY" -c 'import loraplex.kernels.triton.sgmv' > "$LOG/import.log" 2>&1 \
+  || fail "cannot import loraplex.kernels.triton (see $LOG/import.log)"
+"$PY" -c 'import pytest' 2> /dev/null || fail "pytest is not installed: the kernel tests cannot run"
+
+timeout 180 "$PY" -m pytest -q -p no:cacheprovider "${TESTS[@]}" > "$LOG/tests.log" 2>&1
+tests_status=$?
+tail -3 "$LOG/tests.log"
+
+timeout 150 "$PY" -m loraplex.bench.kernels "${BENCH[@]}" > "$LOG/bench.log" 2>&1
+bench_status=$?
+cat "$LOG/bench.log"
+verdict=$(tail -1 "$LOG/bench.log")
+
+(( tests_status == 0 )) || fail "kernel tests exit $tests_status (see $LOG/tests.log); bench: $verdict"
+(( bench_status == 0 )) || fail "bench exit $bench_status: $verdict"
+echo "gpu_check: $verdict"
