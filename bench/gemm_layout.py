@@ -3,11 +3,14 @@
 ``kernels/cpu/packed_linear.GEMM_LAYOUT``, keyed by ``isa.cpu_isa()``.
 
     python -m loraplex.bench.gemm_layout [--rows 1 8 32 128 512] [--rounds 5]
+    python -m loraplex.bench.gemm_layout --engine [--rounds 5]
 
-SmolLM2-135M's linears (30 layers: qkv, o, gate_up, down) plus the logits head, every layer
-with weights of its own, so weights come cold from memory as in serving. The two layouts
-are timed alternately, round by round, in one process; the table gives the best round of
-each and the ratio (> 1: panels faster).
+Linears alone: SmolLM2-135M's (30 layers: qkv, o, gate_up, down) plus the logits head,
+every layer with weights of its own, so weights come cold from memory as in serving.
+``--engine``: the whole engine, two engines in one process (one per layout) on the same
+requests (32 x 64 prompt x 32 new tokens, base model and 32 distinct rank-8 adapters).
+Either way the two layouts run alternately, round by round; the table gives the best
+round of each and the ratio (> 1: panels faster).
 """
 
 from __future__ import annotations
@@ -44,11 +47,55 @@ def run(layers: list[list[PackedLinear]], head: PackedLinear, rows: int) -> floa
     return time.perf_counter() - start
 
 
+def engine_ab(rounds: int) -> None:
+    """Output tok/s of the engine with each layout, alternating, best round of each."""
+    import os
+    import tempfile
+    from pathlib import Path
+
+    from .. import LLMEngine, SamplingParams
+    from .common import default_model_dir, make_random_adapters, random_prompts
+
+    model_dir = default_model_dir()
+    adapters = make_random_adapters(model_dir, 32, Path(tempfile.gettempdir())
+                                    / "loraplex-bench-adapters")
+    prompts = random_prompts(32, 64, vocab=49152, seed=2)
+    engines = {}
+    for layout in ("panels", "onednn"):
+        os.environ["LORAPLEX_GEMM_LAYOUT"] = layout
+        engines[layout] = LLMEngine(model=model_dir, dtype="float32", max_num_seqs=32,
+                                    max_num_batched_tokens=512, max_model_len=1024,
+                                    max_lora_rank=8, max_loras=32, max_cpu_loras=32,
+                                    enable_prefix_caching=False,
+                                    lora_modules={n: str(p) for n, p in adapters.items()})
+    del os.environ["LORAPLEX_GEMM_LAYOUT"]
+    params = SamplingParams(temperature=0.0, max_new_tokens=32, ignore_eos=True)
+    print(machine_line("cpu", "float32"))
+    print(f"engine, 32 x 64 prompt x 32 new tokens, best of {rounds}; "
+          f"GEMM_LAYOUT[{cpu_isa()!r}] = {GEMM_LAYOUT.get(cpu_isa(), 'onednn (unlisted)')!r}")
+    print("| requests | panels tok/s | oneDNN tok/s | panels / oneDNN |")
+    print("|---|---|---|---|")
+    for label, names in (("base model", [None] * 32), ("32 adapters", list(adapters))):
+        best = dict.fromkeys(engines, 0.0)
+        for _ in range(rounds):
+            for layout, engine in engines.items():
+                start = time.perf_counter()
+                outs = engine.generate(prompts, params, adapters=names)
+                tps = sum(len(o.token_ids) for o in outs) / (time.perf_counter() - start)
+                best[layout] = max(best[layout], tps)
+        print(f"| {label} | {best['panels']:.1f} | {best['onednn']:.1f} | "
+              f"{best['panels'] / best['onednn']:.2f} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 128, 512])
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--engine", action="store_true", help="whole engine, not linears alone")
     args = ap.parse_args()
+    if args.engine:
+        engine_ab(args.rounds)
+        return
     torch.manual_seed(0)
     models = {layout: build(layout) for layout in ("panels", "onednn")}
     for layers, head in models.values():  # oneDNN builds a primitive per row count

@@ -9,7 +9,6 @@ import sys
 from pathlib import Path
 
 import torch
-
 from loraplex.bench.kernels import Verdict, summary
 
 ROOT = Path(__file__).resolve().parents[1]
