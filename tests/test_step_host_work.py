@@ -9,9 +9,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from loraplex import LLMEngine, SamplingParams
 from torch.overrides import TorchFunctionMode
 
-from loraplex import LLMEngine, SamplingParams
 from tests.conftest import ALL_TARGETS, make_adapter
 
 FORBIDDEN = {"item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "tensor",
