@@ -65,6 +65,18 @@ def _table(rows: list[list[int]], device: torch.device) -> torch.Tensor:
                         device=device).reshape(len(rows), width)
 
 
+def _check_entry(seq: Sequence, n: int, block_size: int) -> None:
+    """The kernels' preconditions for one sequence of the step, checked on the host once per
+    step (a kernel fed less would read unwritten KV or mask whole rows into NaN): at least
+    one new token, all of them within the sequence and within its allocated blocks."""
+    end = seq.num_computed_tokens + n
+    if n < 1 or end > seq.num_tokens or end > len(seq.block_table) * block_size:
+        raise RuntimeError(
+            f"invalid step for {seq.request_id}: {n} new tokens after "
+            f"{seq.num_computed_tokens} computed, {seq.num_tokens} tokens, "
+            f"{len(seq.block_table)} blocks of {block_size}")
+
+
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, cfg: EngineConfig, num_blocks: int,
                  kernels: KernelBackend):
@@ -93,6 +105,7 @@ class ModelRunner:
         sample_seqs: list[Sequence] = []
         starts = [0]
         for seq, n in prefills + decodes:
+            _check_entry(seq, n, self.block_size)
             c = seq.num_computed_tokens
             ids += seq.token_slice(c, c + n)
             positions += range(c, c + n)

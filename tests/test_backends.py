@@ -86,3 +86,15 @@ def test_bad_backend_name_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ValueError,
                        match=r"LORAPLEX_KERNELS='cuda'; allowed: triton, cpu, torch, or unset"):
         select_backend(CPU, torch.float32)
+
+
+def test_no_cpu_only_code_receives_a_cuda_tensor(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CUDA devices get the Triton backend by default; the CPU backend refuses any other
+    device when it is built (never per call), and the torch backend, which serves
+    LORAPLEX_KERNELS=torch on CUDA too, reaches no CPU-only code (tests/test_layering.py)."""
+    monkeypatch.delenv("LORAPLEX_KERNELS", raising=False)
+    assert backend_name(torch.device("cuda")) == "triton"
+    with pytest.raises(ValueError, match="CPU tensors only"):
+        select_backend(torch.device("cuda"), torch.float32, "cpu")
+    monkeypatch.setenv("LORAPLEX_KERNELS", "torch")
+    assert backend_name(torch.device("cuda")) == "torch"

@@ -204,3 +204,12 @@ def test_finite_rows_is_exact() -> None:
     logits[4, :] = 3e38  # finite, the row's sum is not
     logits[5, :2] = torch.tensor([float("inf"), -float("inf")])  # sums to NaN
     assert _finite_rows(logits) == [True, False, False, False, True, False]
+
+
+def test_an_invalid_step_is_refused_before_any_kernel_runs(engine) -> None:
+    """A step whose sequence has no block for its new tokens never reaches a kernel."""
+    from loraplex.engine.scheduler import ScheduledBatch
+
+    seq = engine.make_sequence([5, 6, 7], SamplingParams(temperature=0.0, max_new_tokens=2))
+    with pytest.raises(RuntimeError, match="invalid step for .*3 new tokens after 0 computed"):
+        engine.runner.run(ScheduledBatch([(seq, 3)], 3, []), {})
