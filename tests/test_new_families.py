@@ -10,22 +10,22 @@ from pathlib import Path
 
 import pytest
 import torch
+from loraplex import LLMEngine, SamplingParams
 from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
-from loraplex import LLMEngine, SamplingParams
 from tests.conftest import make_adapter, make_tiny_model
 
 NEW = 6
 GEMMA_ADAPTERS = {  # name -> make_adapter kwargs; "all" targets every linear
-    "qv": dict(r=4, target_modules=["q_proj", "v_proj"]),
-    "all": dict(r=8, target_modules="all-linear"),
-    "mlp": dict(r=6, target_modules=["gate_proj", "down_proj", "o_proj"]),
+    "qv": {"r": 4, "target_modules": ["q_proj", "v_proj"]},
+    "all": {"r": 8, "target_modules": "all-linear"},
+    "mlp": {"r": 6, "target_modules": ["gate_proj", "down_proj", "o_proj"]},
 }
 PHI3_ADAPTERS = {  # PEFT sees Phi-3's fused modules
-    "qkv": dict(r=4, target_modules=["qkv_proj"]),
-    "all": dict(r=8, target_modules="all-linear"),
-    "od": dict(r=6, target_modules=["o_proj", "down_proj", "gate_up_proj"]),
+    "qkv": {"r": 4, "target_modules": ["qkv_proj"]},
+    "all": {"r": 8, "target_modules": "all-linear"},
+    "od": {"r": 6, "target_modules": ["o_proj", "down_proj", "gate_up_proj"]},
 }
 ADAPTERS = {"gemma2": GEMMA_ADAPTERS, "gemma3": GEMMA_ADAPTERS, "phi3": PHI3_ADAPTERS,
             "mistral_window": {}}
@@ -125,10 +125,9 @@ def test_context_past_the_window_is_not_capped(family):
 def test_longrope_tables_switch_at_the_boundary(family):
     """Positions below original_max_position_embeddings rotate with transformers' short
     factors, positions from it on with its long ones (the per-position rule of rope.py)."""
+    from loraplex.engine.models.rope import RotaryEmbedding
     from transformers import AutoConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-    from loraplex.engine.models.rope import RotaryEmbedding
 
     model, _, _ = family("phi3")
     config = AutoConfig.from_pretrained(model)
