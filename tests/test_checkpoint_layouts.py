@@ -104,3 +104,25 @@ def test_no_safetensors_names_the_pickles(tiny_llama: Path, tmp_path: Path):
     (out / "pytorch_model.bin").write_bytes(b"x")
     with pytest.raises(FileNotFoundError, match="pytorch_model.bin"):
         weight_files(out)
+
+
+def test_model_gguf_file_is_converted_once(tiny_llama: Path, tmp_path: Path, monkeypatch):
+    """--model x.gguf: converted once (here by a stand-in for transformers' GGUF
+    dequantization, which the embedded model's tests run for real) and served."""
+    from loraplex.engine.models import embedded
+
+    monkeypatch.setenv("LORAPLEX_HOME", str(tmp_path / "home"))
+    gguf = tmp_path / "tiny.gguf"
+    gguf.write_bytes(b"GGUF")
+    calls = []
+
+    def convert(path: Path, out: Path, progress: bool, bar: object, **kwargs) -> None:
+        calls.append((path, kwargs))
+        shutil.copytree(tiny_llama, out, dirs_exist_ok=True)
+
+    monkeypatch.setattr(embedded, "_convert_gguf", convert)
+    first = embedded.resolve_model(str(gguf))
+    assert embedded.resolve_model(str(gguf)) == first and len(calls) == 1
+    assert calls[0] == (gguf, {"require_chat_template": False})
+    assert first.parent == tmp_path / "home" / "models"
+    greedy_equal(first)
