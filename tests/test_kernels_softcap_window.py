@@ -8,7 +8,6 @@ import math
 
 import pytest
 import torch
-
 from loraplex.kernels import select_backend
 from loraplex.kernels.testing import make_paged_cache
 from loraplex.kernels.torch import attention as reference
