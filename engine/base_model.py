@@ -70,10 +70,10 @@ def _load_tokenizer(path: Path) -> object | None:
 
 
 def _max_model_len(cfg: EngineConfig, config: PretrainedConfig) -> int:
+    """The model's max_position_embeddings (2048 where unset), or the smaller
+    ``max_model_len`` asked for; sliding windows do not cap it (the attention kernels
+    apply each layer's window)."""
     limit = getattr(config, "max_position_embeddings", None) or 2048
-    window = getattr(config, "sliding_window", None)
-    if window and getattr(config, "use_sliding_window", True):
-        limit = min(limit, window)  # full attention is exact only inside the window
     if cfg.max_model_len is None:
         return limit
     if cfg.max_model_len > limit:

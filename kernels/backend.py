@@ -70,18 +70,24 @@ class KernelBackend(ABC):
     @abstractmethod
     def paged_attention_decode(self, q: torch.Tensor, k_cache: torch.Tensor,
                                v_cache: torch.Tensor, block_tables: torch.Tensor,
-                               context_lens: torch.Tensor, scale: float) -> torch.Tensor:
-        """out[b] = softmax(scale · q[b] K_bᵀ) V_b over the context_lens[b] cached positions
-        of sequence b. q [B, Hq, D] -> [B, Hq, D]; block_tables [B, max_blocks] int32,
-        context_lens [B] int32."""
+                               context_lens: torch.Tensor, scale: float, softcap: float = 0.0,
+                               window: int = 0) -> torch.Tensor:
+        """out[b] = softmax(cap(scale · q[b] K_bᵀ)) V_b over the context_lens[b] cached
+        positions of sequence b, or only its last ``window`` ones when window > 0;
+        cap(s) = softcap · tanh(s / softcap) when softcap > 0 (Gemma 2), else s.
+        q [B, Hq, D] -> [B, Hq, D]; block_tables [B, max_blocks] int32, context_lens [B]
+        int32."""
 
     @abstractmethod
     def paged_attention_prefill(self, q: torch.Tensor, k_cache: torch.Tensor,
                                 v_cache: torch.Tensor, block_tables: torch.Tensor,
                                 query_start_loc: torch.Tensor, context_lens: torch.Tensor,
-                                scale: float) -> torch.Tensor:
+                                scale: float, softcap: float = 0.0,
+                                window: int = 0) -> torch.Tensor:
         """Causal attention of S sequences' new tokens, which sit at positions
-        context_lens[s] - q_len_s .. context_lens[s] - 1 and see every earlier position.
+        context_lens[s] - q_len_s .. context_lens[s] - 1 and see every earlier position; with
+        window > 0, a token at position p sees positions p - window + 1 .. p only (a sliding
+        window, as transformers' ``sliding_window``). Scores soft-capped as in decode.
         q [T, Hq, D] -> [T, Hq, D]; query_start_loc [S + 1] int32; context_lens [S] int32."""
 
     # ---- decoder-layer elementwise ops --------------------------------------------------
@@ -106,6 +112,11 @@ class KernelBackend(ABC):
     @abstractmethod
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """silu(gate) · up of a fused projection: [T, 2I] -> [T, I]."""
+
+    @abstractmethod
+    def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """gelu_tanh(gate) · up of a fused projection (Gemma's GeGLU, transformers'
+        ``gelu_pytorch_tanh``): [T, 2I] -> [T, I]."""
 
     @abstractmethod
     def argmax_rows(self, logits: torch.Tensor) -> torch.Tensor:

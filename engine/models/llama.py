@@ -13,14 +13,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
-from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from ...kernels.backend import KernelBackend
 from ...kernels.step_metadata import AttentionMetadata, StepMetadata, use_step
+from .rope import RotaryEmbedding, head_dim_of, layer_windows
 
-
-def head_dim_of(config: PretrainedConfig) -> int:
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+__all__ = ["Attention", "DecoderLayer", "LlamaForCausalLM", "RMSNorm", "RotaryEmbedding",
+           "head_dim_of", "kv_heads_of"]
 
 
 def kv_heads_of(config: PretrainedConfig) -> int:
@@ -29,7 +28,8 @@ def kv_heads_of(config: PretrainedConfig) -> int:
 
 class RMSNorm(nn.Module):
     """Computed in float32 as transformers does, cast back to the input dtype. Given the
-    residual stream, adds x into it first (in place) and normalises the sum."""
+    residual stream, adds x into it first (in place) and normalises the sum. (Gemma's
+    ``(1 + w)`` norms use it too: their +1 is folded into the weight at load time.)"""
 
     def __init__(self, dim: int, eps: float, ops: KernelBackend):
         super().__init__()
@@ -43,35 +43,13 @@ class RMSNorm(nn.Module):
         return self.ops.add_rms_norm_(x, residual, self.weight, self.eps)
 
 
-class RotaryEmbedding(nn.Module):
-    """cos/sin tables for every position, computed as transformers computes them."""
-
-    def __init__(self, config: PretrainedConfig, max_positions: int):
-        super().__init__()
-        params = getattr(config, "rope_parameters", None) or {}
-        rope_type = params.get("rope_type", "default")
-        if rope_type == "dynamic":
-            raise ValueError("rope_type 'dynamic' is not supported; supported: default, "
-                             "linear, llama3, yarn, longrope")
-        if rope_type == "default":
-            theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
-            dim = head_dim_of(config)
-            inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
-            scaling = 1.0
-        else:
-            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
-        positions = torch.arange(max_positions, dtype=torch.float)
-        freqs = positions[:, None] * inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", emb.cos() * scaling, persistent=False)  # [P, D]
-        self.register_buffer("sin", emb.sin() * scaling, persistent=False)
-
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-        return self.cos[positions].to(dtype), self.sin[positions].to(dtype)  # [T, D] each
-
-
 class Attention(nn.Module):
-    def __init__(self, config: PretrainedConfig, ops: KernelBackend):
+    """Grouped-query paged attention: fused q/k/v, optional q/k RMSNorm, RoPE, then the
+    backend's paged attention with this layer's ``scale``, ``softcap`` and sliding
+    ``window`` (0: off)."""
+
+    def __init__(self, config: PretrainedConfig, ops: KernelBackend, *, qk_norm: bool = False,
+                 scale: float | None = None, window: int = 0, softcap: float = 0.0):
         super().__init__()
         self.ops = ops
         self.num_heads = config.num_attention_heads
@@ -82,11 +60,13 @@ class Attention(nn.Module):
         bias = bool(getattr(config, "attention_bias", False)) or config.model_type == "qwen2"
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
-        self.qk_norm = config.model_type == "qwen3"
+        self.qk_norm = qk_norm
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, ops)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, ops)
-        self.scale = self.head_dim**-0.5
+        self.scale = self.head_dim**-0.5 if scale is None else scale
+        self.window = window
+        self.softcap = softcap
         self.k_cache = torch.empty(0)  # [num_blocks, block_size, Hkv, D], set by ModelRunner
         self.v_cache = torch.empty(0)
 
@@ -116,12 +96,13 @@ class Attention(nn.Module):
         return self.ops.paged_attention_prefill(
             q, self.k_cache, self.v_cache, meta.prefill_block_tables,
             meta.prefill_query_start_loc, meta.prefill_context_lens, self.scale,
+            self.softcap, self.window,
         )
 
     def _decode(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         return self.ops.paged_attention_decode(
             q, self.k_cache, self.v_cache, meta.decode_block_tables,
-            meta.decode_context_lens, self.scale,
+            meta.decode_context_lens, self.scale, self.softcap, self.window,
         )
 
 
@@ -140,9 +121,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig, ops: KernelBackend):
+    def __init__(self, config: PretrainedConfig, ops: KernelBackend, window: int = 0):
         super().__init__()
-        self.self_attn = Attention(config, ops)
+        self.self_attn = Attention(config, ops, qk_norm=config.model_type == "qwen3",
+                                   window=window)
         self.mlp = MLP(config, ops)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
@@ -166,8 +148,8 @@ class LlamaModel(nn.Module):
     def __init__(self, config: PretrainedConfig, max_positions: int, ops: KernelBackend):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, ops)
-                                    for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, ops, window)
+                                    for window in layer_windows(config))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.rotary = RotaryEmbedding(config, max_positions)
 
@@ -188,6 +170,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: PretrainedConfig, max_positions: int, ops: KernelBackend):
         super().__init__()
         self.config = config
+        self.max_positions = max_positions
         self.model = LlamaModel(config, max_positions, ops)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if not self.tie_word_embeddings:
@@ -205,6 +188,13 @@ class LlamaForCausalLM(nn.Module):
         if self.logits_head is not None:
             return self.logits_head(hidden).float()
         return F.linear(hidden, self.head_weight()).float()
+
+    def build_rotary(self, device: torch.device) -> None:
+        """(Re)compute the RoPE tables on ``device`` (after the model was built on meta)."""
+        self.model.rotary = RotaryEmbedding(self.config, self.max_positions).to(device)
+
+    def finish_loading(self) -> None:
+        """Last changes once the checkpoint's weights are in (none for this family)."""
 
     def head_weight(self) -> torch.Tensor:  # [vocab, hidden]
         return self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight

@@ -1,5 +1,14 @@
 """Load a local Hugging Face model directory (config.json + single or sharded safetensors)
-into the Llama-family model, fusing q/k/v and gate/up on the way."""
+into the model of its family (``MODEL_CLASSES``), fusing q/k/v and gate/up on the way.
+
+Checkpoint layouts loaded, as ``from_pretrained`` loads them: one file or shards (with
+``model.safetensors.index.json``, else every ``*.safetensors`` of the directory, else
+``model.safetensors`` alone when it is there); fp32, fp16 or bf16 storage (converted to the
+served dtype); tied embeddings stored under ``model.embed_tokens.weight``,
+``lm_head.weight`` (safetensors' ``save_model`` keeps that one) or both; tensor names with
+or without the ``model.`` prefix (a bare base model saved); Phi-3's fused ``qkv_proj`` /
+``gate_up_proj`` as they are. A refused layout names the file and what is missing or extra.
+"""
 
 from __future__ import annotations
 
@@ -8,18 +17,31 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from torch import nn
 from tqdm import tqdm
 from transformers import AutoConfig, PretrainedConfig
 
 from ...kernels.backend import KernelBackend
-from .llama import LlamaForCausalLM, RotaryEmbedding
+from .gemma import GemmaForCausalLM
+from .llama import LlamaForCausalLM
+from .phi3 import Phi3ForCausalLM
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3_text",
+    "Phi3ForCausalLM": "phi3",
 }
+# model_type -> the model class serving it
+MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
+    "llama": LlamaForCausalLM, "mistral": LlamaForCausalLM, "qwen2": LlamaForCausalLM,
+    "qwen3": LlamaForCausalLM, "gemma2": GemmaForCausalLM, "gemma3_text": GemmaForCausalLM,
+    "phi3": Phi3ForCausalLM,
+}
+EMBED, HEAD = "model.embed_tokens.weight", "lm_head.weight"
 # checkpoint projection -> (fused module, slice index)
 FUSED = {
     "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
@@ -46,22 +68,34 @@ def load_config(model_dir: Path) -> PretrainedConfig:
 
 
 def weight_files(model_dir: Path) -> list[Path]:
+    """The safetensors files of the checkpoint: the index's shards, else model.safetensors,
+    else every ``*.safetensors`` of the directory."""
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        files = [model_dir / n for n in names]
-    else:
-        files = sorted(model_dir.glob("*.safetensors"))
-    missing = [f for f in files if not f.is_file()]
-    if not files or missing:
-        what = ", ".join(str(m) for m in missing) or "no *.safetensors file"
-        raise FileNotFoundError(
-            f"model weights missing in {model_dir}: {what} (only safetensors are loaded)"
-        )
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ValueError(f"{index} is not a safetensors index (a JSON object with a "
+                             f"'weight_map' of tensor name -> shard file): {exc}") from exc
+        files = [model_dir / n for n in sorted(set(weight_map.values()))]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise FileNotFoundError(f"{index} names shards missing from {model_dir}: "
+                                    f"{', '.join(missing)}")
+        return files
+    if (model_dir / "model.safetensors").is_file():
+        return [model_dir / "model.safetensors"]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        others = sorted(p.name for p in model_dir.iterdir() if p.suffix in (".bin", ".pt", ".pth"))
+        hint = f" (found {', '.join(others)}: pickle weights are never loaded)" if others else ""
+        raise FileNotFoundError(f"model weights missing in {model_dir}: no *.safetensors file"
+                                f"{hint}")
     return files
 
 
 def _slice_rows(model: LlamaForCausalLM, name: str, index: int) -> tuple[int, int]:
+    """Rows [start, end) of slice ``index`` of the fused linear ``name``."""
     attn = model.model.layers[0].self_attn
     if name.endswith(("qkv_proj.weight", "qkv_proj.bias")):
         sizes = [attn.q_size, attn.kv_size, attn.kv_size]
@@ -71,8 +105,16 @@ def _slice_rows(model: LlamaForCausalLM, name: str, index: int) -> tuple[int, in
     return start, start + sizes[index]
 
 
-def _destination(model: LlamaForCausalLM, key: str) -> tuple[str, slice | None]:
+def _destination(model: LlamaForCausalLM, key: str,
+                 params: dict[str, nn.Parameter]) -> tuple[str, slice | None]:
+    """The parameter (and rows of it) the checkpoint tensor ``key`` fills."""
+    if key == HEAD and model.tie_word_embeddings:
+        return EMBED, None  # the tied head stored under its own name: it is the embedding
+    if key.startswith(("layers.", "embed_tokens.", "norm.")):
+        key = f"model.{key}"  # a bare decoder saved (no ``model.`` prefix)
     parts = key.split(".")
+    if not key.startswith("model."):
+        return key, None
     for i, part in enumerate(parts):
         if part in FUSED:
             fused, index = FUSED[part]
@@ -83,26 +125,34 @@ def _destination(model: LlamaForCausalLM, key: str) -> tuple[str, slice | None]:
 
 
 def load_weights(model: LlamaForCausalLM, files: list[Path], progress: bool = False) -> None:
+    """Fill every parameter of ``model`` from ``files``; ValueError names the file and the
+    tensor that is unexpected or misshapen, or the tensors no file holds."""
     params = dict(model.named_parameters())
-    filled: set[str] = set()
+    filled: dict[str, str] = {}  # parameter -> the checkpoint tensor that filled it
     for path in tqdm(files, desc="loading weights", disable=not progress, unit="file"):
         with safe_open(str(path), framework="pt") as f:
             for key in f.keys():  # noqa: SIM118 - safe_open is not a dict
-                if "rotary_emb" in key or (key == "lm_head.weight" and model.tie_word_embeddings):
+                if "rotary_emb" in key:
                     continue
-                name, rows = _destination(model, key)
+                name, rows = _destination(model, key, params)
                 if name not in params:
-                    raise ValueError(f"unexpected tensor {key!r} in {path.name}")
+                    raise ValueError(f"unexpected tensor {key!r} in {path}: not a weight of "
+                                     f"{type(model).__name__} ({model.config.model_type})")
+                if key == HEAD and filled.get(name) == EMBED:
+                    continue  # tied, stored under both names: the embedding is kept
                 target = params[name].data if rows is None else params[name].data[rows]
                 tensor = f.get_tensor(key)
                 if tuple(tensor.shape) != tuple(target.shape):
-                    raise ValueError(f"tensor {key!r} has shape {tuple(tensor.shape)}, "
-                                     f"expected {tuple(target.shape)}")
+                    raise ValueError(f"tensor {key!r} in {path} has shape "
+                                     f"{tuple(tensor.shape)}, expected {tuple(target.shape)}")
                 target.copy_(tensor)
-                filled.add(name)
-    missing = sorted(set(params) - filled)
+                filled[name] = key
+    missing = sorted(set(params) - set(filled))
     if missing:
-        raise ValueError(f"weights missing from the checkpoint: {missing[:5]}")
+        names = ", ".join(f.name for f in files)
+        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        raise ValueError(f"weights missing from the checkpoint in {files[0].parent} ({names}): "
+                         f"{missing[:5]}{more}")
 
 
 def resolve_dtype(config: PretrainedConfig, dtype: str, device: torch.device,
@@ -127,8 +177,9 @@ def load_model(
     files = weight_files(model_dir)
     device, dtype = backend.device, backend.dtype
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, max_positions, backend)
+        model = MODEL_CLASSES[config.model_type](config, max_positions, backend)
     model = model.to_empty(device=device).to(dtype)
-    model.model.rotary = RotaryEmbedding(config, max_positions).to(device)
+    model.build_rotary(device)
     load_weights(model, files, progress)
+    model.finish_loading()
     return model.eval().requires_grad_(False)

@@ -58,16 +58,19 @@ class CPUBackend(TorchBackend):
 
     def paged_attention_decode(self, q: torch.Tensor, k_cache: torch.Tensor,
                                v_cache: torch.Tensor, block_tables: torch.Tensor,
-                               context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                               context_lens: torch.Tensor, scale: float, softcap: float = 0.0,
+                               window: int = 0) -> torch.Tensor:
         return attention.paged_attention_decode(self.ext, q, k_cache, v_cache, block_tables,
-                                                context_lens, scale)
+                                                context_lens, scale, softcap, window)
 
     def paged_attention_prefill(self, q: torch.Tensor, k_cache: torch.Tensor,
                                 v_cache: torch.Tensor, block_tables: torch.Tensor,
                                 query_start_loc: torch.Tensor, context_lens: torch.Tensor,
-                                scale: float) -> torch.Tensor:
+                                scale: float, softcap: float = 0.0,
+                                window: int = 0) -> torch.Tensor:
         return attention.paged_attention_prefill(self.ext, q, k_cache, v_cache, block_tables,
-                                                 query_start_loc, context_lens, scale)
+                                                 query_start_loc, context_lens, scale,
+                                                 softcap, window)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         if x.stride(-1) != 1:

@@ -11,19 +11,21 @@ import torch
 
 def paged_attention_decode(ext: ModuleType, q: torch.Tensor, k_cache: torch.Tensor,
                            v_cache: torch.Tensor, block_tables: torch.Tensor,
-                           context_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """The torch backend's paged_attention_decode. A strided q (a view of the fused qkv
-    projection) is copied dense."""
+                           context_lens: torch.Tensor, scale: float, softcap: float = 0.0,
+                           window: int = 0) -> torch.Tensor:
+    """The torch backend's paged_attention_decode (soft-cap and window in the kernel). A
+    strided q (a view of the fused qkv projection) is copied dense."""
     return ext.paged_attention_decode(q.contiguous(), k_cache, v_cache,
                                       block_tables.contiguous(), context_lens.contiguous(),
-                                      scale)
+                                      scale, softcap, window)
 
 
 def paged_attention_prefill(ext: ModuleType, q: torch.Tensor, k_cache: torch.Tensor,
                             v_cache: torch.Tensor, block_tables: torch.Tensor,
                             query_start_loc: torch.Tensor, context_lens: torch.Tensor,
-                            scale: float) -> torch.Tensor:
-    """The torch backend's paged_attention_prefill.
+                            scale: float, softcap: float = 0.0,
+                            window: int = 0) -> torch.Tensor:
+    """The torch backend's paged_attention_prefill (soft-cap and window in both kernels).
 
     float32: sequences with two or more new tokens run through the tiled prefill kernel, the
     one-token ones of a mixed step through the decode kernel. Other dtypes: every token is
@@ -33,27 +35,28 @@ def paged_attention_prefill(ext: ModuleType, q: torch.Tensor, k_cache: torch.Ten
     q_lens = starts[1:] - starts[:-1]  # [S]
     if q.dtype == torch.float32 and bool((q_lens > 1).any()):
         return _prefill_tiled(ext, q, k_cache, v_cache, block_tables, query_start_loc,
-                              context_lens, scale, q_lens)
+                              context_lens, scale, q_lens, softcap, window)
     seq_of_token = torch.repeat_interleave(torch.arange(len(q_lens)), q_lens)  # [T]
     offset = (context_lens.long() - q_lens - starts[:-1] + 1)[seq_of_token]  # [T]
     token_lens = (torch.arange(q.shape[0]) + offset).to(torch.int32)
     return paged_attention_decode(ext, q, k_cache, v_cache, block_tables[seq_of_token],
-                                  token_lens, scale)
+                                  token_lens, scale, softcap, window)
 
 
 def _prefill_tiled(ext: ModuleType, q: torch.Tensor, k_cache: torch.Tensor,
                    v_cache: torch.Tensor, block_tables: torch.Tensor,
                    query_start_loc: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                   q_lens: torch.Tensor) -> torch.Tensor:
+                   q_lens: torch.Tensor, softcap: float, window: int) -> torch.Tensor:
     """The tiled kernel for the sequences with two or more new tokens (it leaves the rows of
     one-token sequences unwritten), the decode kernel for the one-token ones."""
     out = ext.paged_attention_prefill(q.contiguous(), k_cache, v_cache,
                                       block_tables.contiguous(),
                                       query_start_loc.to(torch.int32).contiguous(),
-                                      context_lens.contiguous(), scale)
+                                      context_lens.contiguous(), scale, softcap, window)
     single = q_lens == 1
     if bool(single.any()):
         rows = query_start_loc.long()[:-1][single]
         out[rows] = paged_attention_decode(ext, q[rows], k_cache, v_cache,
-                                           block_tables[single], context_lens[single], scale)
+                                           block_tables[single], context_lens[single], scale,
+                                           softcap, window)
     return out

@@ -24,16 +24,19 @@ class TorchBackend(KernelBackend):
 
     def paged_attention_decode(self, q: torch.Tensor, k_cache: torch.Tensor,
                                v_cache: torch.Tensor, block_tables: torch.Tensor,
-                               context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                               context_lens: torch.Tensor, scale: float, softcap: float = 0.0,
+                               window: int = 0) -> torch.Tensor:
         return attention.paged_attention_decode(q, k_cache, v_cache, block_tables,
-                                                context_lens, scale)
+                                                context_lens, scale, softcap, window)
 
     def paged_attention_prefill(self, q: torch.Tensor, k_cache: torch.Tensor,
                                 v_cache: torch.Tensor, block_tables: torch.Tensor,
                                 query_start_loc: torch.Tensor, context_lens: torch.Tensor,
-                                scale: float) -> torch.Tensor:
+                                scale: float, softcap: float = 0.0,
+                                window: int = 0) -> torch.Tensor:
         return attention.paged_attention_prefill(q, k_cache, v_cache, block_tables,
-                                                 query_start_loc, context_lens, scale)
+                                                 query_start_loc, context_lens, scale,
+                                                 softcap, window)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return layer_ops.rms_norm(x, weight, eps)
@@ -50,6 +53,9 @@ class TorchBackend(KernelBackend):
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return layer_ops.silu_mul(gate_up)
+
+    def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return layer_ops.gelu_tanh_mul(gate_up)
 
     def argmax_rows(self, logits: torch.Tensor) -> torch.Tensor:
         return logits.argmax(dim=-1)

@@ -23,6 +23,14 @@ def store_kv(
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, value.to(v_cache.dtype))
 
 
+def soft_cap(scores: torch.Tensor, softcap: float) -> torch.Tensor:
+    """softcap · tanh(scores / softcap) when softcap > 0 (Gemma 2's logit soft-capping), else
+    the scores unchanged."""
+    if softcap <= 0.0:
+        return scores
+    return torch.tanh(scores / softcap) * softcap
+
+
 def _gather_context(
     cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
     block_table: torch.Tensor,  # [max_blocks] int32
@@ -41,8 +49,12 @@ def paged_attention_decode(
     block_tables: torch.Tensor,  # [B, max_blocks] int32
     context_lens: torch.Tensor,  # [B] int32, tokens in the cache incl. the current one
     scale: float,
+    softcap: float = 0.0,
+    window: int = 0,
 ) -> torch.Tensor:  # [B, Hq, D]
-    """out[b] = softmax(scale · q[b] K[b]ᵀ) V[b] over the context_lens[b] cached tokens."""
+    """out[b] = softmax(cap(scale · q[b] K[b]ᵀ)) V[b] over the context_lens[b] cached tokens
+    (only the last ``window`` of them when window > 0); cap(s) = softcap · tanh(s / softcap)
+    when softcap > 0, else s."""
     batch, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -56,7 +68,10 @@ def paged_attention_decode(
 
     keys, values = gather(k_cache), gather(v_cache)
     positions = torch.arange(max_len, device=q.device)
-    hidden = positions[None, :] >= context_lens[:, None].to(q.device)  # [B, L]
+    lens = context_lens[:, None].to(q.device)
+    hidden = positions[None, :] >= lens  # [B, L]
+    if window > 0:
+        hidden |= positions[None, :] < lens - window
     if bool(hidden.any()):
         # Positions past a sequence's context hold another request's (or stale) KV that may
         # be NaN / Inf. Their scores are replaced by -inf below, but 0 * NaN is NaN in the
@@ -64,7 +79,7 @@ def paged_attention_decode(
         # loads them.
         values.masked_fill_(hidden[:, None, :, None], 0.0)
     qg = q.view(batch, num_kv_heads, group, head_dim)  # query heads grouped by their KV head
-    scores = torch.matmul(qg, keys.transpose(2, 3)).float() * scale  # [B, Hkv, G, L]
+    scores = soft_cap(torch.matmul(qg, keys.transpose(2, 3)).float() * scale, softcap)
     scores.masked_fill_(hidden[:, None, None, :], float("-inf"))  # also drops NaN scores
     probs = torch.softmax(scores, dim=-1).to(q.dtype)
     out = torch.matmul(probs, values)  # [B, Hkv, G, D]
@@ -79,9 +94,13 @@ def paged_attention_prefill(
     query_start_loc: torch.Tensor,  # [S + 1] int32, rows of q per sequence
     context_lens: torch.Tensor,  # [S] int32, cached prefix + new tokens
     scale: float,
+    softcap: float = 0.0,
+    window: int = 0,
 ) -> torch.Tensor:  # [T, Hq, D]
     """Causal attention: sequence s's new tokens sit at positions
-    context_lens[s] - q_len_s ... context_lens[s] - 1 and see every earlier position."""
+    context_lens[s] - q_len_s ... context_lens[s] - 1 and see every earlier position (with
+    window > 0: the ``window`` positions up to and including their own). Scores soft-capped
+    as in paged_attention_decode."""
     out = torch.empty_like(q)
     num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
     starts = query_start_loc.tolist()
@@ -94,7 +113,13 @@ def paged_attention_prefill(
         values = _gather_context(v_cache, block_tables[s], length).to(q.dtype)
         q_len = hi - lo
         q_pos = torch.arange(length - q_len, length, device=q.device)
-        mask = q_pos[:, None] >= torch.arange(length, device=q.device)[None, :]  # [q_len, L]
+        k_pos = torch.arange(length, device=q.device)
+        mask = q_pos[:, None] >= k_pos[None, :]  # [q_len, L]
+        if window > 0:
+            mask &= q_pos[:, None] - k_pos[None, :] < window
+        if softcap > 0.0:
+            out[lo:hi] = _capped_attention(q[lo:hi], keys, values, mask, scale, softcap)
+            continue
         out[lo:hi] = F.scaled_dot_product_attention(
             q[lo:hi].transpose(0, 1),  # [Hq, q_len, D]
             keys.transpose(0, 1),  # [Hkv, L, D]
@@ -104,3 +129,17 @@ def paged_attention_prefill(
             enable_gqa=num_heads != num_kv_heads,
         ).transpose(0, 1)
     return out
+
+
+def _capped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                      mask: torch.Tensor, scale: float, softcap: float) -> torch.Tensor:
+    """softmax(cap(scale · q Kᵀ) + mask) V in fp32 for one sequence (SDPA has no soft-cap).
+    q [n, Hq, D], keys/values [L, Hkv, D], mask [n, L] bool -> [n, Hq, D]."""
+    group = q.shape[1] // keys.shape[1]
+    k = keys.repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, L, D]
+    v = values.repeat_interleave(group, dim=1).transpose(0, 1)
+    scores = soft_cap(torch.matmul(q.transpose(0, 1), k.transpose(1, 2)).float() * scale,
+                      softcap)  # [Hq, n, L]
+    scores = scores.masked_fill(~mask[None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(q.dtype)
+    return torch.matmul(probs, v).transpose(0, 1)  # [n, Hq, D]

@@ -39,13 +39,16 @@ class TritonBackend(TorchBackend):
 
     def paged_attention_decode(self, q: torch.Tensor, k_cache: torch.Tensor,
                                v_cache: torch.Tensor, block_tables: torch.Tensor,
-                               context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                               context_lens: torch.Tensor, scale: float, softcap: float = 0.0,
+                               window: int = 0) -> torch.Tensor:
         return attention.paged_attention_decode(q, k_cache, v_cache, block_tables,
-                                                context_lens, scale)
+                                                context_lens, scale, softcap, window)
 
     def paged_attention_prefill(self, q: torch.Tensor, k_cache: torch.Tensor,
                                 v_cache: torch.Tensor, block_tables: torch.Tensor,
                                 query_start_loc: torch.Tensor, context_lens: torch.Tensor,
-                                scale: float) -> torch.Tensor:
+                                scale: float, softcap: float = 0.0,
+                                window: int = 0) -> torch.Tensor:
         return attention_prefill.paged_attention_prefill(
-            q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale)
+            q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, softcap,
+            window)

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .paged_kv import load_kv
+from .paged_kv import load_kv, soft_cap_log2
 
 
 @triton.jit
@@ -64,13 +64,15 @@ def store_kv(
 @triton.jit
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, tables_ptr, ctx_ptr,
-    scale, group, head_dim, block_size,
+    scale, softcap, window, group, head_dim, block_size,
     stride_qb, stride_qh, stride_qd, stride_ob, stride_oh, stride_od, stride_tb,
     stride_cb, stride_co, stride_ch, stride_cd,
     G_PAD: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
-    """out[b, h] = softmax(scale · q[b, h] K[b]ᵀ) V[b] for the `group` query heads of one
-    kv head. Shapes: q, out [B, Hq, D]; caches [NB, bs, Hkv, D]; tables [B, max_blocks]."""
+    """out[b, h] = softmax(cap(scale · q[b, h] K[b]ᵀ)) V[b] for the `group` query heads of
+    one kv head, over the last `window` positions (window > 0) or all. Shapes: q, out
+    [B, Hq, D]; caches [NB, bs, Hkv, D]; tables [B, max_blocks]."""
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     ctx = tl.load(ctx_ptr + b)
@@ -81,12 +83,16 @@ def _decode_kernel(
     heads = kv_head * group + offs_g  # [G_PAD]
     q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd,
                 mask=mask_g[:, None] & mask_d[None, :], other=0.0).to(tl.float32)
-    q = q * (scale * 1.4426950408889634)  # scores in log2 units (exp2 below)
+    if not SOFTCAP:
+        q = q * (scale * 1.4426950408889634)  # scores in log2 units (exp2 below)
     m_i = tl.full([G_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, D_PAD], tl.float32)
     table = tables_ptr + b.to(tl.int64) * stride_tb
-    for n0 in range(0, ctx, BLOCK_N):
+    first = 0
+    if window > 0:
+        first = tl.maximum(ctx - window, 0)
+    for n0 in range(first, ctx, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < ctx
         k = load_kv(k_cache_ptr, table, offs_n, mask_n, kv_head, offs_d, mask_d,
@@ -94,10 +100,13 @@ def _decode_kernel(
         v = load_kv(v_cache_ptr, table, offs_n, mask_n, kv_head, offs_d, mask_d,
                      block_size, stride_cb, stride_co, stride_ch, stride_cd).to(tl.float32)
         s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # [G_PAD, BN]
+        if SOFTCAP:
+            s = soft_cap_log2(s * scale, softcap)
         s = tl.where(mask_n[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing seen yet
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
         m_i = m_new
@@ -113,8 +122,11 @@ def paged_attention_decode(
     block_tables: torch.Tensor,  # [B, max_blocks] int32
     context_lens: torch.Tensor,  # [B] int32, tokens in the cache incl. the current one
     scale: float,
+    softcap: float = 0.0,
+    window: int = 0,
 ) -> torch.Tensor:  # [B, Hq, D]
-    """out[b] = softmax(scale · q[b] K[b]ᵀ) V[b] over the context_lens[b] cached tokens."""
+    """out[b] = softmax(cap(scale · q[b] K[b]ᵀ)) V[b] over the context_lens[b] cached tokens
+    (the last ``window`` of them when window > 0); the torch backend's semantics."""
     batch, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     assert k_cache.stride() == v_cache.stride(), "k and v caches must share a layout"
@@ -124,9 +136,10 @@ def paged_attention_decode(
     group = num_heads // num_kv_heads
     _decode_kernel[(batch, num_kv_heads)](
         q, k_cache, v_cache, out, block_tables, context_lens,
-        scale, group, head_dim, block_size,
+        scale, float(softcap), int(window), group, head_dim, block_size,
         *q.stride(), *out.stride(), block_tables.stride(0), *k_cache.stride(),
         G_PAD=triton.next_power_of_2(group), D_PAD=triton.next_power_of_2(head_dim),
         BLOCK_N=32 if head_dim <= 64 else 16,  # the [G, BLOCK_N, D] product stays in registers
+        SOFTCAP=softcap > 0.0,
     )
     return out

@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .paged_kv import load_kv
+from .paged_kv import load_kv, soft_cap_log2
 
 BLOCK_M = 16  # query rows per program
 BLOCK_N = 32  # context positions per inner step
@@ -18,15 +18,15 @@ BLOCK_N = 32  # context positions per inner step
 @triton.jit
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, tables_ptr, qsl_ptr, ctx_ptr,
-    scale, group, head_dim, block_size,
+    scale, softcap, window, group, head_dim, block_size,
     stride_qt, stride_qh, stride_qd, stride_ot, stride_oh, stride_od, stride_tb,
     stride_cb, stride_co, stride_ch, stride_cd,
     D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
-    """out[t, h] = softmax(scale · q[t, h] K[s]ᵀ + causal mask) V[s] for BLOCK_M new tokens t
-    of sequence s. Shapes: q, out [T, Hq, D]; caches [NB, bs, Hkv, D]; tables [S, max_blocks];
-    qsl [S + 1]; ctx [S] (cached prefix + new tokens)."""
+    """out[t, h] = softmax(cap(scale · q[t, h] K[s]ᵀ) + causal (and window) mask) V[s] for
+    BLOCK_M new tokens t of sequence s. Shapes: q, out [T, Hq, D]; caches [NB, bs, Hkv, D];
+    tables [S, max_blocks]; qsl [S + 1]; ctx [S] (cached prefix + new tokens)."""
     s = tl.program_id(0)
     m0 = tl.program_id(1) * BLOCK_M
     head = tl.program_id(2)
@@ -52,20 +52,30 @@ def _prefill_kernel(
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
     table = tables_ptr + s.to(tl.int64) * stride_tb
     hi = tl.minimum(ctx, prefix + m0 + BLOCK_M)  # causal: nothing past the block's last row
+    lo = 0
+    if window > 0:  # nothing before the block's first row's window
+        lo = tl.maximum(prefix + m0 - window + 1, 0) // BLOCK_N * BLOCK_N
     qk_scale = scale * 1.4426950408889634
-    for n0 in range(0, hi, BLOCK_N):
+    for n0 in range(lo, hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < ctx
         k = load_kv(k_cache_ptr, table, offs_n, mask_n, kv_head, offs_d, mask_d,
                      block_size, stride_cb, stride_co, stride_ch, stride_cd).to(q.dtype)
         v = load_kv(v_cache_ptr, table, offs_n, mask_n, kv_head, offs_d, mask_d,
                      block_size, stride_cb, stride_co, stride_ch, stride_cd).to(q.dtype)
-        sc = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [BM, BN]
+        if SOFTCAP:
+            sc = soft_cap_log2(tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale,
+                               softcap)
+        else:
+            sc = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [BM, BN]
         visible = (offs_n[None, :] <= pos_m[:, None]) & mask_n[None, :]
+        if window > 0:
+            visible = visible & (offs_n[None, :] > pos_m[:, None] - window)
         sc = tl.where(visible, sc, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(sc, axis=1))
-        p = tl.exp2(sc - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing seen yet
+        p = tl.exp2(sc - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
@@ -82,9 +92,12 @@ def paged_attention_prefill(
     query_start_loc: torch.Tensor,  # [S + 1] int32, rows of q per sequence
     context_lens: torch.Tensor,  # [S] int32, cached prefix + new tokens
     scale: float,
+    softcap: float = 0.0,
+    window: int = 0,
 ) -> torch.Tensor:  # [T, Hq, D]
     """Causal attention: sequence s's new tokens sit at positions
-    context_lens[s] - q_len_s ... context_lens[s] - 1 and see every earlier position."""
+    context_lens[s] - q_len_s ... context_lens[s] - 1 and see every earlier position (the
+    last ``window`` ones when window > 0); the torch backend's semantics."""
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     assert k_cache.stride() == v_cache.stride(), "k and v caches must share a layout"
@@ -96,10 +109,10 @@ def paged_attention_prefill(
     grid = (num_seqs, triton.cdiv(max_q_len, BLOCK_M), num_heads)
     _prefill_kernel[grid](
         q, k_cache, v_cache, out, block_tables, query_start_loc, context_lens,
-        scale, num_heads // num_kv_heads, head_dim, block_size,
+        scale, float(softcap), int(window), num_heads // num_kv_heads, head_dim, block_size,
         *q.stride(), *out.stride(), block_tables.stride(0), *k_cache.stride(),
         D_PAD=max(16, triton.next_power_of_2(head_dim)), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
         UPCAST=os.environ.get("TRITON_INTERPRET", "0") == "1",
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", SOFTCAP=softcap > 0.0,
     )
     return out

@@ -8,11 +8,12 @@ void add_lora_gather(torch::Tensor out, torch::Tensor x, torch::Tensor rows,
                      std::vector<torch::Tensor> lora_b, torch::Tensor ranks);
 torch::Tensor paged_attention_decode(torch::Tensor q, torch::Tensor k_cache,
                                      torch::Tensor v_cache, torch::Tensor block_tables,
-                                     torch::Tensor context_lens, double scale);
+                                     torch::Tensor context_lens, double scale, double softcap,
+                                     int64_t window);
 torch::Tensor paged_attention_prefill(torch::Tensor q, torch::Tensor k_cache,
                                       torch::Tensor v_cache, torch::Tensor block_tables,
                                       torch::Tensor query_start_loc, torch::Tensor context_lens,
-                                      double scale);
+                                      double scale, double softcap, int64_t window);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 torch::Tensor add_rms_norm_(torch::Tensor x, torch::Tensor residual, torch::Tensor weight,
                             double eps);
@@ -33,12 +34,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "out[rows] += per-row LoRA delta of the row's slot (CPU, fp32 accumulation)",
         py::call_guard<py::gil_scoped_release>());
   m.def("paged_attention_decode", &paged_attention_decode,
-        "one-token-per-sequence attention over the paged KV cache (CPU, fp32 softmax)",
-        py::call_guard<py::gil_scoped_release>());
+        "one-token-per-sequence attention over the paged KV cache (CPU, fp32 softmax); "
+        "softcap > 0 soft-caps the scores, window > 0 keeps the last `window` positions",
+        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"),
+        py::arg("context_lens"), py::arg("scale"), py::arg("softcap") = 0.0,
+        py::arg("window") = 0, py::call_guard<py::gil_scoped_release>());
   m.def("paged_attention_prefill", &paged_attention_prefill,
         "causal attention of new tokens over the paged KV cache, query tiles x key chunks, "
-        "online softmax (CPU, float32; rows of one-token sequences are left unwritten)",
-        py::call_guard<py::gil_scoped_release>());
+        "online softmax (CPU, float32; rows of one-token sequences are left unwritten); "
+        "softcap and window as paged_attention_decode",
+        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"),
+        py::arg("query_start_loc"), py::arg("context_lens"), py::arg("scale"),
+        py::arg("softcap") = 0.0, py::arg("window") = 0, py::call_guard<py::gil_scoped_release>());
   m.def("rms_norm", &rms_norm, "RMSNorm of each row, fp32 statistics",
         py::call_guard<py::gil_scoped_release>());
   m.def("add_rms_norm_", &add_rms_norm_, "residual += x in place; RMSNorm of the new residual",

@@ -2,9 +2,11 @@
 // keys and values in place through the block table (no gathered copy of the context), so
 // the step reads each cached K/V row once. Built on first use by kernels/cpu/extension.py.
 //
-// out[b, h] = softmax(scale · q[b, h] · K[b]ᵀ) · V[b] over the first context_lens[b]
-// positions; positions past a context are never read (they may hold another request's or
-// stale, even non-finite, values). Query heads h share KV head h / (Hq / Hkv).
+// out[b, h] = softmax(cap(scale · q[b, h] · K[b]ᵀ)) · V[b] over the first context_lens[b]
+// positions (only the last `window` of them when window > 0); cap(s) = softcap ·
+// tanh(s / softcap) when softcap > 0, else s. Positions past a context (or before its
+// window) are never read (they may hold another request's or stale, even non-finite,
+// values). Query heads h share KV head h / (Hq / Hkv).
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
@@ -64,6 +66,11 @@ void scores_of(const float* q, const ContextRows<scalar_t>& k, int64_t first, in
   }
 }
 
+// s[p] = softcap · tanh(s[p] / softcap) for p < len (Gemma 2's soft-capping).
+inline void soft_cap(float* s, int64_t len, float softcap) {
+  for (int64_t p = 0; p < len; ++p) s[p] = std::tanh(s[p] / softcap) * softcap;
+}
+
 // s[p] = exp(s[p] - max s) for p < len; returns their sum.
 inline float exp_normalise(float* s, int64_t len) {
   float top = -std::numeric_limits<float>::infinity();
@@ -121,7 +128,8 @@ constexpr int64_t kWindow = 64;
 template <typename scalar_t>
 void decode_heads(const torch::Tensor& q, const torch::Tensor& k_cache,
                   const torch::Tensor& v_cache, const torch::Tensor& block_tables,
-                  const torch::Tensor& context_lens, double scale, torch::Tensor& out) {
+                  const torch::Tensor& context_lens, double scale, double softcap,
+                  int64_t window, torch::Tensor& out) {
   const int64_t batch = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
   const int64_t num_kv_heads = k_cache.size(2), group = num_heads / num_kv_heads;
   const int64_t max_blocks = block_tables.size(1);
@@ -136,7 +144,10 @@ void decode_heads(const torch::Tensor& q, const torch::Tensor& k_cache,
   at::parallel_for(0, batch * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(group * head_dim), scores, acc(group * head_dim), denom(group);
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item / num_kv_heads, kvh = item % num_kv_heads, len = len_p[b];
+      const int64_t b = item / num_kv_heads, kvh = item % num_kv_heads;
+      // positions first .. first + len - 1: the context, or its last `window` positions
+      const int64_t first = window > 0 ? std::max<int64_t>(0, len_p[b] - window) : 0;
+      const int64_t len = len_p[b] - first;
       const int32_t* table = table_p + b * max_blocks;
       const ContextRows<scalar_t> k{k_cache.data_ptr<scalar_t>() + kvh * k_cache.stride(2),
                                     table, k_cache.size(1), k_cache.stride(0),
@@ -147,17 +158,18 @@ void decode_heads(const torch::Tensor& q, const torch::Tensor& k_cache,
       const int64_t head0 = (b * num_heads + kvh * group) * head_dim;  // the group's q/out
       for (int64_t i = 0; i < group * head_dim; ++i)
         qf[i] = static_cast<float>(q_p[head0 + i]) * sc;
-      scores.resize(group * len);  // scores[g * len + p]
+      scores.resize(group * len);  // scores[g * len + p] of position first + p
       for (int64_t p0 = 0; p0 < len; p0 += kWindow)
         for (int64_t g = 0; g < group; ++g)
-          scores_of(qf.data() + g * head_dim, k, p0, std::min(kWindow, len - p0), head_dim,
-                    scores.data() + g * len + p0);
+          scores_of(qf.data() + g * head_dim, k, first + p0, std::min(kWindow, len - p0),
+                    head_dim, scores.data() + g * len + p0);
+      if (softcap > 0) soft_cap(scores.data(), group * len, static_cast<float>(softcap));
       for (int64_t g = 0; g < group; ++g) denom[g] = exp_normalise(scores.data() + g * len, len);
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t p0 = 0; p0 < len; p0 += kWindow)
         for (int64_t g = 0; g < group; ++g)
-          weighted_accumulate(scores.data() + g * len + p0, v, p0, std::min(kWindow, len - p0),
-                              head_dim, acc.data() + g * head_dim);
+          weighted_accumulate(scores.data() + g * len + p0, v, first + p0,
+                              std::min(kWindow, len - p0), head_dim, acc.data() + g * head_dim);
       for (int64_t g = 0; g < group; ++g)
         for (int64_t d = 0; d < head_dim; ++d)
           out_p[head0 + g * head_dim + d] =
@@ -170,7 +182,8 @@ void decode_heads(const torch::Tensor& q, const torch::Tensor& k_cache,
 
 torch::Tensor paged_attention_decode(torch::Tensor q, torch::Tensor k_cache,
                                      torch::Tensor v_cache, torch::Tensor block_tables,
-                                     torch::Tensor context_lens, double scale) {
+                                     torch::Tensor context_lens, double scale, double softcap,
+                                     int64_t window) {
   TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu(), "CPU tensors only");
   TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "q must be a dense [B, Hq, D]");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.strides() == v_cache.strides() &&
@@ -180,6 +193,7 @@ torch::Tensor paged_attention_decode(torch::Tensor q, torch::Tensor k_cache,
                   v_cache.scalar_type() == q.scalar_type(), "q and the caches differ in dtype");
   TORCH_CHECK(q.size(2) == k_cache.size(3) && q.size(1) % k_cache.size(2) == 0,
               "q heads do not match the cache");
+  TORCH_CHECK(softcap >= 0 && window >= 0, "softcap and window must be >= 0 (0 = off)");
   TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && block_tables.is_contiguous() &&
                   context_lens.scalar_type() == torch::kInt32 && context_lens.is_contiguous() &&
                   block_tables.size(0) == q.size(0) && context_lens.size(0) == q.size(0),
@@ -198,7 +212,8 @@ torch::Tensor paged_attention_decode(torch::Tensor q, torch::Tensor k_cache,
   auto out = torch::empty_like(q);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(),
                                   "paged_attention_decode", [&] {
-    decode_heads<scalar_t>(q, k_cache, v_cache, block_tables, context_lens, scale, out);
+    decode_heads<scalar_t>(q, k_cache, v_cache, block_tables, context_lens, scale, softcap,
+                           window, out);
   });
   return out;
 }

@@ -4,7 +4,8 @@
 //
 // Token t of a sequence with context_len c and q_len n new tokens sits at position
 // c - n + t and attends positions 0 ..= that one (causal over the cached prefix and the new
-// tokens). A work item is (sequence, KV head, tile of up to kTile tokens): its rows are the
+// tokens), or with window > 0 the last `window` of them (positions p - window + 1 ..= p).
+// Scores are soft-capped (softcap · tanh(s / softcap)) when softcap > 0. A work item is (sequence, KV head, tile of up to kTile tokens): its rows are the
 // tile's tokens × the KV head's query heads, which all read the same K/V chunk; per chunk
 // S = Q·Kᵀ and O += P·V run as 6 x 16 register tiles (tile_6x16.h: every K or V vector
 // loaded once for six rows). Positions past a tile's last token are never read.
@@ -106,8 +107,9 @@ void accumulate_rows(const float* p, const float* v, int64_t dim, const float* a
 
 // One row's online-softmax step over its chunk scores s[0..kChunk): the new running max m,
 // alpha = exp(old m - new m) (the factor for what was summed so far), s = exp(s - m); returns
-// Σ s. Masked scores are -inf (exp 0); every row sees position 0 in its first chunk, so m is
-// finite from then on (and alpha = 0 at the first chunk, where the old m is -inf).
+// Σ s. Masked scores are -inf (exp 0). A row that has seen no position yet (all -inf so far:
+// a window starts past this chunk) keeps m = -inf, its scores 0 and alpha 1; alpha = 0 at the
+// first chunk with a visible position (where the old m is -inf).
 float softmax_step(float* s, float& m, float& alpha) {
   float mx = m, sum = 0.f;
 #if defined(__AVX2__) && defined(__FMA__)
@@ -126,6 +128,11 @@ float softmax_step(float* s, float& m, float& alpha) {
     sum += s[j];
   }
 #endif
+  if (mx == kNegInf) {  // nothing visible yet (the exps above are NaN)
+    std::fill(s, s + kChunk, 0.f);
+    alpha = 1.f;
+    return 0.f;
+  }
   alpha = std::exp(m - mx);
   m = mx;
   return sum;
@@ -174,7 +181,8 @@ void load_chunk(const float* k_base, const float* v_base, const int32_t* table, 
 
 void tile_attention(const Item& it, const torch::Tensor& q, const torch::Tensor& k_cache,
                     const torch::Tensor& v_cache, const int32_t* table, int64_t first_pos,
-                    double scale, Buffers& b, torch::Tensor& out) {
+                    double scale, float softcap, int64_t window, Buffers& b,
+                    torch::Tensor& out) {
   const int64_t num_heads = q.size(1), dim = q.size(2), group = num_heads / k_cache.size(2);
   const int64_t rows = (it.t1 - it.t0) * group, padded = (rows + kRows - 1) / kRows * kRows;
   const float* q_p = q.data_ptr<float>();
@@ -189,7 +197,9 @@ void tile_attention(const Item& it, const torch::Tensor& q, const torch::Tensor&
   const float* k_base = k_cache.data_ptr<float>() + it.kv_head * k_cache.stride(2);
   const float* v_base = v_cache.data_ptr<float>() + it.kv_head * v_cache.stride(2);
   const int64_t last_pos = first_pos + it.t1 - 1;  // the tile's last token's position
-  for (int64_t p0 = 0; p0 <= last_pos; p0 += kChunk) {
+  // the tile's first token's window starts the positions read (whole chunks from there)
+  const int64_t lo = window > 0 ? std::max<int64_t>(0, first_pos + it.t0 - window + 1) : 0;
+  for (int64_t p0 = lo / kChunk * kChunk; p0 <= last_pos; p0 += kChunk) {
     load_chunk(k_base, v_base, table, k_cache.size(1), k_cache.stride(0), k_cache.stride(1),
                p0, last_pos, dim, b);
     for (int64_t r0 = 0; r0 < padded; r0 += kRows) {
@@ -197,8 +207,14 @@ void tile_attention(const Item& it, const torch::Tensor& q, const torch::Tensor&
       scores_rows(b.q + r0 * dim, b.kt, dim, s);
       for (int64_t r = r0; r < r0 + kRows; ++r) {
         const int64_t pos = first_pos + it.t0 + std::min(r, rows - 1) / group;
+        float* row = b.s + r * kChunk;
+        if (softcap > 0)
+          for (int64_t j = 0; j < kChunk; ++j) row[j] = std::tanh(row[j] / softcap) * softcap;
         for (int64_t j = std::max<int64_t>(0, pos + 1 - p0); j < kChunk; ++j)
-          b.s[r * kChunk + j] = kNegInf;  // causal mask (and positions past the tile)
+          row[j] = kNegInf;  // causal mask (and positions past the tile)
+        if (window > 0)  // the window: positions <= pos - window are masked
+          for (int64_t j = 0; j < std::min<int64_t>(kChunk, pos - window + 1 - p0); ++j)
+            row[j] = kNegInf;
         float alpha;
         const float sum = softmax_step(b.s + r * kChunk, b.m[r], alpha);
         b.l[r] = b.l[r] * alpha + sum;
@@ -246,7 +262,7 @@ std::vector<Item> balanced_items(const int32_t* starts, const int32_t* lens, int
 torch::Tensor paged_attention_prefill(torch::Tensor q, torch::Tensor k_cache,
                                       torch::Tensor v_cache, torch::Tensor block_tables,
                                       torch::Tensor query_start_loc, torch::Tensor context_lens,
-                                      double scale) {
+                                      double scale, double softcap, int64_t window) {
   TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu(), "CPU tensors only");
   TORCH_CHECK(q.scalar_type() == torch::kFloat && k_cache.scalar_type() == torch::kFloat &&
                   v_cache.scalar_type() == torch::kFloat, "float32 q and caches only");
@@ -256,6 +272,7 @@ torch::Tensor paged_attention_prefill(torch::Tensor q, torch::Tensor k_cache,
               "k and v caches must share a [NB, bs, Hkv, D] layout with dense rows");
   TORCH_CHECK(q.size(2) == k_cache.size(3) && q.size(1) % k_cache.size(2) == 0,
               "q heads do not match the cache");
+  TORCH_CHECK(softcap >= 0 && window >= 0, "softcap and window must be >= 0 (0 = off)");
   const int64_t seqs = context_lens.size(0);
   TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && block_tables.is_contiguous() &&
                   context_lens.scalar_type() == torch::kInt32 && context_lens.is_contiguous() &&
@@ -286,7 +303,7 @@ torch::Tensor paged_attention_prefill(torch::Tensor q, torch::Tensor k_cache,
       const Item& it = items[i];
       const int64_t first_pos = lens[it.seq] - (starts[it.seq + 1] - starts[it.seq]) - starts[it.seq];
       tile_attention(it, q, k_cache, v_cache, tables + it.seq * max_blocks, first_pos, scale,
-                     buffers, out);
+                     static_cast<float>(softcap), window, buffers, out);
     }
   });
   return out;
