@@ -35,6 +35,10 @@ from .registry import AdapterRegistry
 log = logging.getLogger(__name__)
 
 NAMESPACE = "loraplex"
+# Ray sends a replica up to max_queue + this many calls, so that loraplex's own admission
+# answers RESOURCE_EXHAUSTED beyond --max-queue (as one server does) and admin, health and
+# broadcast calls still get through to a full replica.
+ADMIN_HEADROOM = 8
 SERVICER_FUNCTIONS = [
     "loraplex.proto.loraplex_pb2_grpc.add_InferenceServicer_to_server",
     "loraplex.proto.loraplex_pb2_grpc.add_AdapterAdminServicer_to_server",
@@ -162,9 +166,9 @@ def deploy(options: ServerOptions, ray_options: RayOptions, model: str | None,
                            dict(lora_modules))
     cls = deployment_class(_max_cpu_loras(model, engine_kwargs))
     deployment = serve.deployment(cls, name="LoraplexDeployment").options(
-        **ray_options.deployment_options(options.max_queue,
+        **ray_options.deployment_options(options.max_queue + ADMIN_HEADROOM,
                                          int(engine_kwargs.get("max_num_seqs") or 32), gpus))
-    return serve.run(deployment.bind(config), name=ray_options.app_name, route_prefix=None)
+    return serve.run(deployment.bind(config), name=ray_options.app_name)
 
 
 def _max_cpu_loras(model: str | None, engine_kwargs: dict[str, Any]) -> int:
