@@ -4,8 +4,10 @@ Serve's ``RayServegRPCContext``; and the token rule (server/auth.py) read from i
 The servicers end a failed call with ``await context.abort(code, message)``
 (server/status.py). Here ``abort`` sets the code and the message on Ray's context, which the
 proxy sends to the client, and raises ``grpc.aio.AbortError`` as grpc.aio does; the
-deployment catches it and returns (a unary call returns an empty message, a stream ends),
-because a stream that fails by *raising* through Ray's proxy loses its trailers.
+deployment catches it: a unary call returns an empty message (the code, details and
+trailers reach the client); a stream raises again, as Ray's proxy reads a stream's status
+only from its messages or from a raised error (code and details reach the client, trailers
+do not).
 """
 
 from __future__ import annotations

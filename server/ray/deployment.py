@@ -49,6 +49,10 @@ _INFO = "/loraplex.v1.ServerInfo/"
 BROADCAST_TIMEOUT_S = 10.0
 
 
+class StreamAborted(Exception):
+    """A stream ends with the status code set on its context (see GenerateStream)."""
+
+
 @dataclass
 class ReplicaConfig:
     """What every replica is built from (pickled to the replicas)."""
@@ -101,8 +105,11 @@ class LoraplexReplica:
             await self._report_adapter(request.adapter)
             async for item in self.inference.GenerateStream(request, ctx):
                 yield item
-        except grpc.aio.AbortError:
-            return
+        except grpc.aio.AbortError as e:
+            # Ray's proxy takes a stream's context from the messages it carries: a code set
+            # after the last one only reaches the client when the stream raises (Ray then
+            # keeps the code and details set here, but drops the trailers).
+            raise StreamAborted(grpc_context.details()) from e
 
     def _inference_context(self, grpc_context: Any) -> ProxyContext:
         ctx = ProxyContext(grpc_context)
@@ -187,7 +194,7 @@ class LoraplexReplica:
         grpc_context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         grpc_context.set_details("Health/Watch is not served through Ray Serve's gRPC proxy; "
                                  "poll Health/Check")
-        return
+        raise StreamAborted(grpc_context.details())
         yield  # pragma: no cover - makes this an async generator
 
     # ---- Ray Serve hooks and broadcast targets -------------------------------------------
