@@ -15,6 +15,7 @@ on Inference and ServerInfo, ``admin_token`` on AdapterAdmin.
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import time
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
@@ -33,6 +34,9 @@ if TYPE_CHECKING:
 
 DEFAULT_TARGET = "127.0.0.1:50051"
 MULTIPLEXED_MODEL_ID = "multiplexed_model_id"
+# Names that can be adapters (server/adapter_paths.py: 1 to 128 of these characters) and are
+# valid header values; any other name goes without the metadata, and the server refuses it.
+_ROUTABLE_NAME = re.compile(r"[A-Za-z0-9._:/-]{1,128}")
 Pem = bytes | str | Path | None  # PEM bytes, or the path of a PEM file
 
 
@@ -115,7 +119,7 @@ class _Stubs:
 
     def inference_kw(self, timeout: float | None, request: pb.GenerateRequest) -> dict:
         kw = self.api(timeout)
-        if request.adapter:  # Ray Serve's adapter-affinity routing key
+        if _ROUTABLE_NAME.fullmatch(request.adapter):  # Ray Serve's affinity routing key
             kw["metadata"] = (*kw["metadata"], (MULTIPLEXED_MODEL_ID, request.adapter))
         return kw
 
