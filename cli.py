@@ -91,8 +91,26 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
     net.add_argument("--ssl-ca-certs", type=Path, help="require client certs it signed (mTLS)")
     net.add_argument("--shutdown-grace-period", type=float, default=DEFAULT_GRACE_S,
                      metavar="SECONDS", help="on SIGTERM, in-flight requests may finish within")
+    _add_ray_flags(p)
     p.add_argument("--log-level", default="INFO")
     p.set_defaults(handler=run_serve, command_parser=p)
+
+
+def _add_ray_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("Ray Serve scale-out (pip install loraplex[ray])")
+    g.add_argument("--ray", action="store_true",
+                   help="serve engine replicas on Ray Serve behind its gRPC proxy on --port "
+                   "(which listens on every interface: --host is not honoured; no TLS, no "
+                   "--http-port)")
+    g.add_argument("--ray-address", metavar="ADDRESS",
+                   help="join this Ray cluster ('auto': the one `ray start` began here); "
+                   "default: start a local one")
+    g.add_argument("--num-replicas", type=int, help="fixed number of replicas (default 1)")
+    g.add_argument("--min-replicas", type=int, help="autoscaling: at least this many")
+    g.add_argument("--max-replicas", type=int, help="autoscaling: at most this many")
+    g.add_argument("--replica-cpus", type=float, default=1.0, help="CPUs per replica")
+    g.add_argument("--replica-gpus", type=float,
+                   help="GPUs per replica (default: 1 on CUDA, 0 on CPU)")
 
 
 def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -116,9 +134,13 @@ def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile,
             ssl_ca_certs=args.ssl_ca_certs, shutdown_grace_s=args.shutdown_grace_period,
             served_model_name=args.served_model_name)
+        _check_ray_only(args)
+        ray_options = _ray_options(args) if args.ray else None
     except ValueError as e:
         parser.error(str(e))
     _setup_logging(args.log_level)
+    if ray_options is not None:
+        return _serve_ray(args, options, ray_options, engine_kw)
 
     def load() -> Any:
         from .engine.llm_engine import LLMEngine
@@ -132,6 +154,44 @@ def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     except Exception as e:  # a failed start is one clear line and exit 1
         logging.getLogger("loraplex").debug("start-up failed", exc_info=True)
         logging.getLogger("loraplex").error("loraplex serve failed: %s: %s",
+                                            type(e).__name__, e)
+        return 1
+    return 0
+
+
+_RAY_ONLY = ("ray_address", "num_replicas", "min_replicas", "max_replicas", "replica_gpus")
+
+
+def _check_ray_only(args: argparse.Namespace) -> None:
+    given = [f"--{n.replace('_', '-')}" for n in _RAY_ONLY if getattr(args, n) is not None]
+    if given and not args.ray:
+        raise ValueError(f"{', '.join(given)} only apply with --ray")
+
+
+def _ray_options(args: argparse.Namespace) -> Any:
+    """RayOptions from the flags (imports ray: only with --ray)."""
+    if args.http_port is not None:
+        raise ValueError("--http-port cannot be used with --ray: the OpenAI-compatible HTTP "
+                         "front is served by the single-process server only")
+    try:
+        from .server.ray.launch import RayOptions
+    except ImportError as e:
+        raise ValueError(f"--ray needs Ray Serve: pip install 'loraplex[ray]' ({e})") from None
+    return RayOptions(address=args.ray_address, num_replicas=args.num_replicas,
+                      min_replicas=args.min_replicas, max_replicas=args.max_replicas,
+                      replica_cpus=args.replica_cpus, replica_gpus=args.replica_gpus)
+
+
+def _serve_ray(args: argparse.Namespace, options: Any, ray_options: Any,
+               engine_kw: dict[str, Any]) -> int:
+    from .server.ray.launch import serve_ray
+
+    modules = engine_kw.pop("lora_modules")
+    try:
+        serve_ray(options, ray_options, args.model, engine_kw, modules)
+    except Exception as e:  # a failed start is one clear line and exit 1
+        logging.getLogger("loraplex").debug("start-up failed", exc_info=True)
+        logging.getLogger("loraplex").error("loraplex serve --ray failed: %s: %s",
                                             type(e).__name__, e)
         return 1
     return 0

@@ -5,7 +5,9 @@
         for chunk in c.generate_stream("hello", adapter="sql"):
             print(chunk.text, end="", flush=True)
 
-Readiness probe: ``python -m loraplex.client health --server HOST:PORT`` exits 0 only when
+Every Inference call also sends the adapter name as ``multiplexed_model_id`` metadata, so
+that Ray Serve (``loraplex serve --ray``) routes it to a replica already holding the adapter;
+a single server ignores it. Readiness probe: ``python -m loraplex.client health --server HOST:PORT`` exits 0 only when
 the server reports SERVING. Tokens go out as ``authorization: Bearer <token>``: ``api_token``
 on Inference and ServerInfo, ``admin_token`` on AdapterAdmin.
 """
@@ -13,6 +15,7 @@ on Inference and ServerInfo, ``admin_token`` on AdapterAdmin.
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import time
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
@@ -30,6 +33,10 @@ if TYPE_CHECKING:
     from typing_extensions import Self
 
 DEFAULT_TARGET = "127.0.0.1:50051"
+MULTIPLEXED_MODEL_ID = "multiplexed_model_id"
+# Names that can be adapters (server/adapter_paths.py: 1 to 128 of these characters) and are
+# valid header values; any other name goes without the metadata, and the server refuses it.
+_ROUTABLE_NAME = re.compile(r"[A-Za-z0-9._:/-]{1,128}")
 Pem = bytes | str | Path | None  # PEM bytes, or the path of a PEM file
 
 
@@ -110,6 +117,12 @@ class _Stubs:
         return {"metadata": self.options.metadata(self.options.api_token),
                     "timeout": timeout if timeout is not None else self.options.timeout}
 
+    def inference_kw(self, timeout: float | None, request: pb.GenerateRequest) -> dict:
+        kw = self.api(timeout)
+        if _ROUTABLE_NAME.fullmatch(request.adapter):  # Ray Serve's affinity routing key
+            kw["metadata"] = (*kw["metadata"], (MULTIPLEXED_MODEL_ID, request.adapter))
+        return kw
+
     def adm(self, timeout: float | None) -> dict:
         return {"metadata": self.options.metadata(self.options.admin_token),
                     "timeout": timeout if timeout is not None else self.options.timeout}
@@ -131,13 +144,23 @@ class Client:
 
     def generate(self, prompt: str | None = None, *, timeout: float | None = None,
                  **kwargs: object) -> pb.GenerateResponse:
-        return self._s.inference.Generate(generate_request(prompt, **kwargs), **self._s.api(timeout))
+        return self.generate_with_trailers(prompt, timeout=timeout, **kwargs)[0]
+
+    def generate_with_trailers(self, prompt: str | None = None, *,
+                               timeout: float | None = None, **kwargs: object
+                               ) -> tuple[pb.GenerateResponse, dict[str, str]]:
+        """The reply and the call's trailing metadata (Ray Serve: ``loraplex-replica``)."""
+        request = generate_request(prompt, **kwargs)
+        reply, call = self._s.inference.Generate.with_call(
+            request, **self._s.inference_kw(timeout, request))
+        return reply, dict(call.trailing_metadata() or ())
 
     def generate_stream(self, prompt: str | None = None, *, timeout: float | None = None,
                         **kwargs: object) -> Iterator[pb.GenerateStreamResponse]:
-        """The stream's messages; ``.cancel()`` on the returned call stops the request."""
-        return self._s.inference.GenerateStream(generate_request(prompt, **kwargs),
-                                                **self._s.api(timeout))
+        """The stream's messages; ``.cancel()`` on the returned call stops the request, and
+        ``.trailing_metadata()`` after the end has the trailers."""
+        request = generate_request(prompt, **kwargs)
+        return self._s.inference.GenerateStream(request, **self._s.inference_kw(timeout, request))
 
     def load_adapter(self, name: str, path: str | Path, replace: bool = False,
                      pin: bool = False, timeout: float | None = None) -> pb.AdapterInfo:
@@ -200,13 +223,13 @@ class AsyncClient:
 
     async def generate(self, prompt: str | None = None, *, timeout: float | None = None,
                        **kwargs: object) -> pb.GenerateResponse:
-        return await self._s.inference.Generate(generate_request(prompt, **kwargs),
-                                                **self._s.api(timeout))
+        request = generate_request(prompt, **kwargs)
+        return await self._s.inference.Generate(request, **self._s.inference_kw(timeout, request))
 
     async def generate_stream(self, prompt: str | None = None, *, timeout: float | None = None,
                               **kwargs: object) -> AsyncIterator[pb.GenerateStreamResponse]:
-        call = self._s.inference.GenerateStream(generate_request(prompt, **kwargs),
-                                                **self._s.api(timeout))
+        request = generate_request(prompt, **kwargs)
+        call = self._s.inference.GenerateStream(request, **self._s.inference_kw(timeout, request))
         try:
             async for chunk in call:
                 yield chunk

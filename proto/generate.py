@@ -2,7 +2,10 @@
 
 protoc writes ``import loraplex_pb2`` into the gRPC stub, which only works with proto/ on
 sys.path; the stub is rewritten to a package-relative import so it loads as
-``loraplex.proto.loraplex_pb2_grpc``. tests/test_proto_stubs.py regenerates into a temp
+``loraplex.proto.loraplex_pb2_grpc``. protoc also names the messages' module
+``'loraplex_pb2'`` (their ``__module__``), which pickle cannot import (Ray Serve's gRPC proxy
+pickles every request): the message stub is rewritten to declare its real module name,
+``__name__`` (``loraplex.proto.loraplex_pb2``). tests/test_proto_stubs.py regenerates into a temp
 dir and fails when the result differs from the committed files.
 """
 
@@ -17,6 +20,7 @@ PROTO_DIR = Path(__file__).resolve().parent
 PROTO_FILE = "loraplex.proto"
 STUBS = ("loraplex_pb2.py", "loraplex_pb2.pyi", "loraplex_pb2_grpc.py")
 _ABSOLUTE_IMPORT = re.compile(r"^import (\w+_pb2) as (\w+)$", re.MULTILINE)
+_MODULE_NAME = re.compile(r"(BuildTopDescriptorsAndMessages\(DESCRIPTOR, )'\w+_pb2'")
 
 
 def generate(out_dir: Path = PROTO_DIR) -> list[Path]:
@@ -30,6 +34,11 @@ def generate(out_dir: Path = PROTO_DIR) -> list[Path]:
         raise RuntimeError(f"protoc failed on {PROTO_DIR / PROTO_FILE}")
     grpc_stub = out_dir / "loraplex_pb2_grpc.py"
     grpc_stub.write_text(_ABSOLUTE_IMPORT.sub(r"from . import \1 as \2", grpc_stub.read_text()))
+    messages = out_dir / "loraplex_pb2.py"
+    text, count = _MODULE_NAME.subn(r"\1__name__", messages.read_text())
+    if count != 1:
+        raise RuntimeError(f"{messages}: the module name to rewrite was not found once")
+    messages.write_text(text)
     return [out_dir / name for name in STUBS]
 
 

@@ -24,11 +24,11 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0eloraplex.proto\x12\x0bloraplex.v1\"\x94\x02\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x03\x88\x01\x01\x12\x1b\n\x0emax_new_tokens\x18\x05 \x01(\rH\x04\x88\x01\x01\x12\x16\n\x0emin_new_tokens\x18\x06 \x01(\r\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\r\x12\x12\n\nignore_eos\x18\t \x01(\x08\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x11\n\x0f_max_new_tokens\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xd6\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x61pter\x18\x02 \x01(\t\x12\x0e\n\x06prompt\x18\x03 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x04 \x03(\r\x12+\n\x06params\x18\x05 \x01(\x0b\x32\x1b.loraplex.v1.SamplingParams\x12\x1b\n\x13\x61pply_chat_template\x18\x06 \x01(\x08\x12*\n\x08messages\x18\x07 \x03(\x0b\x32\x18.loraplex.v1.ChatMessage\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\x92\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x61pter\x18\x02 \x01(\t\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x11\n\ttoken_ids\x18\x04 \x03(\r\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12!\n\x05usage\x18\x06 \x01(\x0b\x32\x12.loraplex.v1.Usage\"\xaa\x01\n\x16GenerateStreamResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x61pter\x18\x02 \x01(\t\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x11\n\ttoken_ids\x18\x04 \x03(\r\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12!\n\x05usage\x18\x06 \x01(\x0b\x32\x12.loraplex.v1.Usage\x12\x10\n\x08\x66inished\x18\x07 \x01(\x08\"\xbe\x02\n\x0b\x41\x64\x61pterInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12-\n\x05state\x18\x03 \x01(\x0e\x32\x1e.loraplex.v1.AdapterInfo.State\x12\x0c\n\x04rank\x18\x04 \x01(\r\x12\x16\n\x0etarget_modules\x18\x05 \x03(\t\x12\x12\n\nsize_bytes\x18\x06 \x01(\x04\x12\x17\n\x0f\x61\x63tive_requests\x18\x07 \x01(\r\x12\x0e\n\x06pinned\x18\x08 \x01(\x08\x12\x11\n\tpreloaded\x18\t \x01(\x08\x12\r\n\x05\x65rror\x18\n \x01(\t\"_\n\x05State\x12\x15\n\x11STATE_UNSPECIFIED\x10\x00\x12\x0b\n\x07ON_DISK\x10\x01\x12\x0b\n\x07LOADING\x10\x02\x12\n\n\x06ON_CPU\x10\x03\x12\r\n\tON_DEVICE\x10\x04\x12\n\n\x06\x46\x41ILED\x10\x05\"N\n\x12LoadAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x0f\n\x07replace\x18\x03 \x01(\x08\x12\x0b\n\x03pin\x18\x04 \x01(\x08\"$\n\x14UnloadAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"%\n\x15UnloadAdapterResponse\x12\x0c\n\x04name\x18\x01 \x01(\t\"\x15\n\x13ListAdaptersRequest\"B\n\x14ListAdaptersResponse\x12*\n\x08\x61\x64\x61pters\x18\x01 \x03(\x0b\x32\x18.loraplex.v1.AdapterInfo\"\x16\n\x14GetServerInfoRequest\"\xfa\x03\n\x15GetServerInfoResponse\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x19\n\x11served_model_name\x18\x03 \x01(\t\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\x15\n\rmax_model_len\x18\x06 \x01(\r\x12\x17\n\x0fkv_cache_tokens\x18\x07 \x01(\x04\x12\x12\n\nblock_size\x18\x08 \x01(\r\x12\x14\n\x0cmax_num_seqs\x18\t \x01(\r\x12\x11\n\tmax_queue\x18\n \x01(\r\x12\x1e\n\x16max_num_batched_tokens\x18\x0b \x01(\r\x12\x11\n\tmax_loras\x18\x0c \x01(\r\x12\x15\n\rmax_lora_rank\x18\r \x01(\r\x12\x15\n\rmax_cpu_loras\x18\x0e \x01(\r\x12\x17\n\x0fkv_cache_memory\x18\x0f \x01(\x04\x12\x1e\n\x16gpu_memory_utilization\x18\x10 \x01(\x01\x12\x12\n\nvocab_size\x18\x11 \x01(\r\x12\x1a\n\x12\x61pi_token_required\x18\x12 \x01(\x08\x12\x1c\n\x14\x61\x64min_token_required\x18\x13 \x01(\x08\x12\x0b\n\x03tls\x18\x14 \x01(\x08\x12\x15\n\radapter_roots\x18\x15 \x03(\t\x12\x0e\n\x06status\x18\x16 \x01(\t\"\x11\n\x0fGetStatsRequest\"\xb9\x02\n\x10GetStatsResponse\x12\x13\n\x0bnum_waiting\x18\x01 \x01(\r\x12\x13\n\x0bnum_running\x18\x02 \x01(\r\x12\x15\n\rnum_in_flight\x18\x03 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x04 \x01(\x04\x12\x16\n\x0ekv_blocks_used\x18\x05 \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\x06 \x01(\x04\x12\x1c\n\x14prefix_cache_queries\x18\x07 \x01(\x04\x12\x14\n\x0cnum_adapters\x18\x08 \x01(\r\x12\x16\n\x0erequests_total\x18\t \x01(\x04\x12\x18\n\x10lora_slots_total\x18\n \x01(\r\x12\x19\n\x11lora_slots_in_use\x18\x0b \x01(\r\x12\x17\n\x0f\x61\x64\x61pters_loaded\x18\x0c \x01(\r2\xab\x01\n\tInference\x12G\n\x08Generate\x12\x1c.loraplex.v1.GenerateRequest\x1a\x1d.loraplex.v1.GenerateResponse\x12U\n\x0eGenerateStream\x12\x1c.loraplex.v1.GenerateRequest\x1a#.loraplex.v1.GenerateStreamResponse0\x01\x32\x85\x02\n\x0c\x41\x64\x61pterAdmin\x12H\n\x0bLoadAdapter\x12\x1f.loraplex.v1.LoadAdapterRequest\x1a\x18.loraplex.v1.AdapterInfo\x12V\n\rUnloadAdapter\x12!.loraplex.v1.UnloadAdapterRequest\x1a\".loraplex.v1.UnloadAdapterResponse\x12S\n\x0cListAdapters\x12 .loraplex.v1.ListAdaptersRequest\x1a!.loraplex.v1.ListAdaptersResponse2\xad\x01\n\nServerInfo\x12V\n\rGetServerInfo\x12!.loraplex.v1.GetServerInfoRequest\x1a\".loraplex.v1.GetServerInfoResponse\x12G\n\x08GetStats\x12\x1c.loraplex.v1.GetStatsRequest\x1a\x1d.loraplex.v1.GetStatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0eloraplex.proto\x12\x0bloraplex.v1\"\x94\x02\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x03\x88\x01\x01\x12\x1b\n\x0emax_new_tokens\x18\x05 \x01(\rH\x04\x88\x01\x01\x12\x16\n\x0emin_new_tokens\x18\x06 \x01(\r\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\r\x12\x12\n\nignore_eos\x18\t \x01(\x08\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x11\n\x0f_max_new_tokens\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xd6\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x61pter\x18\x02 \x01(\t\x12\x0e\n\x06prompt\x18\x03 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x04 \x03(\r\x12+\n\x06params\x18\x05 \x01(\x0b\x32\x1b.loraplex.v1.SamplingParams\x12\x1b\n\x13\x61pply_chat_template\x18\x06 \x01(\x08\x12*\n\x08messages\x18\x07 \x03(\x0b\x32\x18.loraplex.v1.ChatMessage\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\x92\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x61pter\x18\x02 \x01(\t\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x11\n\ttoken_ids\x18\x04 \x03(\r\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12!\n\x05usage\x18\x06 \x01(\x0b\x32\x12.loraplex.v1.Usage\"\xaa\x01\n\x16GenerateStreamResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x61pter\x18\x02 \x01(\t\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x11\n\ttoken_ids\x18\x04 \x03(\r\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12!\n\x05usage\x18\x06 \x01(\x0b\x32\x12.loraplex.v1.Usage\x12\x10\n\x08\x66inished\x18\x07 \x01(\x08\"\xed\x02\n\x0b\x41\x64\x61pterInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12-\n\x05state\x18\x03 \x01(\x0e\x32\x1e.loraplex.v1.AdapterInfo.State\x12\x0c\n\x04rank\x18\x04 \x01(\r\x12\x16\n\x0etarget_modules\x18\x05 \x03(\t\x12\x12\n\nsize_bytes\x18\x06 \x01(\x04\x12\x17\n\x0f\x61\x63tive_requests\x18\x07 \x01(\r\x12\x0e\n\x06pinned\x18\x08 \x01(\x08\x12\x11\n\tpreloaded\x18\t \x01(\x08\x12\r\n\x05\x65rror\x18\n \x01(\t\x12-\n\x08replicas\x18\x0b \x03(\x0b\x32\x1b.loraplex.v1.ReplicaAdapter\"_\n\x05State\x12\x15\n\x11STATE_UNSPECIFIED\x10\x00\x12\x0b\n\x07ON_DISK\x10\x01\x12\x0b\n\x07LOADING\x10\x02\x12\n\n\x06ON_CPU\x10\x03\x12\r\n\tON_DEVICE\x10\x04\x12\n\n\x06\x46\x41ILED\x10\x05\"i\n\x0eReplicaAdapter\x12\x0f\n\x07replica\x18\x01 \x01(\t\x12-\n\x05state\x18\x02 \x01(\x0e\x32\x1e.loraplex.v1.AdapterInfo.State\x12\x17\n\x0f\x61\x63tive_requests\x18\x03 \x01(\r\"N\n\x12LoadAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x0f\n\x07replace\x18\x03 \x01(\x08\x12\x0b\n\x03pin\x18\x04 \x01(\x08\"$\n\x14UnloadAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"%\n\x15UnloadAdapterResponse\x12\x0c\n\x04name\x18\x01 \x01(\t\"\x15\n\x13ListAdaptersRequest\"B\n\x14ListAdaptersResponse\x12*\n\x08\x61\x64\x61pters\x18\x01 \x03(\x0b\x32\x18.loraplex.v1.AdapterInfo\"\x16\n\x14GetServerInfoRequest\"\xfa\x03\n\x15GetServerInfoResponse\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x19\n\x11served_model_name\x18\x03 \x01(\t\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\x15\n\rmax_model_len\x18\x06 \x01(\r\x12\x17\n\x0fkv_cache_tokens\x18\x07 \x01(\x04\x12\x12\n\nblock_size\x18\x08 \x01(\r\x12\x14\n\x0cmax_num_seqs\x18\t \x01(\r\x12\x11\n\tmax_queue\x18\n \x01(\r\x12\x1e\n\x16max_num_batched_tokens\x18\x0b \x01(\r\x12\x11\n\tmax_loras\x18\x0c \x01(\r\x12\x15\n\rmax_lora_rank\x18\r \x01(\r\x12\x15\n\rmax_cpu_loras\x18\x0e \x01(\r\x12\x17\n\x0fkv_cache_memory\x18\x0f \x01(\x04\x12\x1e\n\x16gpu_memory_utilization\x18\x10 \x01(\x01\x12\x12\n\nvocab_size\x18\x11 \x01(\r\x12\x1a\n\x12\x61pi_token_required\x18\x12 \x01(\x08\x12\x1c\n\x14\x61\x64min_token_required\x18\x13 \x01(\x08\x12\x0b\n\x03tls\x18\x14 \x01(\x08\x12\x15\n\radapter_roots\x18\x15 \x03(\t\x12\x0e\n\x06status\x18\x16 \x01(\t\"\x11\n\x0fGetStatsRequest\"\xb9\x02\n\x10GetStatsResponse\x12\x13\n\x0bnum_waiting\x18\x01 \x01(\r\x12\x13\n\x0bnum_running\x18\x02 \x01(\r\x12\x15\n\rnum_in_flight\x18\x03 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x04 \x01(\x04\x12\x16\n\x0ekv_blocks_used\x18\x05 \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\x06 \x01(\x04\x12\x1c\n\x14prefix_cache_queries\x18\x07 \x01(\x04\x12\x14\n\x0cnum_adapters\x18\x08 \x01(\r\x12\x16\n\x0erequests_total\x18\t \x01(\x04\x12\x18\n\x10lora_slots_total\x18\n \x01(\r\x12\x19\n\x11lora_slots_in_use\x18\x0b \x01(\r\x12\x17\n\x0f\x61\x64\x61pters_loaded\x18\x0c \x01(\r2\xab\x01\n\tInference\x12G\n\x08Generate\x12\x1c.loraplex.v1.GenerateRequest\x1a\x1d.loraplex.v1.GenerateResponse\x12U\n\x0eGenerateStream\x12\x1c.loraplex.v1.GenerateRequest\x1a#.loraplex.v1.GenerateStreamResponse0\x01\x32\x85\x02\n\x0c\x41\x64\x61pterAdmin\x12H\n\x0bLoadAdapter\x12\x1f.loraplex.v1.LoadAdapterRequest\x1a\x18.loraplex.v1.AdapterInfo\x12V\n\rUnloadAdapter\x12!.loraplex.v1.UnloadAdapterRequest\x1a\".loraplex.v1.UnloadAdapterResponse\x12S\n\x0cListAdapters\x12 .loraplex.v1.ListAdaptersRequest\x1a!.loraplex.v1.ListAdaptersResponse2\xad\x01\n\nServerInfo\x12V\n\rGetServerInfo\x12!.loraplex.v1.GetServerInfoRequest\x1a\".loraplex.v1.GetServerInfoResponse\x12G\n\x08GetStats\x12\x1c.loraplex.v1.GetStatsRequest\x1a\x1d.loraplex.v1.GetStatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
-_builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'loraplex_pb2', _globals)
+_builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, __name__, _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS']._serialized_start=32
@@ -44,31 +44,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GENERATESTREAMRESPONSE']._serialized_start=812
   _globals['_GENERATESTREAMRESPONSE']._serialized_end=982
   _globals['_ADAPTERINFO']._serialized_start=985
-  _globals['_ADAPTERINFO']._serialized_end=1303
-  _globals['_ADAPTERINFO_STATE']._serialized_start=1208
-  _globals['_ADAPTERINFO_STATE']._serialized_end=1303
-  _globals['_LOADADAPTERREQUEST']._serialized_start=1305
-  _globals['_LOADADAPTERREQUEST']._serialized_end=1383
-  _globals['_UNLOADADAPTERREQUEST']._serialized_start=1385
-  _globals['_UNLOADADAPTERREQUEST']._serialized_end=1421
-  _globals['_UNLOADADAPTERRESPONSE']._serialized_start=1423
-  _globals['_UNLOADADAPTERRESPONSE']._serialized_end=1460
-  _globals['_LISTADAPTERSREQUEST']._serialized_start=1462
-  _globals['_LISTADAPTERSREQUEST']._serialized_end=1483
-  _globals['_LISTADAPTERSRESPONSE']._serialized_start=1485
-  _globals['_LISTADAPTERSRESPONSE']._serialized_end=1551
-  _globals['_GETSERVERINFOREQUEST']._serialized_start=1553
-  _globals['_GETSERVERINFOREQUEST']._serialized_end=1575
-  _globals['_GETSERVERINFORESPONSE']._serialized_start=1578
-  _globals['_GETSERVERINFORESPONSE']._serialized_end=2084
-  _globals['_GETSTATSREQUEST']._serialized_start=2086
-  _globals['_GETSTATSREQUEST']._serialized_end=2103
-  _globals['_GETSTATSRESPONSE']._serialized_start=2106
-  _globals['_GETSTATSRESPONSE']._serialized_end=2419
-  _globals['_INFERENCE']._serialized_start=2422
-  _globals['_INFERENCE']._serialized_end=2593
-  _globals['_ADAPTERADMIN']._serialized_start=2596
-  _globals['_ADAPTERADMIN']._serialized_end=2857
-  _globals['_SERVERINFO']._serialized_start=2860
-  _globals['_SERVERINFO']._serialized_end=3033
+  _globals['_ADAPTERINFO']._serialized_end=1350
+  _globals['_ADAPTERINFO_STATE']._serialized_start=1255
+  _globals['_ADAPTERINFO_STATE']._serialized_end=1350
+  _globals['_REPLICAADAPTER']._serialized_start=1352
+  _globals['_REPLICAADAPTER']._serialized_end=1457
+  _globals['_LOADADAPTERREQUEST']._serialized_start=1459
+  _globals['_LOADADAPTERREQUEST']._serialized_end=1537
+  _globals['_UNLOADADAPTERREQUEST']._serialized_start=1539
+  _globals['_UNLOADADAPTERREQUEST']._serialized_end=1575
+  _globals['_UNLOADADAPTERRESPONSE']._serialized_start=1577
+  _globals['_UNLOADADAPTERRESPONSE']._serialized_end=1614
+  _globals['_LISTADAPTERSREQUEST']._serialized_start=1616
+  _globals['_LISTADAPTERSREQUEST']._serialized_end=1637
+  _globals['_LISTADAPTERSRESPONSE']._serialized_start=1639
+  _globals['_LISTADAPTERSRESPONSE']._serialized_end=1705
+  _globals['_GETSERVERINFOREQUEST']._serialized_start=1707
+  _globals['_GETSERVERINFOREQUEST']._serialized_end=1729
+  _globals['_GETSERVERINFORESPONSE']._serialized_start=1732
+  _globals['_GETSERVERINFORESPONSE']._serialized_end=2238
+  _globals['_GETSTATSREQUEST']._serialized_start=2240
+  _globals['_GETSTATSREQUEST']._serialized_end=2257
+  _globals['_GETSTATSRESPONSE']._serialized_start=2260
+  _globals['_GETSTATSRESPONSE']._serialized_end=2573
+  _globals['_INFERENCE']._serialized_start=2576
+  _globals['_INFERENCE']._serialized_end=2747
+  _globals['_ADAPTERADMIN']._serialized_start=2750
+  _globals['_ADAPTERADMIN']._serialized_end=3011
+  _globals['_SERVERINFO']._serialized_start=3014
+  _globals['_SERVERINFO']._serialized_end=3187
 # @@protoc_insertion_point(module_scope)

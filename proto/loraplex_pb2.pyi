@@ -100,7 +100,7 @@ class GenerateStreamResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., adapter: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., finished: _Optional[bool] = ...) -> None: ...
 
 class AdapterInfo(_message.Message):
-    __slots__ = ("name", "path", "state", "rank", "target_modules", "size_bytes", "active_requests", "pinned", "preloaded", "error")
+    __slots__ = ("name", "path", "state", "rank", "target_modules", "size_bytes", "active_requests", "pinned", "preloaded", "error", "replicas")
     class State(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         STATE_UNSPECIFIED: _ClassVar[AdapterInfo.State]
@@ -125,6 +125,7 @@ class AdapterInfo(_message.Message):
     PINNED_FIELD_NUMBER: _ClassVar[int]
     PRELOADED_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
     name: str
     path: str
     state: AdapterInfo.State
@@ -135,7 +136,18 @@ class AdapterInfo(_message.Message):
     pinned: bool
     preloaded: bool
     error: str
-    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., state: _Optional[_Union[AdapterInfo.State, str]] = ..., rank: _Optional[int] = ..., target_modules: _Optional[_Iterable[str]] = ..., size_bytes: _Optional[int] = ..., active_requests: _Optional[int] = ..., pinned: _Optional[bool] = ..., preloaded: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...
+    replicas: _containers.RepeatedCompositeFieldContainer[ReplicaAdapter]
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., state: _Optional[_Union[AdapterInfo.State, str]] = ..., rank: _Optional[int] = ..., target_modules: _Optional[_Iterable[str]] = ..., size_bytes: _Optional[int] = ..., active_requests: _Optional[int] = ..., pinned: _Optional[bool] = ..., preloaded: _Optional[bool] = ..., error: _Optional[str] = ..., replicas: _Optional[_Iterable[_Union[ReplicaAdapter, _Mapping]]] = ...) -> None: ...
+
+class ReplicaAdapter(_message.Message):
+    __slots__ = ("replica", "state", "active_requests")
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    replica: str
+    state: AdapterInfo.State
+    active_requests: int
+    def __init__(self, replica: _Optional[str] = ..., state: _Optional[_Union[AdapterInfo.State, str]] = ..., active_requests: _Optional[int] = ...) -> None: ...
 
 class LoadAdapterRequest(_message.Message):
     __slots__ = ("name", "path", "replace", "pin")

@@ -64,3 +64,17 @@ def test_contract_names() -> None:
     # sampling fields with a model default have presence: unset != 0
     for name in ("temperature", "top_p", "top_k", "seed", "max_new_tokens"):
         assert pb.SamplingParams.DESCRIPTOR.fields_by_name[name].has_presence
+
+
+def test_messages_pickle_under_their_module_name() -> None:
+    """Ray Serve's gRPC proxy pickles every request: the messages must name a module pickle
+    can import (loraplex.proto.loraplex_pb2, not a top-level loraplex_pb2)."""
+    import pickle
+
+    from loraplex.proto import loraplex_pb2 as pb
+
+    assert pb.GenerateRequest.__module__ == "loraplex.proto.loraplex_pb2"
+    msg = pb.GenerateRequest(adapter="sql", prompt="hi", params=pb.SamplingParams(top_k=3))
+    assert pickle.loads(pickle.dumps(msg)) == msg
+    info = pb.AdapterInfo(name="a", replicas=[pb.ReplicaAdapter(replica="r1", state=4)])
+    assert pickle.loads(pickle.dumps(info)) == info

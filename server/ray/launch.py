@@ -1,0 +1,217 @@
+"""``loraplex serve --ray``: join or start a Ray cluster, create the adapter registry, deploy
+the engine replicas behind Ray Serve's gRPC proxy on ``--port``, and tear it all down on
+SIGTERM / SIGINT.
+
+What Ray's proxy does not do, and what follows:
+
+- it listens on every interface (``gRPCOptions`` has no host): ``--host`` is not honoured;
+- it has no TLS option: ``--ssl-*`` are refused; put a TLS-terminating proxy in front;
+- it drops the client's deadline (``grpc-timeout``): a deadline still ends the call, as the
+  client cancels it when it passes, and the cancel reaches the engine;
+- Serve's HTTP proxy starts too: bound to 127.0.0.1 on ``http_port`` (a free port unless
+  given); loraplex serves nothing over it.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+import torch
+from ray import serve
+from ray.serve.config import HTTPOptions, gRPCOptions
+
+from ...kernels import backend_name
+from ..options import ServerOptions
+from .deployment import ReplicaConfig, deployment_class
+from .registry import AdapterRegistry
+
+log = logging.getLogger(__name__)
+
+NAMESPACE = "loraplex"
+# Ray sends a replica up to max_queue + this many calls, so that loraplex's own admission
+# answers RESOURCE_EXHAUSTED beyond --max-queue (as one server does) and admin, health and
+# broadcast calls still get through to a full replica.
+ADMIN_HEADROOM = 8
+SERVICER_FUNCTIONS = [
+    "loraplex.proto.loraplex_pb2_grpc.add_InferenceServicer_to_server",
+    "loraplex.proto.loraplex_pb2_grpc.add_AdapterAdminServicer_to_server",
+    "loraplex.proto.loraplex_pb2_grpc.add_ServerInfoServicer_to_server",
+    "grpc_health.v1.health_pb2_grpc.add_HealthServicer_to_server",
+]
+
+
+@dataclass
+class RayOptions:
+    """How many replicas, where, with what resources. Either ``num_replicas`` or the
+    autoscaling bounds ``min_replicas``/``max_replicas``; ``replica_gpus`` None means one
+    GPU per replica on CUDA, none on CPU."""
+
+    address: str | None = None  # None: start a local cluster
+    num_replicas: int | None = None
+    min_replicas: int | None = None
+    max_replicas: int | None = None
+    replica_cpus: float = 1.0
+    replica_gpus: float | None = None
+    num_cpus: int | None = None  # logical CPUs of a local cluster (default: the machine's)
+    app_name: str = "loraplex"
+    http_port: int | None = None  # Serve's HTTP proxy (unused by loraplex)
+    health_check_period_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        autoscale = self.min_replicas is not None or self.max_replicas is not None
+        if self.num_replicas is not None and autoscale:
+            raise ValueError("give --num-replicas or --min-replicas/--max-replicas, not both")
+        if autoscale:
+            self.min_replicas = 1 if self.min_replicas is None else self.min_replicas
+            self.max_replicas = self.max_replicas or max(self.min_replicas, 1)
+            if not 0 <= self.min_replicas <= self.max_replicas or self.max_replicas < 1:
+                raise ValueError(f"--min-replicas {self.min_replicas} and --max-replicas "
+                                 f"{self.max_replicas} need 0 <= min <= max and max >= 1")
+        elif self.num_replicas is None:
+            self.num_replicas = 1
+        if self.num_replicas is not None and self.num_replicas < 1:
+            raise ValueError(f"--num-replicas {self.num_replicas} must be >= 1")
+        if self.replica_cpus < 0 or (self.replica_gpus or 0) < 0:
+            raise ValueError("--replica-cpus and --replica-gpus must be >= 0")
+
+    @property
+    def serving_replicas(self) -> int:
+        """How many replicas must have joined before health says SERVING."""
+        return self.num_replicas if self.num_replicas is not None else \
+            max(self.min_replicas or 0, 1)
+
+    def deployment_options(self, max_ongoing: int, target_ongoing: int, gpus: float
+                           ) -> dict[str, Any]:
+        opts: dict[str, Any] = {
+            "ray_actor_options": {"num_cpus": self.replica_cpus, "num_gpus": gpus},
+            "max_ongoing_requests": max_ongoing,
+            "health_check_period_s": self.health_check_period_s,
+            "health_check_timeout_s": 30.0,
+        }
+        if self.num_replicas is not None:
+            opts["num_replicas"] = self.num_replicas
+        else:
+            opts["autoscaling_config"] = {
+                "min_replicas": self.min_replicas, "max_replicas": self.max_replicas,
+                "target_ongoing_requests": target_ongoing}
+        return opts
+
+
+def registry_name(app_name: str) -> str:
+    return f"{app_name}-adapter-registry"
+
+
+def start_ray(ray_options: RayOptions) -> float:
+    """Join ``address`` or start a local cluster (no dashboard); the seconds it took."""
+    start = time.perf_counter()
+    if not ray.is_initialized():
+        kw: dict[str, Any] = {"namespace": NAMESPACE, "include_dashboard": False,
+                              "log_to_driver": True}
+        if ray_options.address is None and ray_options.num_cpus is not None:
+            kw["num_cpus"] = ray_options.num_cpus
+        ray.init(address=ray_options.address, **kw)
+    return time.perf_counter() - start
+
+
+def _replica_gpus(ray_options: RayOptions, device: str) -> float:
+    if ray_options.replica_gpus is not None:
+        return ray_options.replica_gpus
+    return 1.0 if device == "cuda" or (device == "auto" and torch.cuda.is_available()) else 0.0
+
+
+def _prebuild_kernels(device: str, gpus: float) -> None:
+    """Build (or find) the CPU kernels here once, so that replicas on this machine load the
+    cached build instead of each compiling it (minutes)."""
+    if gpus == 0 and device in ("cpu", "auto"):
+        backend_name(torch.device("cpu"))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def deploy(options: ServerOptions, ray_options: RayOptions, model: str | None,
+           engine_kwargs: dict[str, Any], lora_modules: dict[str, str]) -> Any:
+    """Create the registry (seeded with ``lora_modules``) and run the deployment behind the
+    gRPC proxy on ``options.port``; returns once every replica is up (warmed up, holding
+    every adapter). Needs ``start_ray`` first."""
+    if options.tls:
+        raise ValueError("--ssl-* cannot be used with --ray: Ray Serve's gRPC proxy has no "
+                         "TLS; terminate TLS in a proxy in front of it")
+    device = str(engine_kwargs.get("device", "auto"))
+    gpus = _replica_gpus(ray_options, device)
+    _prebuild_kernels(device, gpus)
+    name = registry_name(ray_options.app_name)
+    _kill_registry(name)
+    ray.remote(AdapterRegistry).options(
+        name=name, namespace=NAMESPACE, lifetime="detached", num_cpus=0,
+        max_concurrency=1000).remote(lora_modules)
+    http_port = ray_options.http_port or _free_port()
+    serve.start(http_options=HTTPOptions(host="127.0.0.1", port=http_port),
+                grpc_options=gRPCOptions(port=options.port,
+                                         grpc_servicer_functions=SERVICER_FUNCTIONS,
+                                         enable_reflection=True))
+    config = ReplicaConfig(model, {k: v for k, v in engine_kwargs.items()
+                                   if k != "lora_modules"},
+                           options, name, NAMESPACE, ray_options.serving_replicas,
+                           dict(lora_modules))
+    cls = deployment_class(_max_cpu_loras(model, engine_kwargs))
+    deployment = serve.deployment(cls, name="LoraplexDeployment").options(
+        **ray_options.deployment_options(options.max_queue + ADMIN_HEADROOM,
+                                         int(engine_kwargs.get("max_num_seqs") or 32), gpus))
+    return serve.run(deployment.bind(config), name=ray_options.app_name)
+
+
+def _max_cpu_loras(model: str | None, engine_kwargs: dict[str, Any]) -> int:
+    """Adapters a replica reports holding to Ray's routing: its host tier's size."""
+    from ...engine.config import EngineConfig
+
+    return int(EngineConfig(model=model, **engine_kwargs).max_cpu_loras or 1)
+
+
+def _kill_registry(name: str) -> None:
+    try:
+        ray.kill(ray.get_actor(name, namespace=NAMESPACE))
+    except ValueError:  # none yet
+        pass
+
+
+def teardown(ray_options: RayOptions) -> None:
+    """Delete the app and its registry; shut down Serve and Ray if this process started
+    the cluster."""
+    try:
+        serve.delete(ray_options.app_name)
+    finally:
+        _kill_registry(registry_name(ray_options.app_name))
+        if ray_options.address is None:
+            serve.shutdown()
+            ray.shutdown()
+
+
+def serve_ray(options: ServerOptions, ray_options: RayOptions, model: str | None,
+              engine_kwargs: dict[str, Any], lora_modules: dict[str, str]) -> None:
+    """Run until SIGTERM or SIGINT (handlers installed after ``ray.init``, which replaces
+    Python's), then tear down."""
+    took = start_ray(ray_options)
+    log.info("Ray %s in %.1fs", "joined" if ray_options.address else "started", took)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda s, _f: (log.info("%s: shutting down", signal.Signals(s).name),
+                                          stop.set()))
+    try:
+        deploy(options, ray_options, model, engine_kwargs, lora_modules)
+        log.info("listening on 0.0.0.0:%d (Ray Serve gRPC proxy, every interface; --host "
+                 "is not honoured)", options.port)
+        while not stop.wait(1.0):
+            pass
+    finally:
+        teardown(ray_options)

@@ -1,0 +1,165 @@
+"""AdapterRegistry: the cluster's one list of adapters, held by a named Ray actor.
+
+Every replica is a *member*: it follows the registry through ``watch`` (a long poll on the
+actor: the call returns as soon as the registry's version passes the one the member has
+applied, or after ``timeout`` seconds with None), and it acknowledges what it has applied by
+passing that version back on its next call.
+
+Consistency (what LoadAdapter / UnloadAdapter through any replica guarantee):
+
+- Every change (register, unregister) gets the next version; versions only grow.
+- ``wait_applied(v)`` returns once every *live* member has acknowledged a version >= v. The
+  admin path calls it before answering, so once LoadAdapter returns OK no live replica
+  answers NOT_FOUND for that name, and once UnloadAdapter returns no live replica starts a
+  new request for it (in-flight ones finish, as on one server).
+- A replica joins with its first ``watch`` (``applied=-1``), which hands it the whole list
+  atomically with its joining; it finishes applying that list inside its ``__init__``,
+  before Ray Serve routes anything to it. So a replica that starts later (autoscaling, a
+  restart) comes up with every registered adapter, and a change committed while it starts
+  waits for it too.
+- A member is live while its watch is outstanding or it was heard from within ``lease_s``
+  seconds. A dead replica stops calling, so a change made right after a replica dies waits
+  at most ``lease_s`` for it before that member is dropped.
+
+This module imports no ray: the class is a plain object (unit-testable); ``launch.py``
+makes it a named actor (``ray.remote(AdapterRegistry).options(name=...)``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+DEFAULT_LEASE_S = 10.0
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One registered adapter; ``version`` is the registry version that set it."""
+
+    name: str
+    path: str
+    pin: bool = False
+    preloaded: bool = False  # given at launch (--lora-modules)
+    version: int = 0
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    version: int
+    entries: dict[str, Entry] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Change:
+    """The outcome of register / unregister: the new version, or why it was refused."""
+
+    version: int
+    refused: str | None = None
+
+
+@dataclass
+class _Member:
+    applied: int
+    seen: float
+    watching: int = 0  # outstanding watch calls
+
+
+class AdapterRegistry:
+    def __init__(self, preloaded: dict[str, str] | None = None,
+                 lease_s: float = DEFAULT_LEASE_S):
+        self.version = 0
+        self.entries = {name: Entry(name, path, preloaded=True)
+                        for name, path in (preloaded or {}).items()}
+        self.lease_s = lease_s
+        self.members: dict[str, _Member] = {}
+        self._changed: asyncio.Condition | None = None  # made on the actor's loop
+
+    def _cond(self) -> asyncio.Condition:
+        if self._changed is None:
+            self._changed = asyncio.Condition()
+        return self._changed
+
+    async def _notify(self) -> None:
+        cond = self._cond()
+        async with cond:
+            cond.notify_all()
+
+    # ---- members ----------------------------------------------------------------------
+    async def watch(self, member: str, applied: int, timeout: float = 2.0) -> Snapshot | None:
+        """Acknowledge ``applied`` and wait for a newer version: the snapshot, or None
+        after ``timeout`` seconds. ``applied=-1`` joins and returns the snapshot at once."""
+        m = self.members.setdefault(member, _Member(applied, time.monotonic()))
+        m.applied, m.seen = applied, time.monotonic()
+        m.watching += 1
+        await self._notify()  # wake wait_applied
+        cond = self._cond()
+        try:
+            async with cond:
+                if self.version <= applied:
+                    try:
+                        await asyncio.wait_for(cond.wait_for(lambda: self.version > applied),
+                                               timeout)
+                    except asyncio.TimeoutError:
+                        return None
+            return self.snapshot()
+        finally:
+            m.watching -= 1
+            m.seen = time.monotonic()
+
+    def touch(self, member: str) -> None:
+        """A member busy applying a long snapshot is still alive."""
+        if member in self.members:
+            self.members[member].seen = time.monotonic()
+
+    async def leave(self, member: str) -> None:
+        self.members.pop(member, None)
+        await self._notify()
+
+    def live_members(self) -> dict[str, int]:
+        """member -> applied version, for the members alive now (the dead are dropped)."""
+        now = time.monotonic()
+        dead = [k for k, m in self.members.items()
+                if not m.watching and now - m.seen > self.lease_s]
+        for k in dead:
+            del self.members[k]
+        return {k: m.applied for k, m in self.members.items()}
+
+    async def wait_applied(self, version: int, timeout: float = 60.0) -> list[str]:
+        """Wait until every live member has applied ``version``; the members still behind
+        after ``timeout`` seconds (empty: all have it)."""
+        deadline = time.monotonic() + timeout
+        cond = self._cond()
+        while True:
+            behind = [k for k, v in self.live_members().items() if v < version]
+            left = deadline - time.monotonic()
+            if not behind or left <= 0:
+                return behind
+            async with cond:
+                try:  # wake on any ack, and at least every second to expire leases
+                    await asyncio.wait_for(cond.wait(), min(left, 1.0))
+                except asyncio.TimeoutError:
+                    pass
+
+    # ---- the list -----------------------------------------------------------------------
+    def snapshot(self) -> Snapshot:
+        return Snapshot(self.version, dict(self.entries))
+
+    async def register(self, name: str, path: str, replace: bool = False,
+                       pin: bool = False) -> Change:
+        if name in self.entries and not replace:
+            return Change(self.version, f"adapter {name!r} already exists; pass replace to "
+                                        "swap it")
+        self.version += 1
+        self.entries[name] = Entry(name, path, pin, False, self.version)
+        await self._notify()
+        return Change(self.version)
+
+    async def unregister(self, name: str) -> Change:
+        if name not in self.entries:
+            return Change(self.version, f"adapter {name!r} is not registered")
+        self.version += 1
+        del self.entries[name]
+        await self._notify()
+        return Change(self.version)
