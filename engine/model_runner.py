@@ -126,9 +126,12 @@ class ModelRunner:
                                                  device=dev),
             prefill_context_lens=torch.tensor(
                 [s.num_computed_tokens + n for s, n in prefills], dtype=torch.int32, device=dev),
+            prefill_max_q_len=max((n for _, n in prefills), default=0),
             decode_block_tables=_table([s.block_table for s, _ in decodes], dev),
             decode_context_lens=torch.tensor(
                 [s.num_computed_tokens + 1 for s, _ in decodes], dtype=torch.int32, device=dev),
+            decode_max_context_len=max((s.num_computed_tokens + 1 for s, _ in decodes),
+                                       default=0),
         )
         return StepInputs(
             input_ids=torch.tensor(ids, dtype=torch.int64, device=dev),

@@ -71,24 +71,27 @@ class KernelBackend(ABC):
     def paged_attention_decode(self, q: torch.Tensor, k_cache: torch.Tensor,
                                v_cache: torch.Tensor, block_tables: torch.Tensor,
                                context_lens: torch.Tensor, scale: float, softcap: float = 0.0,
-                               window: int = 0) -> torch.Tensor:
+                               window: int = 0, max_context_len: int = 0) -> torch.Tensor:
         """out[b] = softmax(cap(scale · q[b] K_bᵀ)) V_b over the context_lens[b] cached
         positions of sequence b, or only its last ``window`` ones when window > 0;
         cap(s) = softcap · tanh(s / softcap) when softcap > 0 (Gemma 2), else s.
         q [B, Hq, D] -> [B, Hq, D]; block_tables [B, max_blocks] int32, context_lens [B]
-        int32."""
+        int32. ``max_context_len``: max(context_lens) as the host knows it (0: unknown), so
+        a backend may size its launch without reading the device."""
 
     @abstractmethod
     def paged_attention_prefill(self, q: torch.Tensor, k_cache: torch.Tensor,
                                 v_cache: torch.Tensor, block_tables: torch.Tensor,
                                 query_start_loc: torch.Tensor, context_lens: torch.Tensor,
-                                scale: float, softcap: float = 0.0,
-                                window: int = 0) -> torch.Tensor:
+                                scale: float, softcap: float = 0.0, window: int = 0,
+                                max_q_len: int = 0) -> torch.Tensor:
         """Causal attention of S sequences' new tokens, which sit at positions
         context_lens[s] - q_len_s .. context_lens[s] - 1 and see every earlier position; with
         window > 0, a token at position p sees positions p - window + 1 .. p only (a sliding
         window, as transformers' ``sliding_window``). Scores soft-capped as in decode.
-        q [T, Hq, D] -> [T, Hq, D]; query_start_loc [S + 1] int32; context_lens [S] int32."""
+        q [T, Hq, D] -> [T, Hq, D]; query_start_loc [S + 1] int32; context_lens [S] int32.
+        ``max_q_len``: the most new tokens of one sequence, as the host knows it (0:
+        unknown)."""
 
     # ---- decoder-layer elementwise ops --------------------------------------------------
     @abstractmethod

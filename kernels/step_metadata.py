@@ -30,9 +30,11 @@ class AttentionMetadata:
     prefill_block_tables: torch.Tensor  # [S_p, max_blocks] int32
     prefill_query_start_loc: torch.Tensor  # [S_p + 1] int32
     prefill_context_lens: torch.Tensor  # [S_p] int32, cached + new tokens
+    prefill_max_q_len: int  # the most new tokens of one prefill sequence (host)
     # decode part: S_d sequences, one token each
     decode_block_tables: torch.Tensor  # [S_d, max_blocks] int32
     decode_context_lens: torch.Tensor  # [S_d] int32, incl. the current token
+    decode_max_context_len: int  # max(decode_context_lens) (host)
 
 
 @dataclass

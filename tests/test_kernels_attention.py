@@ -109,3 +109,45 @@ def test_prefill_twin_matches_dense_causal_oracle(ratio: int) -> None:
                             values)
         torch.testing.assert_close(out[int(qsl[s]) : int(qsl[s + 1])], want,
                                    rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("softcap, window", [(0.0, 0), (5.0, 0), (0.0, 300)],
+                         ids=["plain", "softcap", "window"])
+def test_split_kv_decode_matches_twin(softcap: float, window: int) -> None:
+    """Flash-decoding, forced to 4 splits: contexts of 1, 15, 16, 17 and 1000 tokens in one
+    batch (short ones leave splits empty) equal the torch backend."""
+    lens = [1, 15, 16, 17, 1000]
+    k_cache, v_cache, tables = make_paged_cache(lens, 16, NUM_KV_HEADS, HEAD_DIM,
+                                                torch.float32, DEVICE)
+    q = torch.randn(len(lens), NUM_KV_HEADS * 3, HEAD_DIM).to(DEVICE)
+    ctx = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    scale = HEAD_DIM**-0.5
+    got = attention.paged_attention_decode(q, k_cache, v_cache, tables, ctx, scale, softcap,
+                                           window, max_context_len=1000, num_splits=4)
+    want = reference.paged_attention_decode(q, k_cache, v_cache, tables, ctx, scale, softcap,
+                                            window)
+    torch.testing.assert_close(got, want, **TOL[torch.float32])
+
+
+def test_decode_splits_fill_the_gpu_only_for_long_contexts() -> None:
+    assert attention.decode_splits(programs=8, span=32768, num_sms=132) == 17
+    assert attention.decode_splits(programs=8, span=600, num_sms=132) == 1  # short
+    assert attention.decode_splits(programs=256, span=32768, num_sms=132) == 1  # GPU full
+    assert attention.decode_splits(programs=1, span=100_000, num_sms=132) == 32  # capped
+    assert attention.decode_splits(programs=64, span=2048, num_sms=132) == 3
+
+
+@pytest.mark.triton
+def test_prefill_with_host_max_q_len_and_tensor_core_rows() -> None:
+    """The engine passes max_q_len from the host (no device read); 64-row tiles serve a
+    sequence of 70 new tokens beside one of 3."""
+    lens, new = [90, 20], [70, 3]
+    k_cache, v_cache, tables = make_paged_cache(lens, 16, NUM_KV_HEADS, HEAD_DIM,
+                                                torch.float32, DEVICE)
+    q = torch.randn(sum(new), NUM_KV_HEADS, HEAD_DIM).to(DEVICE)
+    qsl = torch.tensor([0, 70, 73], dtype=torch.int32, device=DEVICE)
+    ctx = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    got = paged_attention_prefill(q, k_cache, v_cache, tables, qsl, ctx, 0.2, max_q_len=70)
+    want = reference.paged_attention_prefill(q, k_cache, v_cache, tables, qsl, ctx, 0.2)
+    torch.testing.assert_close(got, want, **TOL[torch.float32])

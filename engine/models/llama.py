@@ -96,13 +96,14 @@ class Attention(nn.Module):
         return self.ops.paged_attention_prefill(
             q, self.k_cache, self.v_cache, meta.prefill_block_tables,
             meta.prefill_query_start_loc, meta.prefill_context_lens, self.scale,
-            self.softcap, self.window,
+            self.softcap, self.window, max_q_len=meta.prefill_max_q_len,
         )
 
     def _decode(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         return self.ops.paged_attention_decode(
             q, self.k_cache, self.v_cache, meta.decode_block_tables,
             meta.decode_context_lens, self.scale, self.softcap, self.window,
+            max_context_len=meta.decode_max_context_len,
         )
 
 

@@ -64,15 +64,19 @@ def store_kv(
 @triton.jit
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, tables_ptr, ctx_ptr,
-    scale, softcap, window, group, head_dim, block_size,
+    part_ptr,  # SPLIT: [B, Hq, num_splits, D + 2] f32 partial results (acc, then m and l)
+    scale, softcap, window, group, head_dim, block_size, split_len,
     stride_qb, stride_qh, stride_qd, stride_ob, stride_oh, stride_od, stride_tb,
     stride_cb, stride_co, stride_ch, stride_cd,
     G_PAD: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-    SOFTCAP: tl.constexpr,
+    SOFTCAP: tl.constexpr, SPLIT: tl.constexpr,
 ):
     """out[b, h] = softmax(cap(scale · q[b, h] K[b]ᵀ)) V[b] for the `group` query heads of
     one kv head, over the last `window` positions (window > 0) or all. Shapes: q, out
-    [B, Hq, D]; caches [NB, bs, Hkv, D]; tables [B, max_blocks]."""
+    [B, Hq, D]; caches [NB, bs, Hkv, D]; tables [B, max_blocks].
+    SPLIT (flash-decoding): program (b, kv head, j) covers only positions j · split_len ..
+    (j + 1) · split_len - 1 of that span and stores its unnormalised acc, its max m and
+    its sum l (log2 units) for _decode_reduce_kernel."""
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     ctx = tl.load(ctx_ptr + b)
@@ -92,9 +96,13 @@ def _decode_kernel(
     first = 0
     if window > 0:
         first = tl.maximum(ctx - window, 0)
-    for n0 in range(first, ctx, BLOCK_N):
+    last = ctx
+    if SPLIT:
+        first = first + tl.program_id(2) * split_len
+        last = tl.minimum(first + split_len, ctx)
+    for n0 in range(first, last, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < ctx
+        mask_n = offs_n < last
         k = load_kv(k_cache_ptr, table, offs_n, mask_n, kv_head, offs_d, mask_d,
                      block_size, stride_cb, stride_co, stride_ch, stride_cd).to(tl.float32)
         v = load_kv(v_cache_ptr, table, offs_n, mask_n, kv_head, offs_d, mask_d,
@@ -110,9 +118,63 @@ def _decode_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
         m_i = m_new
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :] * stride_od,
-             out.to(out_ptr.dtype.element_ty), mask=mask_g[:, None] & mask_d[None, :])
+    if SPLIT:
+        num_splits = tl.num_programs(2)
+        row = ((b * group * tl.num_programs(1) + heads) * num_splits + tl.program_id(2)) \
+            * (head_dim + 2)  # [G_PAD] offsets of this program's partial rows
+        tl.store(part_ptr + row[:, None] + offs_d[None, :], acc,
+                 mask=mask_g[:, None] & mask_d[None, :])
+        tl.store(part_ptr + row + head_dim, m_i, mask=mask_g)
+        tl.store(part_ptr + row + head_dim + 1, l_i, mask=mask_g)
+    else:
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh
+                 + offs_d[None, :] * stride_od,
+                 out.to(out_ptr.dtype.element_ty), mask=mask_g[:, None] & mask_d[None, :])
+
+
+@triton.jit
+def _decode_reduce_kernel(part_ptr, out_ptr, head_dim, num_splits, stride_ob, stride_oh,
+                          stride_od, S_PAD: tl.constexpr, D_PAD: tl.constexpr):
+    """out[b, h] = Σ_j acc_j · 2^(m_j - m) / Σ_j l_j · 2^(m_j - m), m = max_j m_j, over the
+    num_splits partial results of query head h of sequence b (empty splits: m_j = -inf)."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, S_PAD)
+    offs_d = tl.arange(0, D_PAD)
+    mask_s = offs_s < num_splits
+    row = ((b * tl.num_programs(1) + h) * num_splits + offs_s) * (head_dim + 2)  # [S_PAD]
+    m = tl.load(part_ptr + row + head_dim, mask=mask_s, other=float("-inf"))
+    l_j = tl.load(part_ptr + row + head_dim + 1, mask=mask_s, other=0.0)
+    m_max = tl.max(m, axis=0)
+    w = tl.where(m == float("-inf"), 0.0, tl.exp2(m - m_max))  # [S_PAD]
+    acc = tl.load(part_ptr + row[:, None] + offs_d[None, :],
+                  mask=mask_s[:, None] & (offs_d[None, :] < head_dim), other=0.0)
+    total = tl.sum(l_j * w, axis=0)
+    out = tl.sum(acc * w[:, None], axis=0) / tl.where(total > 0, total, 1.0)  # [D_PAD]
+    tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_d * stride_od,
+             out.to(out_ptr.dtype.element_ty), mask=offs_d < head_dim)
+
+
+
+
+SPLIT_MIN_LEN = 512  # positions a split covers at least
+MAX_SPLITS = 32
+
+
+def decode_splits(programs: int, span: int, num_sms: int) -> int:
+    """Splits of each (sequence, KV head)'s context for flash-decoding: 1 while the
+    programs fill the GPU's ``num_sms`` or the span (the longest context, or the window) is
+    short; else enough to fill the GPU, each covering at least SPLIT_MIN_LEN positions."""
+    if programs >= num_sms or span < 2 * SPLIT_MIN_LEN:
+        return 1
+    return max(1, min(-(-num_sms // programs), span // SPLIT_MIN_LEN, MAX_SPLITS))
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1  # the interpreter: no split unless asked for
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def paged_attention_decode(
@@ -124,9 +186,13 @@ def paged_attention_decode(
     scale: float,
     softcap: float = 0.0,
     window: int = 0,
+    max_context_len: int = 0,  # max(context_lens) as the host knows it (0: no split)
+    num_splits: int = 0,  # 0: decode_splits' choice
 ) -> torch.Tensor:  # [B, Hq, D]
     """out[b] = softmax(cap(scale · q[b] K[b]ᵀ)) V[b] over the context_lens[b] cached tokens
-    (the last ``window`` of them when window > 0); the torch backend's semantics."""
+    (the last ``window`` of them when window > 0); the torch backend's semantics. Long
+    contexts with few (sequence, KV head) programs split the context (flash-decoding) and
+    reduce the partial softmaxes in a second launch."""
     batch, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     assert k_cache.stride() == v_cache.stride(), "k and v caches must share a layout"
@@ -134,12 +200,25 @@ def paged_attention_decode(
     if batch == 0:
         return out
     group = num_heads // num_kv_heads
-    _decode_kernel[(batch, num_kv_heads)](
-        q, k_cache, v_cache, out, block_tables, context_lens,
-        scale, float(softcap), int(window), group, head_dim, block_size,
+    span = min(max_context_len, window) if window > 0 else max_context_len
+    if num_splits <= 0:
+        num_splits = decode_splits(batch * num_kv_heads, span, _num_sms(q.device))
+    block_n = 32 if head_dim <= 64 else 16  # the [G, BLOCK_N, D] product stays in registers
+    split_len = triton.cdiv(triton.cdiv(max(span, 1), num_splits), block_n) * block_n
+    split = num_splits > 1
+    part = torch.empty((batch, num_heads, num_splits, head_dim + 2) if split else (1,),
+                       dtype=torch.float32, device=q.device)
+    d_pad = triton.next_power_of_2(head_dim)
+    _decode_kernel[(batch, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, out, block_tables, context_lens, part,
+        scale, float(softcap), int(window), group, head_dim, block_size, split_len,
         *q.stride(), *out.stride(), block_tables.stride(0), *k_cache.stride(),
-        G_PAD=triton.next_power_of_2(group), D_PAD=triton.next_power_of_2(head_dim),
-        BLOCK_N=32 if head_dim <= 64 else 16,  # the [G, BLOCK_N, D] product stays in registers
-        SOFTCAP=softcap > 0.0,
+        G_PAD=triton.next_power_of_2(group), D_PAD=d_pad, BLOCK_N=block_n,
+        SOFTCAP=softcap > 0.0, SPLIT=split,
     )
+    if split:
+        _decode_reduce_kernel[(batch, num_heads)](
+            part, out, head_dim, num_splits, *out.stride(),
+            S_PAD=triton.next_power_of_2(num_splits), D_PAD=d_pad,
+        )
     return out

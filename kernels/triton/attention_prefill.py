@@ -11,8 +11,13 @@ import triton.language as tl
 
 from .paged_kv import load_kv, soft_cap_log2
 
-BLOCK_M = 16  # query rows per program
 BLOCK_N = 32  # context positions per inner step
+
+
+def block_m(max_q_len: int) -> int:
+    """Query rows per program: 64 (tensor-core sized tiles) where some sequence has that
+    many new tokens, else 16 (tl.dot's minimum), so short chunks waste no rows."""
+    return 64 if max_q_len >= 64 else 16
 
 
 @triton.jit
@@ -94,10 +99,12 @@ def paged_attention_prefill(
     scale: float,
     softcap: float = 0.0,
     window: int = 0,
+    max_q_len: int = 0,  # the most new tokens of one sequence (0: read from the device)
 ) -> torch.Tensor:  # [T, Hq, D]
     """Causal attention: sequence s's new tokens sit at positions
     context_lens[s] - q_len_s ... context_lens[s] - 1 and see every earlier position (the
-    last ``window`` ones when window > 0); the torch backend's semantics."""
+    last ``window`` ones when window > 0); the torch backend's semantics. The engine passes
+    ``max_q_len`` from the host, so the launch reads nothing back from the device."""
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     assert k_cache.stride() == v_cache.stride(), "k and v caches must share a layout"
@@ -105,13 +112,15 @@ def paged_attention_prefill(
     num_seqs = context_lens.shape[0]
     if num_tokens == 0 or num_seqs == 0:
         return out
-    max_q_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())  # one host sync
-    grid = (num_seqs, triton.cdiv(max_q_len, BLOCK_M), num_heads)
+    if max_q_len <= 0:  # a caller without the host's figure: one device read
+        max_q_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
+    rows = block_m(max_q_len)
+    grid = (num_seqs, triton.cdiv(max_q_len, rows), num_heads)
     _prefill_kernel[grid](
         q, k_cache, v_cache, out, block_tables, query_start_loc, context_lens,
         scale, float(softcap), int(window), num_heads // num_kv_heads, head_dim, block_size,
         *q.stride(), *out.stride(), block_tables.stride(0), *k_cache.stride(),
-        D_PAD=max(16, triton.next_power_of_2(head_dim)), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+        D_PAD=max(16, triton.next_power_of_2(head_dim)), BLOCK_M=rows, BLOCK_N=BLOCK_N,
         UPCAST=os.environ.get("TRITON_INTERPRET", "0") == "1",
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", SOFTCAP=softcap > 0.0,
     )
