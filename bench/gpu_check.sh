@@ -43,11 +43,11 @@ export LORAPLEX_KERNELS=triton
   || fail "cannot import loraplex.kernels.triton (see $LOG/import.log)"
 "$PY" -c 'import pytest' 2> /dev/null || fail "pytest is not installed: the kernel tests cannot run"
 
-timeout 180 "$PY" -m pytest -q -p no:cacheprovider "${TESTS[@]}" > "$LOG/tests.log" 2>&1
+timeout 150 "$PY" -m pytest -q -p no:cacheprovider "${TESTS[@]}" > "$LOG/tests.log" 2>&1
 tests_status=$?
 tail -3 "$LOG/tests.log"
 
-timeout 150 "$PY" -m loraplex.bench.kernels "${BENCH[@]}" > "$LOG/bench.log" 2>&1
+timeout 120 "$PY" -m loraplex.bench.kernels "${BENCH[@]}" > "$LOG/bench.log" 2>&1
 bench_status=$?
 cat "$LOG/bench.log"
 verdict=$(tail -1 "$LOG/bench.log")
