@@ -10,6 +10,7 @@ import asyncio
 import collections
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -273,6 +274,78 @@ def test_replica_killed_mid_stream(client: Client, ray_app: Any, tiny_adapters,
         reply, replica = raw_generate(ray_app.target, "late", PROMPTS[3])
         if replica == newcomer:
             assert list(reply.token_ids) == peft_reference("late", PROMPTS[3], N)
+            break
+    else:
+        pytest.fail("no request reached the new replica")
+
+
+def serve_controller_log() -> str:
+    """What Serve's controller logged in this Ray session (it logs each failed health check)."""
+    import ray
+
+    logs = Path(ray._private.worker._global_node.get_logs_dir_path()) / "serve"
+    return "".join(p.read_text(errors="replace") for p in sorted(logs.glob("controller_*.log")))
+
+
+def replica_actor(replica_id: str) -> Any:
+    import ray
+
+    actors = [a for a in ray.util.list_named_actors(all_namespaces=True)
+              if replica_id in a["name"]]
+    assert len(actors) == 1, actors
+    return ray.get_actor(actors[0]["name"], namespace=actors[0]["namespace"])
+
+
+def wait_for_replacement(client: Client, victim: str, timeout_s: float = 90.0) -> set[str]:
+    """Two replicas again, none of them ``victim`` (calls that land on the victim while it is
+    being replaced may fail: retried)."""
+    deadline = time.monotonic() + timeout_s
+    now: set[str] = set()
+    while True:
+        try:
+            now = replica_ids(client)
+            if len(now) == 2 and victim not in now and client.health() == "SERVING":
+                return now
+        except grpc.RpcError:
+            pass
+        assert time.monotonic() < deadline, now
+        time.sleep(0.5)
+
+
+def test_engine_thread_death_fails_the_health_check(client: Client, ray_app: Any,
+                                                    peft_reference) -> None:
+    """One replica's engine loop raises (``fail_engine_loop``, called through a
+    DeploymentHandle) and its thread dies: that replica's health check, the method Ray's
+    controller calls, fails with the engine's error; the controller logs the failure and
+    replaces the replica; the new replica serves every registered adapter, exact."""
+    from ray import serve
+
+    registered = {i.name for i in client.list_adapters()}
+    before = replica_ids(client)
+    handle = serve.get_deployment_handle("LoraplexDeployment", ray_app.ray_options.app_name)
+    victim = handle.fail_engine_loop.remote("simulated engine fault").result(timeout_s=30)
+    assert victim in before, (victim, before)
+    import ray
+
+    with pytest.raises(RuntimeError) as info:  # Ray's health check of that replica
+        ray.get(replica_actor(victim).check_health.remote(), timeout=10)
+    assert "engine loop has stopped" in str(info.value), info.value
+    assert "simulated engine fault" in str(info.value), info.value
+    now = wait_for_replacement(client, victim)
+    failed = [line for line in serve_controller_log().splitlines()
+              if victim in line and "failed health check" in line]
+    assert failed, f"Serve's controller logged no failed health check of {victim}"
+    print(f"\n[ray] engine thread killed on {victim}: {failed[0].strip()[-120:]}")
+    infos = {i.name: i for i in client.list_adapters()}
+    assert registered <= set(infos)
+    assert all({r.replica for r in infos[n].replicas} == now for n in registered)
+    newcomer = (now - before).pop()
+    expected = peft_reference("a1", PROMPTS[3], N)
+    for _ in range(40):  # a request on the new replica, exact (others too)
+        reply, replica = raw_generate(ray_app.target, "a1", PROMPTS[3])
+        assert not isinstance(reply, grpc.RpcError), reply
+        assert list(reply.token_ids) == expected, replica
+        if replica == newcomer:
             break
     else:
         pytest.fail("no request reached the new replica")
