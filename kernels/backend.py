@@ -22,6 +22,8 @@ from .lora_segments import LoRASegments
 
 class KernelBackend(ABC):
     name: ClassVar[str]
+    segments_type: ClassVar[type[LoRASegments]] = LoRASegments  # what add_lora reads
+    r_major_b: ClassVar[bool] = False  # B slot buffers stored [L, r_max, out] (transposed)
 
     def __init__(self, device: torch.device, dtype: torch.dtype):
         self.device = device
@@ -41,8 +43,11 @@ class KernelBackend(ABC):
         ``max_tokens`` rows reach the decoder's linears, ``max_seqs`` the logits head."""
 
     def lora_b_buffer(self, max_loras: int, out: int, max_rank: int) -> torch.Tensor:
-        """A zeroed B slot buffer, shaped [max_loras, out, max_rank] (its strides are the
-        backend's choice)."""
+        """A zeroed B slot buffer, shaped [max_loras, out, max_rank]; with ``r_major_b`` its
+        storage is [max_loras, max_rank, out], returned transposed."""
+        if self.r_major_b:
+            return torch.zeros(max_loras, max_rank, out, device=self.device,
+                               dtype=self.dtype).transpose(1, 2)
         return torch.zeros(max_loras, out, max_rank, device=self.device, dtype=self.dtype)
 
     def lora_segments(self, token_slots: list[int]) -> LoRASegments | None:
@@ -50,7 +55,7 @@ class KernelBackend(ABC):
         none), in the form this backend's add_lora reads; None when no token has a slot."""
         if all(s < 0 for s in token_slots):
             return None
-        return LoRASegments.from_token_slots(token_slots, self.device)
+        return self.segments_type.from_token_slots(token_slots, self.device)
 
     # ---- LoRA ---------------------------------------------------------------------------
     @abstractmethod

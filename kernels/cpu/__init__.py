@@ -26,6 +26,8 @@ def available() -> bool:
 
 class CPUBackend(TorchBackend):
     name = "cpu"
+    segments_type = CPULoRASegments  # with the routes' per-step fields
+    r_major_b = True  # the C++ expand reads each rank's outputs contiguously (vector FMAs)
 
     def __init__(self, device: torch.device, dtype: torch.dtype):
         super().__init__(device, dtype)
@@ -41,16 +43,6 @@ class CPUBackend(TorchBackend):
         if packing_available(self.dtype):
             pack_model(model, gemm_layout())
             warm_up_packed(model, max_tokens, max_seqs)
-
-    def lora_b_buffer(self, max_loras: int, out: int, max_rank: int) -> torch.Tensor:
-        """Stored r-major ([L, r_max, out], returned transposed): the C++ expand then reads
-        each rank's outputs contiguously and runs as vector FMAs."""
-        return torch.zeros(max_loras, max_rank, out, dtype=self.dtype).transpose(1, 2)
-
-    def lora_segments(self, token_slots: list[int]) -> LoRASegments | None:
-        if all(s < 0 for s in token_slots):
-            return None
-        return CPULoRASegments.from_token_slots(token_slots, self.device)
 
     def add_lora(self, out: torch.Tensor, x: torch.Tensor, lora_a: list[torch.Tensor],
                  lora_b: list[torch.Tensor], ranks: torch.Tensor, seg: LoRASegments) -> None:

@@ -15,19 +15,8 @@ from .segments import TritonLoRASegments
 
 class TritonBackend(TorchBackend):
     name = "triton"
-
-    def lora_b_buffer(self, max_loras: int, out: int, max_rank: int) -> torch.Tensor:
-        """Stored r-major ([L, r_max, out], returned transposed): an expand tile's lanes
-        read neighbouring outputs."""
-        return torch.zeros(max_loras, max_rank, out, device=self.device,
-                           dtype=self.dtype).transpose(1, 2)
-
-    def lora_segments(self, token_slots: list[int]) -> LoRASegments | None:
-        """With the SGMV work list: one item per block of BLOCK_M rows of each adapted
-        segment."""
-        if all(s < 0 for s in token_slots):
-            return None
-        return TritonLoRASegments.from_token_slots(token_slots, self.device)
+    segments_type = TritonLoRASegments  # with the SGMV work list
+    r_major_b = True  # an expand tile's lanes read neighbouring outputs
 
     def add_lora(self, out: torch.Tensor, x: torch.Tensor, lora_a: list[torch.Tensor],
                  lora_b: list[torch.Tensor], ranks: torch.Tensor, seg: LoRASegments) -> None:
