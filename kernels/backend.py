@@ -6,7 +6,8 @@ again.
 
 Shapes: T tokens of the flat batch, B decoding sequences, S prefilling sequences, Hq/Hkv
 query/KV heads of D dims, caches [num_blocks, block_size, Hkv, D], L = max_loras slots of
-r_max rank, slices i of a fused linear with out_i outputs each.
+r_max rank, slices i of a fused linear with out_i outputs each. Slot buffers are views of
+rank-row pools (``lora_pool``): slot s reads its first ranks[i, s] rows only.
 """
 
 from __future__ import annotations
@@ -42,13 +43,33 @@ class KernelBackend(ABC):
         """Last changes to a loaded model (weights repacked, say) before it serves: up to
         ``max_tokens`` rows reach the decoder's linears, ``max_seqs`` the logits head."""
 
-    def lora_b_buffer(self, max_loras: int, out: int, max_rank: int) -> torch.Tensor:
-        """A zeroed B slot buffer, shaped [max_loras, out, max_rank]; with ``r_major_b`` its
-        storage is [max_loras, max_rank, out], returned transposed."""
+    rank_unit: ClassVar[int] = 1  # rank rows per pool unit (a slot id is a unit index)
+
+    def lora_pool(self, num_units: int, max_rank: int, in_features: int,
+                  out: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Zeroed rank-row pools of one LoRA slice, seen as slot buffers:
+        (A [num_units, max_rank, in], B [num_units, out, max_rank]).
+
+        The pools hold ``num_units · rank_unit`` rank rows plus a zero tail of
+        ``max_rank - rank_unit`` rows (so every view below stays in bounds). Slot ``s`` is
+        unit ``s``: A[s, j] is pool row ``s · rank_unit + j``, and B[s, :, j] its column, so
+        the views overlap. An adapter of rank r owns the ``ceil(r / rank_unit)`` units from
+        its slot on, and its rows are A[s, :r]; rows past a slot's rank belong to the next
+        adapter (they are not zero): kernels read the first ``ranks[i, s]`` rows of a slot
+        only. A is stored [rows, in]; B [out, rows], or [rows, out] with ``r_major_b``."""
+        unit = self.rank_unit
+        rows = num_units * unit + max(max_rank - unit, 0)
+        kw = {"device": self.device, "dtype": self.dtype}
+        a_pool = torch.zeros(rows, in_features, **kw)
+        a = a_pool.as_strided((num_units, max_rank, in_features), (unit * in_features,
+                                                                   in_features, 1))
         if self.r_major_b:
-            return torch.zeros(max_loras, max_rank, out, device=self.device,
-                               dtype=self.dtype).transpose(1, 2)
-        return torch.zeros(max_loras, out, max_rank, device=self.device, dtype=self.dtype)
+            b_pool = torch.zeros(rows, out, **kw)
+            b = b_pool.as_strided((num_units, out, max_rank), (unit * out, 1, out))
+        else:
+            b_pool = torch.zeros(out, rows, **kw)
+            b = b_pool.as_strided((num_units, out, max_rank), (unit, rows, 1))
+        return a, b
 
     def lora_segments(self, token_slots: list[int]) -> LoRASegments | None:
         """This step's tokens grouped by slot (``token_slots[t]``: token t's slot, -1 for
