@@ -39,6 +39,19 @@ def byte_size(text: str) -> int:
     return int(value)
 
 
+def max_loras_arg(text: str) -> int | str:
+    """``auto`` or a positive integer."""
+    if text == "auto":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither 'auto' nor a positive integer")
+    return value
+
+
 def lora_module(text: str) -> Any:
     try:
         return parse_lora_module(text)
@@ -57,9 +70,15 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
                    metavar="NAME=PATH", help='adapters loaded at start: name=path or '
                    '\'{"name": ..., "path": ..., "base_model_name": ...}\'')
     cap = p.add_argument_group("capacity")
-    cap.add_argument("--max-loras", type=int, default=4, help="distinct adapters per batch")
+    cap.add_argument("--max-loras", type=max_loras_arg, default="auto",
+                     help="adapters on the device at once: 'auto' (default: as many as "
+                          "--lora-memory holds, at most --max-num-seqs) or N (vLLM's meaning)")
+    cap.add_argument("--lora-memory", type=byte_size, metavar="BYTES",
+                     help="device memory for adapters with --max-loras auto (e.g. 512MiB); "
+                          "default: 10%% of what is left after weights and a minimum KV cache")
     cap.add_argument("--max-lora-rank", type=int, default=64)
-    cap.add_argument("--max-cpu-loras", type=int, help="adapters in host memory (2×max-loras)")
+    cap.add_argument("--max-cpu-loras", type=int, help="adapters in host memory (default: 2×max-loras; "
+                     "2×max-num-seqs with auto)")
     cap.add_argument("--max-num-seqs", type=int, default=32, help="requests running in a step")
     cap.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE,
                      help="requests in flight (waiting + running); RESOURCE_EXHAUSTED beyond")
@@ -211,6 +230,7 @@ def _engine_kwargs(args: argparse.Namespace, modules: dict[str, str]) -> dict[st
         "max_num_batched_tokens": args.max_num_batched_tokens, "max_model_len": args.max_model_len,
         "block_size": args.block_size, "kv_cache_memory": args.kv_cache_memory,
         "gpu_memory_utilization": args.gpu_memory_utilization, "max_loras": args.max_loras,
+        "lora_memory": args.lora_memory,
         "max_lora_rank": args.max_lora_rank, "max_cpu_loras": args.max_cpu_loras,
         "lora_modules": modules, "served_model_name": args.served_model_name}
 

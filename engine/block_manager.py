@@ -121,3 +121,14 @@ class BlockManager:
         seq.block_table.clear()
         seq.num_computed_tokens = 0
         self.seq_hashes.pop(seq.request_id, None)
+
+    def check(self, holders: list[Sequence]) -> None:
+        """Assert the books: each block's ref count is the number of ``holders`` (the
+        running sequences) whose table holds it, and a block is free iff its count is 0."""
+        counts = [0] * self.num_blocks
+        for seq in holders:
+            for block in seq.block_table:
+                counts[block] += 1
+        assert counts == self.ref_counts, "KV block ref counts disagree with the block tables"
+        free = {b for b, c in enumerate(counts) if c == 0}
+        assert free == set(self.free), "free KV blocks disagree with the ref counts"

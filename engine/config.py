@@ -33,12 +33,15 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     seed: int = 0
     # LoRA
-    max_loras: int = 4
+    max_loras: int | str = "auto"  # "auto": sized from lora_memory (engine/lora_capacity.py)
     max_lora_rank: int = 16
-    max_cpu_loras: int | None = None  # None: 2 × max_loras
+    max_cpu_loras: int | None = None  # None: 2 × max_loras (auto: 2 × max_num_seqs)
+    lora_memory: int | None = None  # bytes of the device rank-row pool with max_loras "auto"
+    max_adapter_reads: int = 4  # adapter reads from disk at once (loader threads)
     lora_modules: dict[str, str] = field(default_factory=dict)
     adapter_starvation_steps: int = 16  # a passed-over adapter gets the next free slot after this
     served_model_name: str | None = None
+    debug_checks: bool = False  # assert the adapter pool's and KV blocks' books every step
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -60,12 +63,24 @@ class EngineConfig:
             )
         if self.num_kv_blocks is not None:
             _check_range("num_kv_blocks", self.num_kv_blocks, 1)
-        _check_range("max_loras", self.max_loras, 1)
+        self._check_loras()
+        _check_range("adapter_starvation_steps", self.adapter_starvation_steps, 1)
+
+    def _check_loras(self) -> None:
+        auto = self.max_loras == "auto"
+        if not auto:
+            if isinstance(self.max_loras, str) and not self.max_loras.isdigit():
+                raise ValueError(f"max_loras={self.max_loras!r} must be 'auto' or an integer")
+            self.max_loras = int(self.max_loras)
+            _check_range("max_loras", self.max_loras, 1)
         _check_range("max_lora_rank", self.max_lora_rank, 1)
+        if self.lora_memory is not None:
+            _check_range("lora_memory", self.lora_memory, 1)
+        _check_range("max_adapter_reads", self.max_adapter_reads, 1)
         if self.max_cpu_loras is None:
-            self.max_cpu_loras = 2 * self.max_loras
-        if self.max_cpu_loras < self.max_loras:
+            self.max_cpu_loras = 2 * (self.max_num_seqs if auto else self.max_loras)
+        _check_range("max_cpu_loras", self.max_cpu_loras, 1)
+        if not auto and self.max_cpu_loras < self.max_loras:
             raise ValueError(
                 f"max_cpu_loras={self.max_cpu_loras} must be >= max_loras={self.max_loras}"
             )
-        _check_range("adapter_starvation_steps", self.adapter_starvation_steps, 1)

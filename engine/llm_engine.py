@@ -9,17 +9,21 @@ from collections.abc import Callable, Iterable
 from collections.abc import Sequence as Seq
 from pathlib import Path
 
+import torch
 from tqdm import tqdm
 
 from ..lora.cache import AdapterCache, AdapterInfo
-from ..lora.layers import attach_lora
+from ..lora.layers import attach_lora, rank_row_bytes
+from ..lora.rank_pool import RankPool
 from ..lora.peft_format import BaseShapes, LoRAWeights, read_peft_adapter
 from ..lora.slots import SlotBuffers
 from .base_model import BaseModel, load_base_model
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .errors import AdapterNotFoundError, InvalidRequestError
-from .model_runner import ModelRunner, num_kv_blocks
+from . import lora_capacity
+from .lora_capacity import LoRACapacity
+from .model_runner import ModelRunner, kv_bytes_per_block, num_kv_blocks
 from .output_processor import OutputProcessor, RequestOutput
 from .sampling_params import SamplingParams
 from .scheduler import ScheduledBatch, Scheduler
@@ -39,18 +43,22 @@ class LLMEngine:
         self.base: BaseModel = load_base_model(cfg, progress)
         self.tokenizer = self.base.tokenizer
         self.max_model_len: int = cfg.max_model_len  # type: ignore[assignment]  # set by loader
+        kernels = self.base.kernels
+        targets = list(self.base.model.lora_targets())
+        self.lora_capacity = self._lora_capacity(targets)
+        self.slot_buffers = SlotBuffers(attach_lora(targets, self.lora_capacity.num_units,
+                                                    cfg.max_lora_rank, kernels))
         blocks = num_kv_blocks(cfg, self.base.hf_config, self.base.dtype, self.base.device)
         self.block_manager = BlockManager(blocks, cfg.block_size, cfg.enable_prefix_caching)
-        kernels = self.base.kernels
         self.runner = ModelRunner(self.base.model, cfg, blocks, kernels)
-        self.slot_buffers = SlotBuffers(attach_lora(self.base.model.lora_targets(),
-                                                    cfg.max_loras, cfg.max_lora_rank, kernels))
         kernels.prepare_model(self.base.model, cfg.max_num_batched_tokens, cfg.max_num_seqs)
         self.base_shapes = BaseShapes.from_hf_config(self.base.hf_config, str(self.base.path))
-        self.lora = AdapterCache(cfg.max_loras, cfg.max_cpu_loras,  # type: ignore[arg-type]
+        self.lora = AdapterCache(self.lora_capacity.max_loras, cfg.max_cpu_loras,  # type: ignore[arg-type]
+                                 RankPool(self.lora_capacity.num_units, kernels.rank_unit),
                                  read=lambda name, path: self.read_adapter(path, name),
-                                 load_slot=self._load_slot,
-                                 clear_slot=self.slot_buffers.clear)
+                                 load_slot=self._load_slot, clear_slot=self.slot_buffers.clear,
+                                 move_slot=self.slot_buffers.move,
+                                 max_concurrent_reads=cfg.max_adapter_reads)
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs,
                                    cfg.max_num_batched_tokens, self.lora,
                                    cfg.adapter_starvation_steps)
@@ -60,8 +68,21 @@ class LLMEngine:
         for name, path in cfg.lora_modules.items():
             self.add_adapter(name, path, preloaded=True)
         log.info("engine ready: %s, %s on %s, %s kernels, %d KV blocks of %d tokens, "
-                 "max_model_len %d", self.base.path, self.base.dtype, self.base.device,
-                 kernels.name, blocks, cfg.block_size, self.max_model_len)
+                 "max_model_len %d; LoRA: %s", self.base.path, self.base.dtype,
+                 self.base.device, kernels.name, blocks, cfg.block_size, self.max_model_len,
+                 self.lora_capacity.reason)
+
+    def _lora_capacity(self, targets: list) -> LoRACapacity:
+        """Resolve max_loras (``auto`` or N) into slots and pool units for this model."""
+        cfg, base = self.config, self.base
+        row_bytes = rank_row_bytes(targets, base.dtype)
+        left = lora_capacity.available_memory(base.device)
+        if base.device.type == "cuda":
+            total = torch.cuda.mem_get_info(base.device)[1]
+            left -= int(total * (1 - cfg.gpu_memory_utilization))
+        per_block = kv_bytes_per_block(base.hf_config, cfg.block_size, base.dtype)
+        min_kv = -(-self.max_model_len // cfg.block_size) * per_block
+        return lora_capacity.resolve(cfg, row_bytes, base.kernels.rank_unit, left, min_kv)
 
     # ---- requests -----------------------------------------------------------------------
     @property
@@ -173,6 +194,8 @@ class LLMEngine:
             return outputs
         seqs, tokens = self.runner.run(batch, self._adapter_slots(batch))
         self.scheduler.postprocess(batch)
+        if self.config.debug_checks:
+            self.check()
         for seq, token in zip(seqs, tokens):
             reason = self._fail_non_finite(seq) if token is None else \
                 self.outputs.append(seq, token)
@@ -249,7 +272,8 @@ class LLMEngine:
             raise InvalidRequestError(f"adapter name {name!r} is empty or the base model's")
         if weights is None:
             weights = self.read_adapter(path, name)
-        return self.lora.register(name, weights, replace=replace, pin=pin, preloaded=preloaded)
+        return self.lora.register(name, weights, replace=replace, pin=pin, preloaded=preloaded,
+                                  weights=weights)
 
     def remove_adapter(self, name: str) -> None:
         self.lora.remove(name)
@@ -270,7 +294,17 @@ class LLMEngine:
             "lora_slots_total": self.lora.max_loras,
             "lora_slots_in_use": self.lora.slots_in_use,
             "adapters_loaded": len(self.lora.names),
+            "adapters_on_device": len(self.lora.resident),
+            "adapters_in_host": self.lora.host_count,
+            "lora_pool_units_total": self.lora.pool.num_units,
+            "lora_pool_units_used": self.lora.pool.used_units,
         }
+
+    def check(self) -> None:
+        """Assert the books of the adapter cache and pool and of the KV blocks (the engine
+        runs this after every step with ``debug_checks``)."""
+        self.lora.check()
+        self.block_manager.check(self.scheduler.running)
 
     def adapters_in_use(self) -> tuple[list[str], list[str]]:
         """(running, waiting): the sorted names of adapters with a running / a waiting

@@ -1,6 +1,20 @@
 """Scheduler: continuous batching over a token budget, chunked prefill, preemption by
-recompute, and adapter admission (at most ``max_loras`` distinct adapters run at once).
-Pure Python."""
+recompute, and adapter admission (the adapter cache decides what fits on the device).
+Pure Python.
+
+Admission under a binding adapter cap:
+- each step first tells the cache the waiting queue (``look_ahead``: reads and device
+  loads start before a request reaches the head, eviction knows each adapter's next use);
+- waiting requests whose adapter is on the device (or that need none) are admitted first,
+  in arrival order, then the others, in arrival order;
+- fairness: a waiting request whose adapter is in host memory counts a step each time a
+  request that arrived after it is admitted before it (``waiting_steps``). Once it has been
+  overtaken ``starvation_steps`` times its adapter starves: until it starts, no other
+  adapter takes new room on the device, and the running adapters whose room it needs
+  (fewest running requests first) admit no new requests. So a request whose adapter is in
+  host memory waits at most K = starvation_steps + the steps left to the longest running
+  request (its remaining prompt chunks and new tokens: at most max_model_len) steps.
+"""
 
 from __future__ import annotations
 
@@ -25,6 +39,17 @@ class AdapterSlots(Protocol):
 
     def ready(self, adapter_id: int) -> bool:
         """Read from disk already: all it may lack is a slot."""
+
+    def on_device(self, adapter_id: int) -> bool:
+        """Resident on the device now."""
+
+    def look_ahead(self, queue: list[int], place: bool = True) -> None:
+        """The waiting requests' adapter ids, in queue order: start loads (onto the device
+        too, with ``place``), plan eviction."""
+
+    def drain_for(self, adapter_id: int, running: list[int]) -> set[int]:
+        """The fewest of the ``running`` adapters (in that order) that must stop admitting
+        for ``adapter_id`` to fit once their requests end."""
 
 
 @dataclass
@@ -119,23 +144,44 @@ class Scheduler:
             self.adapters.release(seq.adapter_id)
 
     def _admit_waiting(self, entries: list[tuple[Sequence, int]], budget: int) -> int:
-        allowed = self._admission_filter()
-        for seq in list(self.waiting):
+        running = Counter(s.adapter_id for s in self.running if s.adapter_id)
+        starving = self._starving_adapter(running)
+        if self.adapters is not None:  # no loads ahead onto the device while one starves
+            self.adapters.look_ahead([s.adapter_id for s in self.waiting],
+                                     place=starving is None)
+        allowed = self._admission_filter(running, starving)
+        arrival = {id(seq): i for i, seq in enumerate(self.waiting)}
+        last_admitted = -1
+        first = sorted(self.waiting, key=lambda s: (s.adapter_id != starving or not starving,
+                                                    not self._on_device(s)))
+        for seq in first:  # the starving adapter's, then on the device, then the rest
             if budget == 0 or len(self.running) >= self.max_num_seqs:
                 break
             if not allowed(seq.adapter_id):
-                seq.waiting_steps += 1
                 continue
             if seq.adapter_id and not self.adapters.acquire(seq.adapter_id):  # type: ignore[union-attr]
-                if self.adapters.ready(seq.adapter_id):  # type: ignore[union-attr]
-                    seq.waiting_steps += 1  # passed over for a slot (not waiting on the disk)
                 continue
             if not self._start(seq, budget, entries):
                 if seq.adapter_id:
                     self.adapters.release(seq.adapter_id)  # type: ignore[union-attr]
                 break  # out of blocks: keep arrival order for the rest
             budget -= entries[-1][1]
+            last_admitted = max(last_admitted, arrival[id(seq)])
+        self._count_overtaken(last_admitted, arrival)
         return budget
+
+    def _on_device(self, seq: Sequence) -> bool:
+        return not seq.adapter_id or self.adapters.on_device(seq.adapter_id)  # type: ignore[union-attr]
+
+    def _count_overtaken(self, last_admitted: int, arrival: dict[int, int]) -> None:
+        """Waiting requests that a later arrival overtook this step, while their adapter was
+        in host memory (or none was needed), count the step."""
+        for seq in self.waiting:
+            if arrival[id(seq)] > last_admitted:
+                break
+            if not seq.adapter_id or self.adapters.ready(seq.adapter_id):  # type: ignore[union-attr]
+                seq.waiting_steps += 1
+                seq.max_waiting_steps = max(seq.max_waiting_steps, seq.waiting_steps)
 
     def _start(self, seq: Sequence, budget: int, entries: list[tuple[Sequence, int]]) -> bool:
         self.blocks.match_prefix(seq)
@@ -151,21 +197,18 @@ class Scheduler:
         entries.append((seq, n))
         return True
 
-    def _admission_filter(self) -> Callable[[int], bool]:
+    def _admission_filter(self, running: Counter, starving: int | None) -> Callable[[int], bool]:
         """Which adapters' waiting requests may start now. Normally all. While an adapter
-        starves (passed over ``starvation_steps`` times for want of a slot), only it may
-        take a new slot, and the running adapter with the fewest running sequences admits
-        no new ones, so that its slot frees within one request's lifetime: a bounded wait,
-        while requests for the other running adapters keep flowing."""
-        running = Counter(s.adapter_id for s in self.running if s.adapter_id)
-        starving = self._starving_adapter(running)
+        starves (see the module docstring), only it, the base model and the running
+        adapters that need not give way for it."""
         if starving is None:
             return lambda adapter_id: True
-        drain = min(running, key=lambda a: (running[a], a)) if running else None
-        return lambda a: a in (0, starving) or (a in running and a != drain)
+        order = sorted(running, key=lambda a: (running[a], a))
+        drain = self.adapters.drain_for(starving, order)  # type: ignore[union-attr]
+        return lambda a: a in (0, starving) or (a in running and a not in drain)
 
     def _starving_adapter(self, running: Counter) -> int | None:
-        """The adapter, not running now, of the oldest waiting sequence passed over too long."""
+        """The adapter, not running now, of the oldest waiting sequence overtaken too often."""
         for seq in self.waiting:
             if (seq.adapter_id and seq.adapter_id not in running
                     and seq.waiting_steps >= self.starvation_steps):

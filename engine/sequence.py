@@ -37,7 +37,8 @@ class Sequence:
     error: str | None = None
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
-    waiting_steps: int = 0  # steps spent passed over while waiting (anti-starvation)
+    waiting_steps: int = 0  # steps overtaken while waiting (anti-starvation); 0 once running
+    max_waiting_steps: int = 0  # the most waiting_steps reached (the fairness bound's measure)
     num_preemptions: int = 0
     text: str = ""  # detokenized output (stop strings already cut)
     sent_tokens: int = 0  # output tokens already reported to the caller

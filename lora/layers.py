@@ -21,24 +21,25 @@ class LoRALinear(nn.Module):
     """``base(x) + Σ_slices expand(shrink(x, A[slot]), B[slot])`` per token, the slots read
     from the step in use (``kernels.step_metadata.current_step``).
 
-    Holds the device slot buffers of one fused linear: one A and one B per output slice
-    (q/k/v: 3, gate/up: 2, o or down: 1). Rows/columns beyond an adapter's rank are zero.
+    Holds the device weights of one fused linear: per output slice (q/k/v: 3, gate/up: 2,
+    o or down: 1) one rank-row pool for A and one for B, seen as slot buffers
+    (``KernelBackend.lora_pool``): a slot is the first pool unit of an adapter's run, and a
+    kernel reads the first ``ranks[i, slot]`` rows of it only.
     """
 
     def __init__(self, base: nn.Module, slices: tuple[str, ...], slice_sizes: list[int],
-                 max_loras: int, max_rank: int, backend: KernelBackend):
+                 num_units: int, max_rank: int, backend: KernelBackend):
         super().__init__()
         self.base = base
         self.slices = slices
         self.slice_sizes = slice_sizes
         self.backend = backend
-        in_features = base.in_features
-        dev, dtype = backend.device, backend.dtype
-        self.lora_a = [torch.zeros(max_loras, max_rank, in_features, device=dev, dtype=dtype)
-                       for _ in slices]  # each [max_loras, r_max, in]
-        self.lora_b = [backend.lora_b_buffer(max_loras, size, max_rank)
-                       for size in slice_sizes]  # each [max_loras, out_i, r_max]
-        self.ranks = torch.zeros(len(slices), max_loras, dtype=torch.int32, device=dev)
+        pools = [backend.lora_pool(num_units, max_rank, base.in_features, size)
+                 for size in slice_sizes]
+        self.lora_a = [a for a, _ in pools]  # each [num_units, r_max, in], a pool view
+        self.lora_b = [b for _, b in pools]  # each [num_units, out_i, r_max], a pool view
+        self.ranks = torch.zeros(len(slices), num_units, dtype=torch.int32,
+                                 device=backend.device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.base(x)
@@ -47,11 +48,15 @@ class LoRALinear(nn.Module):
             self.backend.add_lora(out, x, self.lora_a, self.lora_b, self.ranks, step.lora)
         return out
 
+    def pool_bytes_per_row(self) -> int:
+        """Bytes one rank row takes in this linear's pools (A and B, every slice)."""
+        per_elem = self.lora_a[0].element_size()
+        return per_elem * sum(self.base.in_features + size for size in self.slice_sizes)
+
     def set_slot(self, slot: int, weights: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Write an adapter's (A [r, in], B [out, r]) per slice name into ``slot``."""
+        """Write an adapter's (A [r, in], B [out, r]) per slice name at ``slot``; the slot's
+        run must hold the largest r. A slice the adapter lacks gets rank 0."""
         for i, name in enumerate(self.slices):
-            self.lora_a[i][slot].zero_()
-            self.lora_b[i][slot].zero_()
             pair = weights.get(name)
             rank = 0 if pair is None else pair[0].shape[0]
             if pair is not None:
@@ -59,14 +64,37 @@ class LoRALinear(nn.Module):
                 self.lora_b[i][slot, :, :rank].copy_(pair[1])
             self.ranks[i, slot] = rank
 
+    def clear_slot(self, slot: int) -> None:
+        """The slot reads as empty (rank 0); its rows are left to the next owner."""
+        self.ranks[:, slot] = 0
 
-def attach_lora(targets: Iterable[LoRATarget], max_loras: int, max_rank: int,
+    def move_slot(self, src: int, dst: int, rows: int) -> None:
+        """Copy the first ``rows`` rank rows of slot ``src`` to slot ``dst`` (dst < src, so
+        an overlapping copy reads each row before it is overwritten) and move its ranks."""
+        for i in range(len(self.slices)):
+            a, b = self.lora_a[i], self.lora_b[i]
+            a[dst, :rows].copy_(a[src, :rows].clone())
+            b[dst, :, :rows].copy_(b[src, :, :rows].clone())
+        self.ranks[:, dst] = self.ranks[:, src]
+        self.ranks[:, src] = 0
+
+
+def rank_row_bytes(targets: Iterable[LoRATarget], dtype: torch.dtype) -> int:
+    """Device bytes one rank row takes over every target's pools (A: in, B: out_i, per
+    slice): what an adapter of rank r costs on the device, × r."""
+    per_elem = torch.tensor([], dtype=dtype).element_size()
+    return per_elem * sum(len(slices) * getattr(parent, attr).in_features + sum(sizes)
+                          for _, parent, attr, slices, sizes in targets)
+
+
+def attach_lora(targets: Iterable[LoRATarget], num_units: int, max_rank: int,
                 backend: KernelBackend) -> dict[tuple[int, str], LoRALinear]:
-    """Replace every target linear (a model's ``lora_targets()``) by a LoRALinear; returns
-    them by (layer index, attribute name)."""
+    """Replace every target linear (a model's ``lora_targets()``) by a LoRALinear with pools
+    of ``num_units`` units of ``backend.rank_unit`` rank rows; returns them by (layer index,
+    attribute name)."""
     wrapped: dict[tuple[int, str], LoRALinear] = {}
     for idx, parent, attr, slices, sizes in targets:
-        lora = LoRALinear(getattr(parent, attr), slices, sizes, max_loras, max_rank, backend)
+        lora = LoRALinear(getattr(parent, attr), slices, sizes, num_units, max_rank, backend)
         setattr(parent, attr, lora)
         wrapped[(idx, attr)] = lora
     return wrapped

@@ -1,5 +1,5 @@
-"""SlotBuffers: writes an adapter's weights into (or clears) one device slot of every
-LoRALinear. The stacked per-layer buffers themselves live in the LoRALinears."""
+"""SlotBuffers: writes an adapter's weights into (or clears, or moves) one slot of every
+LoRALinear's rank-row pools. The pools themselves live in the LoRALinears."""
 
 from __future__ import annotations
 
@@ -13,6 +13,11 @@ class SlotBuffers:
     def __init__(self, layers: dict[tuple[int, str], LoRALinear]):
         self.layers = layers
 
+    @property
+    def bytes_per_rank_row(self) -> int:
+        """Device bytes of one rank row across every pool: what rank r costs, × r."""
+        return sum(layer.pool_bytes_per_row() for layer in self.layers.values())
+
     @torch.inference_mode()
     def load(self, slot: int, weights: LoRAWeights) -> None:
         for (idx, _), layer in self.layers.items():
@@ -23,4 +28,9 @@ class SlotBuffers:
     @torch.inference_mode()
     def clear(self, slot: int) -> None:
         for layer in self.layers.values():
-            layer.set_slot(slot, {})
+            layer.clear_slot(slot)
+
+    @torch.inference_mode()
+    def move(self, src: int, dst: int, rows: int) -> None:
+        for layer in self.layers.values():
+            layer.move_slot(src, dst, rows)

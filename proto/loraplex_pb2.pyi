@@ -188,7 +188,7 @@ class GetServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetServerInfoResponse(_message.Message):
-    __slots__ = ("version", "model", "served_model_name", "dtype", "device", "max_model_len", "kv_cache_tokens", "block_size", "max_num_seqs", "max_queue", "max_num_batched_tokens", "max_loras", "max_lora_rank", "max_cpu_loras", "kv_cache_memory", "gpu_memory_utilization", "vocab_size", "api_token_required", "admin_token_required", "tls", "adapter_roots", "status")
+    __slots__ = ("version", "model", "served_model_name", "dtype", "device", "max_model_len", "kv_cache_tokens", "block_size", "max_num_seqs", "max_queue", "max_num_batched_tokens", "max_loras", "max_lora_rank", "max_cpu_loras", "kv_cache_memory", "gpu_memory_utilization", "vocab_size", "api_token_required", "admin_token_required", "tls", "adapter_roots", "status", "max_loras_setting", "lora_memory", "lora_capacity")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     SERVED_MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
@@ -211,6 +211,9 @@ class GetServerInfoResponse(_message.Message):
     TLS_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_ROOTS_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
+    MAX_LORAS_SETTING_FIELD_NUMBER: _ClassVar[int]
+    LORA_MEMORY_FIELD_NUMBER: _ClassVar[int]
+    LORA_CAPACITY_FIELD_NUMBER: _ClassVar[int]
     version: str
     model: str
     served_model_name: str
@@ -233,14 +236,17 @@ class GetServerInfoResponse(_message.Message):
     tls: bool
     adapter_roots: _containers.RepeatedScalarFieldContainer[str]
     status: str
-    def __init__(self, version: _Optional[str] = ..., model: _Optional[str] = ..., served_model_name: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., max_model_len: _Optional[int] = ..., kv_cache_tokens: _Optional[int] = ..., block_size: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_queue: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., max_loras: _Optional[int] = ..., max_lora_rank: _Optional[int] = ..., max_cpu_loras: _Optional[int] = ..., kv_cache_memory: _Optional[int] = ..., gpu_memory_utilization: _Optional[float] = ..., vocab_size: _Optional[int] = ..., api_token_required: _Optional[bool] = ..., admin_token_required: _Optional[bool] = ..., tls: _Optional[bool] = ..., adapter_roots: _Optional[_Iterable[str]] = ..., status: _Optional[str] = ...) -> None: ...
+    max_loras_setting: str
+    lora_memory: int
+    lora_capacity: str
+    def __init__(self, version: _Optional[str] = ..., model: _Optional[str] = ..., served_model_name: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., max_model_len: _Optional[int] = ..., kv_cache_tokens: _Optional[int] = ..., block_size: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_queue: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., max_loras: _Optional[int] = ..., max_lora_rank: _Optional[int] = ..., max_cpu_loras: _Optional[int] = ..., kv_cache_memory: _Optional[int] = ..., gpu_memory_utilization: _Optional[float] = ..., vocab_size: _Optional[int] = ..., api_token_required: _Optional[bool] = ..., admin_token_required: _Optional[bool] = ..., tls: _Optional[bool] = ..., adapter_roots: _Optional[_Iterable[str]] = ..., status: _Optional[str] = ..., max_loras_setting: _Optional[str] = ..., lora_memory: _Optional[int] = ..., lora_capacity: _Optional[str] = ...) -> None: ...
 
 class GetStatsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class GetStatsResponse(_message.Message):
-    __slots__ = ("num_waiting", "num_running", "num_in_flight", "kv_blocks_total", "kv_blocks_used", "prefix_cache_hits", "prefix_cache_queries", "num_adapters", "requests_total", "lora_slots_total", "lora_slots_in_use", "adapters_loaded")
+    __slots__ = ("num_waiting", "num_running", "num_in_flight", "kv_blocks_total", "kv_blocks_used", "prefix_cache_hits", "prefix_cache_queries", "num_adapters", "requests_total", "lora_slots_total", "lora_slots_in_use", "adapters_loaded", "adapters_on_device", "adapters_in_host", "lora_pool_units_total", "lora_pool_units_used")
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
@@ -253,6 +259,10 @@ class GetStatsResponse(_message.Message):
     LORA_SLOTS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     LORA_SLOTS_IN_USE_FIELD_NUMBER: _ClassVar[int]
     ADAPTERS_LOADED_FIELD_NUMBER: _ClassVar[int]
+    ADAPTERS_ON_DEVICE_FIELD_NUMBER: _ClassVar[int]
+    ADAPTERS_IN_HOST_FIELD_NUMBER: _ClassVar[int]
+    LORA_POOL_UNITS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    LORA_POOL_UNITS_USED_FIELD_NUMBER: _ClassVar[int]
     num_waiting: int
     num_running: int
     num_in_flight: int
@@ -265,4 +275,8 @@ class GetStatsResponse(_message.Message):
     lora_slots_total: int
     lora_slots_in_use: int
     adapters_loaded: int
-    def __init__(self, num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_in_flight: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., num_adapters: _Optional[int] = ..., requests_total: _Optional[int] = ..., lora_slots_total: _Optional[int] = ..., lora_slots_in_use: _Optional[int] = ..., adapters_loaded: _Optional[int] = ...) -> None: ...
+    adapters_on_device: int
+    adapters_in_host: int
+    lora_pool_units_total: int
+    lora_pool_units_used: int
+    def __init__(self, num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_in_flight: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., num_adapters: _Optional[int] = ..., requests_total: _Optional[int] = ..., lora_slots_total: _Optional[int] = ..., lora_slots_in_use: _Optional[int] = ..., adapters_loaded: _Optional[int] = ..., adapters_on_device: _Optional[int] = ..., adapters_in_host: _Optional[int] = ..., lora_pool_units_total: _Optional[int] = ..., lora_pool_units_used: _Optional[int] = ...) -> None: ...

@@ -153,6 +153,7 @@ def _log_capacity(engine: LLMEngine, options: ServerOptions) -> None:
     log.info("serving %s (%s on %s%s)", info["model"], info["dtype"], info["device"],
              f", alias {info['served_model_name']!r}" if info["served_model_name"] else "")
     log.info("capacity: %s", " ".join(f"{k}={info[k]}" for k in knobs))
+    log.info("LoRA capacity: %s", info["lora_capacity"])
 
 
 async def serve(options: ServerOptions, engine: EngineSource) -> None:

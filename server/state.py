@@ -78,7 +78,7 @@ class ServerState:
         self.engine = engine
         self.loop = asyncio.get_running_loop()
         self.model_name = base_model_id(engine.engine, self.options)
-        self.metrics.bind(self.model_name, engine.engine.config.max_loras)
+        self.metrics.bind(self.model_name, engine.engine.lora_capacity.max_loras)
         engine.engine.adapter_load_observers.append(self.metrics.adapter_loaded)
         loop = self.loop
 

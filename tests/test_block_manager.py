@@ -116,6 +116,16 @@ class FakeSlots:
     def ready(self, adapter_id: int) -> bool:
         return adapter_id not in self.on_disk
 
+    def on_device(self, adapter_id: int) -> bool:
+        return adapter_id in self.runners
+
+    def look_ahead(self, queue: list[int], place: bool = True) -> None:
+        pass
+
+    def drain_for(self, adapter_id: int, running: list[int]) -> set[int]:
+        """One slot per adapter: the first running one gives way when all slots are held."""
+        return set(running[:1]) if len(self.runners) >= self.capacity else set()
+
 
 def run_with_traffic(starvation_steps: int, steps: int) -> tuple[Scheduler, Sequence, list]:
     """Two slots held by adapters 1 and 2, which get a new request every step; adapter 3
