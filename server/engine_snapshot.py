@@ -13,6 +13,7 @@ from ..engine.llm_engine import LLMEngine
 TIER_OF_STATE = {"ON_DEVICE": "device", "ON_CPU": "host", "LOADING": "disk", "ON_DISK": "disk",
                  "FAILED": "failed"}
 TIERS = ("device", "host", "disk", "failed")
+LOOKUP_TIERS = ("device", "host", "disk")  # where a request found its adapter
 
 
 @dataclass(frozen=True)
@@ -23,6 +24,8 @@ class EngineSnapshot:
     running_adapters: tuple[str, ...] = ()  # sorted, unique; the base model is not listed
     waiting_adapters: tuple[str, ...] = ()
     adapters_per_tier: dict[str, int] = field(default_factory=dict)  # every TIERS key
+    # requests by where their adapter was when they arrived (device, host, disk), ever
+    adapter_lookups: dict[str, int] = field(default_factory=dict)
 
 
 def take_snapshot(engine: LLMEngine) -> EngineSnapshot:
@@ -35,4 +38,5 @@ def take_snapshot(engine: LLMEngine) -> EngineSnapshot:
         num_running=stats["num_running"], num_waiting=stats["num_waiting"],
         kv_cache_usage=stats["kv_blocks_used"] / total if total else 0.0,
         running_adapters=tuple(running), waiting_adapters=tuple(waiting),
-        adapters_per_tier={t: tiers.get(t, 0) for t in TIERS})
+        adapters_per_tier={t: tiers.get(t, 0) for t in TIERS},
+        adapter_lookups={t: engine.lora.counts[f"lookups_{t}"] for t in LOOKUP_TIERS})

@@ -15,7 +15,7 @@ import time
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from ..engine.output_processor import RequestOutput
-from .engine_snapshot import TIERS, EngineSnapshot
+from .engine_snapshot import LOOKUP_TIERS, TIERS, EngineSnapshot
 
 # vLLM's buckets (vllm/v1/metrics/loggers.py)
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
@@ -81,6 +81,11 @@ class ServerMetrics:
         self.adapters_resident = Gauge(
             "loraplex:adapters_resident", "Registered adapters by the tier they are in "
             "(device, host, disk; failed = the last reload failed).", (*M, "tier"), registry=r)
+        self.adapter_lookups = Counter(
+            "loraplex:adapter_lookups", "Requests for an adapter by the tier it was found in "
+            "when they arrived (device, host, disk): the adapter cache's hit rate per tier.",
+            (*M, "tier"), registry=r)
+        self._lookups_seen: dict[str, int] = {}
 
     def bind(self, model_name: str, max_loras: int) -> None:
         """Name the served model (the ``model_name`` label) and create every labelled
@@ -93,6 +98,8 @@ class ServerMetrics:
             self.success.labels(model_name, reason)
         for tier in LOAD_TIERS:
             self.adapter_load.labels(model_name, tier)
+        for tier in LOOKUP_TIERS:
+            self.adapter_lookups.labels(model_name, tier)
         self.refresh(EngineSnapshot(adapters_per_tier={t: 0 for t in TIERS}))
 
     # ---- requests -----------------------------------------------------------------------
@@ -114,6 +121,10 @@ class ServerMetrics:
         self.kv_usage.labels(name).set(snap.kv_cache_usage)
         for tier, count in snap.adapters_per_tier.items():
             self.adapters_resident.labels(name, tier).set(count)
+        for tier in LOOKUP_TIERS:  # the engine counts; the counter takes the increase
+            count = snap.adapter_lookups.get(tier, 0)
+            self.adapter_lookups.labels(name, tier).inc(count - self._lookups_seen.get(tier, 0))
+            self._lookups_seen[tier] = count
         self.lora_info.clear()
         self.lora_info.labels(str(self.max_loras), ",".join(snap.waiting_adapters),
                               ",".join(snap.running_adapters)).set(time.time())
