@@ -87,6 +87,8 @@ def test_unservable_adapter_config_is_usage_error_before_loading(capsys, tmp_pat
     (["--max-num-seqs", "0"], "max_num_seqs=0"),
     (["--gpu-memory-utilization", "1.5"], "gpu_memory_utilization=1.5"),
     (["--max-loras", "4", "--max-cpu-loras", "2"], "max_cpu_loras=2"),
+    (["--max-loras", "some"], "'some' is neither 'auto' nor a positive integer"),
+    (["--lora-memory", "lots"], "'lots' is not a size"),
     (["--port", "70000"], "port=70000"),
     (["--kv-cache-memory", "4XB"], "'4XB' is not a size"),
     (["--dtype", "int4"], "invalid choice: 'int4'"),
@@ -115,10 +117,13 @@ def test_every_contract_flag_exists() -> None:
                  "--max-model-len", "--dtype", "--device", "--host", "--port", "--max-queue",
                  "--kv-cache-memory", "--gpu-memory-utilization", "--served-model-name",
                  "--admin-token", "--api-token", "--adapter-root", "--ssl-certfile",
-                 "--ssl-keyfile", "--ssl-ca-certs"):
+                 "--ssl-keyfile", "--ssl-ca-certs", "--lora-memory"):
         assert flag in text, flag
     args = build_parser().parse_args(["serve"])
     assert (args.host, args.port) == ("127.0.0.1", 50051)
+    assert (args.max_loras, args.lora_memory) == ("auto", None)
+    args = build_parser().parse_args(["serve", "--max-loras", "8", "--lora-memory", "1GiB"])
+    assert (args.max_loras, args.lora_memory) == (8, 1 << 30)
 
 
 def test_admin_token_from_environment(monkeypatch) -> None:

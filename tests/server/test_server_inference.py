@@ -85,6 +85,10 @@ def test_server_info_reports_capacity(client: Client, server: Any) -> None:
     assert info.served_model_name == ALIAS and info.status == "SERVING"
     assert info.vocab_size == 384 and info.dtype == "float32" and info.device == "cpu"
     assert not info.tls and not info.api_token_required and not info.admin_token_required
+    cap = engine.lora_capacity  # what --max-loras resolved to, and why
+    assert info.max_loras == cap.max_loras and info.lora_memory == cap.pool_bytes > 0
+    assert info.max_loras_setting == str(engine.config.max_loras)
+    assert info.lora_capacity == cap.reason and str(info.max_loras) in info.lora_capacity
 
 
 # ---- outputs -----------------------------------------------------------------------------
