@@ -298,7 +298,7 @@ class AdapterCache:
         if units > spare_units or len(self.resident) - len(victims) >= self.max_loras:
             return False
         while len(self.resident) >= self.max_loras or self.pool.free_units < units:
-            self._evict_device(victims.pop(0))
+            self._evict_device(victims.pop(self._best_victim(victims, units)))
         first = self.pool.allocate(units)
         if first is None:  # enough free units, but scattered
             self._compact()
@@ -320,6 +320,14 @@ class AdapterCache:
         if evict_for is not None:
             idle = [v for v in idle if self.next_use.get(v.adapter_id, _NEVER) > evict_for]
         return sorted(idle, key=lambda v: (-self.next_use.get(v.adapter_id, _NEVER), v.last_used))
+
+    def _best_victim(self, victims: list[_Adapter], units: int) -> int:
+        """The first victim (in eviction order) whose run, freed, leaves a hole that fits
+        ``units``, so that no compaction is needed; else the first."""
+        for i, v in enumerate(victims):
+            if self.pool.hole_if_freed(v.slot) >= units:  # type: ignore[arg-type]
+                return i
+        return 0
 
     def _evict_device(self, a: _Adapter) -> None:
         if a.slot is not None:

@@ -66,6 +66,13 @@ class RankPool:
                 return start
         return None
 
+    def hole_if_freed(self, first: int) -> int:
+        """The length of the free stretch that freeing the run at ``first`` would leave."""
+        end = first + self.runs[first]
+        before = max((f + u for f, u in self.runs.items() if f + u <= first), default=0)
+        after = min((f for f in self.runs if f >= end), default=self.num_units)
+        return after - before
+
     def free(self, first: int) -> None:
         del self.runs[first]
 
