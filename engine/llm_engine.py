@@ -14,14 +14,14 @@ from tqdm import tqdm
 
 from ..lora.cache import AdapterCache, AdapterInfo
 from ..lora.layers import attach_lora, rank_row_bytes
-from ..lora.rank_pool import RankPool
 from ..lora.peft_format import BaseShapes, LoRAWeights, read_peft_adapter
+from ..lora.rank_pool import RankPool
 from ..lora.slots import SlotBuffers
+from . import lora_capacity
 from .base_model import BaseModel, load_base_model
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .errors import AdapterNotFoundError, InvalidRequestError
-from . import lora_capacity
 from .lora_capacity import LoRACapacity
 from .model_runner import ModelRunner, kv_bytes_per_block, num_kv_blocks
 from .output_processor import OutputProcessor, RequestOutput

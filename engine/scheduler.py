@@ -152,9 +152,9 @@ class Scheduler:
         allowed = self._admission_filter(running, starving)
         arrival = {id(seq): i for i, seq in enumerate(self.waiting)}
         last_admitted = -1
-        first = sorted(self.waiting, key=lambda s: (s.adapter_id != starving or not starving,
+        order = sorted(self.waiting, key=lambda s: (starving is None or s.adapter_id != starving,
                                                     not self._on_device(s)))
-        for seq in first:  # the starving adapter's, then on the device, then the rest
+        for seq in order:  # the starving adapter's, then those on the device, then the rest
             if budget == 0 or len(self.running) >= self.max_num_seqs:
                 break
             if not allowed(seq.adapter_id):

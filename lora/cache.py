@@ -216,9 +216,9 @@ class AdapterCache:
                 if reads > 0 and a.loading is None and a.error is None:
                     a.loading = self._loader.submit(self._timed_read, a.name, a.path)
                     reads -= 1
-            elif place and a.slot is None and device_loads < self.look_ahead_loads:
-                if self._place(a, evict_for=self.next_use[adapter_id]):
-                    device_loads += 1
+            elif (place and a.slot is None and device_loads < self.look_ahead_loads
+                  and self._place(a, evict_for=self.next_use[adapter_id])):
+                device_loads += 1
 
     def _read_room(self) -> int:
         """Reads that may start now: free readers, and room in the host tier counting the

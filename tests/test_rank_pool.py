@@ -103,7 +103,7 @@ def resident_now(cache: AdapterCache, ids: dict[str, int], name: str) -> bool:
 
 
 def test_a_rank_8_adapter_takes_8_rows_and_mixed_ranks_share_the_pool():
-    cache, device, ids = make_cache(units=24, max_loras=8, max_cpu=8,
+    cache, _, ids = make_cache(units=24, max_loras=8, max_cpu=8,
                                     ranks={"r8": 8, "r4": 4, "r12": 12, "r16": 16})
     for name in ("r8", "r4", "r12"):
         assert resident_now(cache, ids, name)
