@@ -8,7 +8,7 @@ PORT ?= 50051
 HTTP_PORT ?= 8000
 PYTEST_ARGS ?=
 
-.PHONY: venv kernels serve test bench soak clean
+.PHONY: venv kernels serve test bench bench-scale soak clean
 
 venv: $(STAMP)
 
@@ -35,6 +35,12 @@ test: kernels
 # the serving benchmark with its baselines (~15 min on 2 cores): bench/results/<date>.{json,md,png}
 bench: kernels
 	$(PY) -m loraplex.bench.run_all $(BENCH_ARGS)
+
+# the scale benchmark (~20 min on 2 cores): 8 to 1,000 registered adapters at a fixed
+# Poisson rate, bench/results/<date>-scale.{json,md,png}; BENCH_ARGS="--max-loras 16,32
+# --ns 8,64 --num-prompts 20" for a short one
+bench-scale: kernels
+	$(PY) -m loraplex.bench.scale $(BENCH_ARGS)
 
 # Churn soak against a real server (~5 minutes): SOAK_ARGS="--duration 60" for a short one.
 soak: kernels

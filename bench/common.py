@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import random
+import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
 
+MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
 ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -18,29 +20,60 @@ def default_model_dir() -> Path:
     return ensure_default_model()
 
 
-def make_random_adapters(base_dir: Path, n: int, root: Path, rank: int = 8,
-                         seed: int = 0) -> dict[str, Path]:
-    """``n`` PEFT adapters of rank ``rank`` on all seven targets, random non-zero A and B.
-    Made once and kept under ``root``."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    paths = {f"bench{i:03d}": root / f"bench{i:03d}-r{rank}" for i in range(n)}
-    missing = [p for p in paths.values() if not (p / "adapter_model.safetensors").is_file()]
+def make_random_adapters(base_dir: Path, n: int, root: Path, rank: int = 8, seed: int = 0,
+                         targets: Sequence[str] = ALL_TARGETS) -> dict[str, Path]:
+    """``n`` PEFT adapters (``bench000``, ``bench001``, ...) of rank ``rank`` on ``targets``,
+    random non-zero A and B (normal, std 0.02; float32). Made once and kept under ``root``:
+    one dir per adapter, named after its rank (and its targets, unless all seven)."""
+    tag = "" if list(targets) == ALL_TARGETS else "-" + "-".join(t.removesuffix("_proj")
+                                                                 for t in targets)
+    paths = {f"bench{i:03d}": root / f"bench{i:03d}-r{rank}{tag}" for i in range(n)}
+    missing = [(i, p) for i, p in enumerate(paths.values())
+               if not (p / "adapter_model.safetensors").is_file()]
     if missing:
-        base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
-        config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=ALL_TARGETS,
-                            lora_dropout=0.0, task_type="CAUSAL_LM")
-        model = get_peft_model(base, config)
-        for i, path in enumerate(paths.values()):
-            if path in missing:
-                torch.manual_seed(seed + i)
-                with torch.no_grad():
-                    for name, p in model.named_parameters():
-                        if "lora_" in name:
-                            p.normal_(0.0, 0.02)
-                model.save_pretrained(path)
+        write = _adapter_writer(base_dir, rank, targets)
+        for i, path in missing:
+            write(path, seed + i)
     return paths
+
+
+def _adapter_writer(base_dir: Path, rank: int, targets: Sequence[str]
+                    ) -> Callable[[Path, int], None]:
+    """Writes a PEFT dir as ``get_peft_model(...).save_pretrained`` would (PEFT's own
+    adapter_config.json, the same tensor names), without building a PEFT model for each."""
+    from peft import LoraConfig
+    from safetensors.torch import save_file
+    from transformers import AutoConfig
+
+    from ..lora.peft_format import BaseShapes
+
+    shapes = BaseShapes.from_hf_config(AutoConfig.from_pretrained(base_dir), str(base_dir))
+    config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=list(targets),
+                        lora_dropout=0.0, task_type="CAUSAL_LM",
+                        base_model_name_or_path=str(base_dir))
+    config.inference_mode = True
+    def key(layer: int, target: str) -> str:
+        parent = "mlp" if target in MLP_TARGETS else "self_attn"
+        return f"base_model.model.model.layers.{layer}.{parent}.{target}"
+
+    keys = [(key(layer, t), *shapes.modules[t])
+            for layer in range(shapes.num_layers) for t in targets]
+
+    def write(path: Path, seed: int) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        tensors = {}
+        for key, d_in, d_out in keys:
+            tensors[f"{key}.lora_A.weight"] = torch.randn(rank, d_in, generator=gen) * 0.02
+            tensors[f"{key}.lora_B.weight"] = torch.randn(d_out, rank, generator=gen) * 0.02
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.mkdir(parents=True, exist_ok=True)
+        config.save_pretrained(str(tmp))
+        save_file(tensors, tmp / "adapter_model.safetensors", metadata={"format": "pt"})
+        if path.exists():  # an unfinished dir of an earlier run
+            shutil.rmtree(path)
+        tmp.rename(path)
+
+    return write
 
 
 def random_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:

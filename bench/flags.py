@@ -3,28 +3,44 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
+
+T = TypeVar("T")
+
+
+def _values(text: str, convert: Callable[[str], T], kind: str, ok: Callable[[T], bool],
+            rule: str) -> list[T]:
+    """Comma-separated values of one kind; at least one, each passing ``ok``."""
+    try:
+        values = [convert(x.strip()) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give comma-separated {kind}") from None
+    if not values or not all(ok(v) for v in values):
+        raise argparse.ArgumentTypeError(f"{text!r}: {rule}")
+    return values
 
 
 def int_list(text: str) -> list[int]:
     """``"1,2,4"`` -> [1, 2, 4] (each >= 1)."""
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: give comma-separated integers") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: give integers >= 1, e.g. 1,2,4,8")
-    return values
+    return _values(text, int, "integers", lambda v: v >= 1, "give integers >= 1, e.g. 1,2,4,8")
 
 
 def float_list(text: str) -> list[float]:
-    try:
-        values = [float(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: give comma-separated numbers") from None
-    if not values or not all(0 < v <= 100 for v in values):
-        raise argparse.ArgumentTypeError(f"{text!r}: percentiles lie in (0, 100]")
-    return values
+    """Percentiles: ``"50,99"`` -> [50.0, 99.0] (each in (0, 100])."""
+    return _values(text, float, "numbers", lambda v: 0 < v <= 100,
+                   "percentiles lie in (0, 100]")
+
+
+def positive_float_list(text: str) -> list[float]:
+    """``"1,0.3"`` -> [1.0, 0.3] (each > 0)."""
+    return _values(text, float, "numbers", lambda v: v > 0, "give numbers > 0, e.g. 1,0.3")
+
+
+def str_list(text: str) -> list[str]:
+    """``"auto, 16"`` -> ["auto", "16"] (at least one)."""
+    return _values(text, str, "values", bool, "give comma-separated values, e.g. auto,16")
 
 
 def length_range(text: str) -> tuple[int, int]:

@@ -24,7 +24,6 @@ import datetime as dt
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -38,6 +37,7 @@ import grpc
 from ..client import MULTIPLEXED_MODEL_ID, AsyncClient, Client, generate_request
 from ..proto import loraplex_pb2_grpc as pb_grpc
 from .common import default_model_dir, machine_line, make_random_adapters
+from .server_process import free_port
 from .serving import SweepPlan, plan_runs, run_all, warmups_for
 
 TRAILER = "loraplex-replica"
@@ -65,16 +65,10 @@ class Server:
     log: Path
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_server(label: str, flags: list[str], adapters: dict[str, Path], wl: Workload,
                  threads: int, log_dir: Path) -> Server:
     """``loraplex serve`` with ``flags``, every adapter registered; returns once SERVING."""
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "loraplex.cli", "serve", "--port", str(port),
            "--max-loras", str(wl.max_loras), "--max-cpu-loras", str(wl.max_cpu_loras),
            "--lora-modules", *(f"{n}={p}" for n, p in adapters.items()), *flags]

@@ -1,6 +1,6 @@
 """Benchmark reports: markdown tables and PNG plots (matplotlib, Agg) from a results dict.
 
-A results dict is ``{"title", "config": {...}, "runs": [run, ...], ...}`` where each run is
+A results dict is ``{"title", "config": {...}, "runs": [run, ...], "sections"?, ...}`` where each run is
 what ``serving.measure`` returns (``label``, ``num_adapters``, ``max_concurrency``,
 ``metrics``, ``per_adapter``, ``requests``).
 """
@@ -8,7 +8,7 @@ what ``serving.measure`` returns (``label``, ``num_adapters``, ``max_concurrency
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -16,11 +16,11 @@ import numpy as np
 LATENCIES = (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL"), ("e2el_ms", "E2EL"))
 
 
-def _f(x: float | None, digits: int = 1) -> str:
+def fmt(x: float | None, digits: int = 1) -> str:
     return "-" if x is None else f"{x:,.{digits}f}"
 
 
-def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+def table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(row) + " |" for row in rows]
     return "\n".join(lines)
@@ -35,14 +35,14 @@ def runs_table(runs: Sequence[dict]) -> str:
     for run in runs:
         m = run["metrics"]
         rows.append([run["label"], str(run["num_adapters"]), str(run["max_concurrency"] or "∞"),
-                     f"{m['completed']}/{m['failed']}", _f(m["request_throughput"], 2),
-                     _f(m["output_throughput"]), _f(m["total_token_throughput"]),
-                     _f(m["ttft_ms"]["mean"]), _f(m["ttft_ms"]["median"]),
-                     _f(m["ttft_ms"].get("p99")), _f(m["tpot_ms"]["mean"]),
-                     _f(m["tpot_ms"]["median"]), _f(m["tpot_ms"].get("p99")),
-                     _f(m["itl_ms"]["median"]), _f(m["e2el_ms"]["median"]),
-                     _f(m["e2el_ms"].get("p99")), _f(m.get("goodput"), 2)])
-    return _table(header, rows)
+                     f"{m['completed']}/{m['failed']}", fmt(m["request_throughput"], 2),
+                     fmt(m["output_throughput"]), fmt(m["total_token_throughput"]),
+                     fmt(m["ttft_ms"]["mean"]), fmt(m["ttft_ms"]["median"]),
+                     fmt(m["ttft_ms"].get("p99")), fmt(m["tpot_ms"]["mean"]),
+                     fmt(m["tpot_ms"]["median"]), fmt(m["tpot_ms"].get("p99")),
+                     fmt(m["itl_ms"]["median"]), fmt(m["e2el_ms"]["median"]),
+                     fmt(m["e2el_ms"].get("p99")), fmt(m.get("goodput"), 2)])
+    return table(header, rows)
 
 
 def sweep_table(runs: Sequence[dict]) -> str:
@@ -50,21 +50,21 @@ def sweep_table(runs: Sequence[dict]) -> str:
     header = ["concurrency", "adapters", "req/s", "out tok/s", "TTFT p50", "TTFT p99",
               "TPOT p50", "TPOT p99"]
     rows = [[str(r["max_concurrency"] or "∞"), str(r["num_adapters"]),
-             _f(r["metrics"]["request_throughput"], 2), _f(r["metrics"]["output_throughput"]),
-             _f(r["metrics"]["ttft_ms"]["median"]), _f(r["metrics"]["ttft_ms"].get("p99")),
-             _f(r["metrics"]["tpot_ms"]["median"]), _f(r["metrics"]["tpot_ms"].get("p99"))]
+             fmt(r["metrics"]["request_throughput"], 2), fmt(r["metrics"]["output_throughput"]),
+             fmt(r["metrics"]["ttft_ms"]["median"]), fmt(r["metrics"]["ttft_ms"].get("p99")),
+             fmt(r["metrics"]["tpot_ms"]["median"]), fmt(r["metrics"]["tpot_ms"].get("p99"))]
             for r in runs]
-    return _table(header, rows)
+    return table(header, rows)
 
 
 def adapter_table(run: dict, limit: int = 12) -> str:
     """The busiest ``limit`` adapters of a run (\"\" shows as (base))."""
     items = sorted(run["per_adapter"].items(), key=lambda kv: -kv[1]["completed"])[:limit]
-    rows = [[name or "(base)", str(m["completed"] + m["failed"]), _f(m["output_throughput"]),
-             _f(m["ttft_ms"]["median"]), _f(m["ttft_ms"].get("p99")),
-             _f(m["tpot_ms"]["median"]), _f(m["e2el_ms"]["median"])]
+    rows = [[name or "(base)", str(m["completed"] + m["failed"]), fmt(m["output_throughput"]),
+             fmt(m["ttft_ms"]["median"]), fmt(m["ttft_ms"].get("p99")),
+             fmt(m["tpot_ms"]["median"]), fmt(m["e2el_ms"]["median"])]
             for name, m in items]
-    return _table(["adapter", "requests", "out tok/s", "TTFT p50", "TTFT p99", "TPOT p50",
+    return table(["adapter", "requests", "out tok/s", "TTFT p50", "TTFT p99", "TPOT p50",
                    "E2EL p50"], rows)
 
 
@@ -99,27 +99,41 @@ def plot_cdfs(runs: Sequence[dict], path: Path) -> Path:
 
 
 def plot_vs_adapters(runs: Sequence[dict], path: Path,
-                     extra: Sequence[tuple[str, float]] = ()) -> Path | None:
-    """Output throughput and TTFT (p50, p99) against the number of adapters; ``extra`` adds
-    horizontal reference lines (label, tok/s), e.g. base-only and PEFT. None if < 2 counts."""
-    by_n = {r["num_adapters"]: r for r in runs if r["num_adapters"] > 0}  # 0: base only
-    if len(by_n) < 2:
+                     extra: Sequence[tuple[str, float]] = (),
+                     series: Callable[[dict], str] | None = None,
+                     ttft: Sequence[str] = ("median", "p99")) -> Path | None:
+    """Output throughput and TTFT (``ttft``: "median", "p99", ...) against the number of
+    adapters; ``extra`` adds horizontal reference lines (label, tok/s), e.g. base-only and
+    PEFT; ``series`` names the line a run belongs to (one line per name, one colour each).
+    None if fewer than two adapter counts."""
+    groups: dict[str, list[dict]] = {}
+    for r in runs:
+        if r["num_adapters"] > 0:  # 0: base only
+            groups.setdefault(series(r) if series else "", []).append(r)
+    if len({r["num_adapters"] for g in groups.values() for r in g}) < 2:
         return None
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    ns = sorted(by_n)
-    m = [by_n[n]["metrics"] for n in ns]
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
-    left.plot(ns, [x["output_throughput"] for x in m], "o-", label="loraplex, n adapters")
+    for i, (name, group) in enumerate(groups.items()):
+        by_n = {r["num_adapters"]: r for r in group}
+        ns = sorted(by_n)
+        m = [by_n[n]["metrics"] for n in ns]
+        color = f"C{i}" if series else None
+        left.plot(ns, [x["output_throughput"] for x in m], "o-", color=color,
+                  label=name or "loraplex, n adapters")
+        for q, style in zip(ttft, ("o-", "s--", "^:")):
+            q_name = "p50" if q == "median" else q
+            right.plot(ns, [x["ttft_ms"].get(q, np.nan) for x in m], style, color=color,
+                       label=f"{name} TTFT {q_name}".strip())
     for label, tps in extra:
         left.axhline(tps, ls="--", lw=1, color="C1" if "PEFT" in label else "C2", label=label)
+    ns = sorted({r["num_adapters"] for g in groups.values() for r in g})
     left.set(title="output throughput", xlabel="adapters", ylabel="tokens/s", xscale="log",
              ylim=(0, None))
-    right.plot(ns, [x["ttft_ms"]["median"] for x in m], "o-", label="TTFT p50")
-    right.plot(ns, [x["ttft_ms"].get("p99", np.nan) for x in m], "s--", label="TTFT p99")
     right.set(title="time to first token", xlabel="adapters", ylabel="ms", xscale="log",
               ylim=(0, None))
     for ax in (left, right):
@@ -144,6 +158,8 @@ def markdown(result: dict, plots: Sequence[Path] = ()) -> str:
     legend = ("Latencies in ms (TTFT, TPOT = (E2EL − TTFT)/(output − 1), ITL, E2EL), "
               "throughputs per second, as in vLLM benchmark_serving.")
     parts += [legend, "", runs_table(runs), ""]
+    for title, text in result.get("sections", []):
+        parts += [f"## {title}", "", text, ""]
     if len({r["max_concurrency"] for r in runs}) > 1:
         parts += ["## Concurrency sweep", "", sweep_table(runs), ""]
     for plot in plots:
@@ -154,13 +170,18 @@ def markdown(result: dict, plots: Sequence[Path] = ()) -> str:
 
 
 def write(result: dict, out_dir: Path, stem: str,
-          extra_lines: Sequence[tuple[str, float]] = ()) -> dict[str, Path]:
-    """``<stem>.json``, ``<stem>.md`` and the PNG plots under ``out_dir``; their paths."""
+          extra_lines: Sequence[tuple[str, float]] = (),
+          series: Callable[[dict], str] | None = None,
+          ttft: Sequence[str] = ("median", "p99")) -> dict[str, Path]:
+    """``<stem>.json``, ``<stem>.md`` and the PNG plots under ``out_dir``; their paths.
+    ``result["sections"]`` ([title, markdown] pairs) follow the runs table; ``series`` and
+    ``ttft`` go to ``plot_vs_adapters``."""
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = {"json": out_dir / f"{stem}.json", "markdown": out_dir / f"{stem}.md"}
     paths["json"].write_text(json.dumps(result, indent=1))
     plots = [plot_cdfs(result["runs"], out_dir / f"{stem}-latency-cdf.png")]
-    vs = plot_vs_adapters(result["runs"], out_dir / f"{stem}-vs-adapters.png", extra_lines)
+    vs = plot_vs_adapters(result["runs"], out_dir / f"{stem}-vs-adapters.png", extra_lines,
+                          series, ttft)
     if vs is not None:
         plots.append(vs)
     for p in plots:

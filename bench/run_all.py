@@ -26,23 +26,20 @@ import datetime as dt
 import json
 import os
 import platform
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
-from ..client import AsyncClient, Client
+from ..client import AsyncClient
 from . import report
 from .common import default_model_dir, make_random_adapters
 from .flags import int_list
 from .lora_overhead import peft_tps
+from .server_process import served
 from .serving import RunOptions, RunSpec, SweepPlan, measure, plan_runs, warm_up
 from .workload import WorkloadSpec, synthetic, warmup_requests
 
@@ -52,50 +49,6 @@ PEFT_AT = 8  # the adapter count whose requests PEFT replays (its cost grows wit
 SERVER_KNOBS = ["--dtype", "float32", "--device", "cpu", "--max-loras", "16",
                 "--max-cpu-loras", "64", "--max-lora-rank", "8", "--max-num-seqs", "64",
                 "--max-num-batched-tokens", "512", "--max-model-len", "512"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextmanager
-def served(model_dir: Path, adapters: dict[str, Path], log_path: Path) -> Iterator[str]:
-    """A ``loraplex serve`` subprocess (so the load client does not share its GIL), SERVING
-    on a free port; SIGTERM and wait on exit. Yields HOST:PORT."""
-    port = _free_port()
-    cmd = [sys.executable, "-m", "loraplex.cli", "serve", "--model", str(model_dir),
-           "--port", str(port), "--log-level", "WARNING", *SERVER_KNOBS]
-    if adapters:
-        cmd += ["--lora-modules", *(f"{n}={p}" for n, p in adapters.items())]
-    with open(log_path, "ab") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    target = f"127.0.0.1:{port}"
-    try:
-        with Client(target) as c:
-            _wait_serving(c, proc, log_path)
-        yield target
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
-def _wait_serving(client: Client, proc: subprocess.Popen, log_path: Path) -> None:
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"loraplex serve exited with {proc.returncode}; see {log_path}")
-        try:
-            client.wait_until_serving(timeout=2.0)
-            return
-        except TimeoutError:
-            continue
-    raise RuntimeError(f"loraplex serve not SERVING after 600 s; see {log_path}")
 
 
 async def _measure_all(target: str, runs: Sequence[RunSpec], vocab: int, seed: int) -> list[dict]:
@@ -182,9 +135,9 @@ def main(argv: list[str] | None = None) -> int:
 
     lora_runs = _plan(args, names, vocab, args.seed, counts)
     base = _base_run(args, vocab, args.seed + len(lora_runs))
-    with served(model_dir, adapters, log) as target:
+    with served(model_dir, adapters, log, SERVER_KNOBS) as target:
         measured = asyncio.run(_measure_all(target, lora_runs, vocab, args.seed + 100))
-    with served(model_dir, {}, log) as target:
+    with served(model_dir, {}, log, SERVER_KNOBS) as target:
         base_measured = asyncio.run(_measure_all(target, [base], vocab, args.seed + 101))[0]
     peft_run = lora_runs[counts.index(PEFT_AT) if PEFT_AT in counts else -1]
     peft = _peft(model_dir, adapters, peft_run, args.peft_prompts, args.peft_output_len)
