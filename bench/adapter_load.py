@@ -1,6 +1,6 @@
 """The cost of loading one adapter from disk into host memory, against the cost of its bytes.
 
-    python -m loraplex.bench.adapter_load [--n 8] [--rounds 5] [--profile]
+    python -m loraplex.bench.adapter_load [--n 8] [--rounds 5] [--threads 1] [--profile]
 
 Writes ``--n`` random PEFT adapters (rank 8; q/k/v/o, and all seven targets) for the
 embedded SmolLM2-135M's shapes (taken from its config.json when the model is converted,
@@ -9,10 +9,13 @@ over adapters x rounds, page cache warm: every file is read once before timing):
 
 - ``open().read()``: the file's bytes into a Python ``bytes`` object;
 - ``load_file``: ``safetensors.torch.load_file``, the file's tensors as they are stored;
-- ``read_peft_adapter``: the engine's disk -> host load (checked, float32, B scaled).
+- ``inspect_peft_adapter``: registration's checks, config and header only (``methods``);
+- ``read_peft_adapter``: the engine's disk -> host load (checked, float32, B scaled), with
+  and without the ``meta`` of registration.
 
 Prints the ISA and dtype first, MB per adapter (the file, and float32 as held) and MB/s of
-file bytes. ``--profile`` adds a cProfile of ``read_peft_adapter`` (all targets, bf16).
+file bytes. One torch thread unless ``--threads``: the loader thread runs beside the
+engine's step. ``--profile`` adds a cProfile of ``read_peft_adapter`` (all targets, bf16).
 """
 
 from __future__ import annotations
@@ -33,7 +36,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ..lora.peft_checks import MODULE_PARENT
-from ..lora.peft_format import BaseShapes, read_peft_adapter
+from ..lora.peft_files import PARSED
+from ..lora.peft_format import BaseShapes, inspect_peft_adapter, read_peft_adapter
 from .common import ALL_TARGETS, machine_line
 
 RANK = 8
@@ -85,35 +89,48 @@ def raw_read(path: Path) -> bytes:
         return f.read()
 
 
-def median_ms(fn: Callable[[Path], object], paths: list[Path], rounds: int) -> float:
-    samples = []
-    for _ in range(rounds):
-        for p in paths:
-            start = time.perf_counter()
-            fn(p)
-            samples.append(time.perf_counter() - start)
-    return statistics.median(samples) * 1e3
-
-
-def methods(base: BaseShapes) -> dict[str, Callable[[Path], object]]:
+def methods(base: BaseShapes, paths: list[Path]) -> dict[str, Callable[[Path], object]]:
+    """What is timed: the bytes' costs, then inspect and read. ``inspect`` with nothing
+    cached parses both files; ``read_peft_adapter`` inspects (the parses cached, as after
+    registration) and loads; given the registered ``meta`` it only loads."""
+    metas = {p: inspect_peft_adapter(p, base, RANK) for p in paths}
     return {
         "open().read()": raw_read,
         "load_file": lambda p: load_file(p / "adapter_model.safetensors"),
+        "inspect, nothing cached": lambda p: (PARSED.clear(), inspect_peft_adapter(p, base, RANK)),
+        "inspect, parses cached": lambda p: inspect_peft_adapter(p, base, RANK),
         "read_peft_adapter": lambda p: read_peft_adapter(p, base, RANK),
+        "read_peft_adapter(meta=)": lambda p: read_peft_adapter(p, base, RANK, meta=metas[p]),
     }
 
 
+def median_ms(fns: dict[str, Callable[[Path], object]], paths: list[Path],
+              rounds: int) -> dict[str, float]:
+    """Median ms of each fn over paths x rounds, the fns interleaved (a slow spell of a
+    shared machine hits all of them)."""
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(rounds):
+        for p in paths:
+            for name, fn in fns.items():
+                start = time.perf_counter()
+                fn(p)
+                samples[name].append(time.perf_counter() - start)
+    return {name: statistics.median(s) * 1e3 for name, s in samples.items()}
+
+
 def bench_case(base: BaseShapes, paths: list[Path], rounds: int) -> list[str]:
+    """Table rows: ms, MB/s of file bytes (loads only), ratio to load_file, MB."""
     for p in paths:  # warm the page cache (and every code path)
         raw_read(p)
         read_peft_adapter(p, base, RANK)
     file_mb = (paths[0] / "adapter_model.safetensors").stat().st_size / 1e6
     held_mb = sum(a.nbytes + b.nbytes for a, b in read_peft_adapter(paths[0], base, RANK)
                   .layers.values()) / 1e6
-    times = {name: median_ms(fn, paths, rounds) for name, fn in methods(base).items()}
-    ref = times["load_file"]
-    return [f"| {name} | {ms:.2f} | {file_mb / ms * 1e3:.0f} | {ms / ref:.2f}x |"
-            f" {file_mb:.2f} | {held_mb:.2f} |" for name, ms in times.items()]
+    times = median_ms(methods(base, paths), paths, rounds)
+    return [f"| {name} | {ms:.2f} | "
+            f"{'-' if name.startswith('inspect') else f'{file_mb / ms * 1e3:.0f}'} | "
+            f"{ms / times['load_file']:.2f}x | {file_mb:.2f} | {held_mb:.2f} |"
+            for name, ms in times.items()]
 
 
 def profile_read(base: BaseShapes, path: Path) -> str:
@@ -133,8 +150,11 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
     ap.add_argument("--targets", nargs="+", default=list(TARGET_SETS), choices=list(TARGET_SETS))
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads (1: the loader thread runs beside the engine's step)")
     ap.add_argument("--profile", action="store_true")
     args = ap.parse_args()
+    torch.set_num_threads(args.threads)
 
     base = smollm2_shapes()
     root = Path(tempfile.mkdtemp(prefix="loraplex-adapter-load-"))
