@@ -144,6 +144,12 @@ def test_reads_every_float_dtype_as_float32(ad: Path, llama: BaseShapes, a_dtype
         assert torch.equal(b, stored[f"{key}.lora_B.weight"].float() * scale)
 
 
+def test_huge_finite_values_are_read(ad: Path, llama: BaseShapes) -> None:
+    """Finite values whose sum overflows to Inf: the one-sum check looks closer, finds none."""
+    edit_tensors(ad, lambda t: t[f"{Q0}.lora_A.weight"].fill_(3e38))
+    assert torch.all(read_peft_adapter(ad, llama, 8).layers[(0, "q_proj")][0] == 3e38)
+
+
 def test_threads_inspect_and_read_at_once(good: Path, llama: BaseShapes, tmp_path: Path) -> None:
     """Eight threads through a cache smaller than the files they read: the results of one."""
     dirs = [Path(shutil.copytree(good, tmp_path / f"a{i}")) for i in range(4)]
