@@ -1,4 +1,5 @@
-"""The checks on a PEFT ``adapter_config.json``: what of it the engine can serve, and where.
+"""The checks on a PEFT ``adapter_config.json`` (what of it the engine can serve, and where)
+and on the tensors its safetensors header lists (names, pairs, shapes, dtypes).
 
 Matching follows PEFT itself: ``target_modules`` and ``layers_to_transform`` go through
 ``peft.tuners.tuners_utils.check_target_module_exists`` and ``rank_pattern`` /
@@ -44,6 +45,12 @@ _UNSERVABLE_FIELDS = {
 }
 
 Plan = dict[tuple[int, str], tuple[int, float]]  # (layer, module) -> (r, alpha)
+TensorKeys = dict[tuple[int, str], dict[str, str]]  # (layer, module) -> {"A": key, "B": key}
+Header = dict[str, tuple[str, tuple[int, ...]]]  # tensor name -> (safetensors dtype, shape)
+FLOAT_DTYPES = ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2")  # read as float32
+# the names PEFT saves: <prefix>.layers.<i>.<parent>.<module>.lora_A|B[.<adapter name>].weight
+_LORA_NAME = re.compile(r"((?:(?!lora_)[^.]*\.)*)layers\.([0-9]+)\.([^.]+)\.([^.]+)"
+                        r"\.lora_([AB])(?:\.([^.]+))?\.weight")
 
 
 class AdapterError(ValueError):
@@ -179,3 +186,92 @@ def scaling(r: int, alpha: float, use_rslora: bool) -> float:
 
 def _shown(targets: object) -> object:
     return sorted(targets) if isinstance(targets, (set, frozenset)) else targets
+
+
+# ---- the tensors of the safetensors header ------------------------------------------------------
+
+
+def index_tensors(names: list[str], where: Path) -> TensorKeys:
+    """Group the file's tensor names by (layer, module); every name must be a LoRA A or B."""
+    if not any(".lora_" in n for n in names):
+        raise AdapterError(f"{where} holds no LoRA tensors (found {sorted(names)[:5]}); expected "
+                           "names like base_model.model.model.layers.0.self_attn.q_proj"
+                           ".lora_A.weight")
+    keys: TensorKeys = {}
+    infixes: set[str | None] = set()
+    for tensor in names:
+        layer, module, ab, infix = parse_name(tensor, where)
+        infixes.add(infix)
+        if ab in keys.setdefault((layer, module), {}):
+            raise AdapterError(f"{where}: tensors {keys[(layer, module)][ab]!r} and {tensor!r} "
+                               "are both lora_" + ab + f" of {module_key(layer, module)}")
+        keys[(layer, module)][ab] = tensor
+    if len(infixes) > 1:
+        raise AdapterError(f"{where} mixes adapter names {sorted(map(str, infixes))}; "
+                           "one adapter per file")
+    return keys
+
+
+def parse_name(tensor: str, where: Path) -> tuple[int, str, str, str | None]:
+    """``...layers.3.mlp.up_proj.lora_B[.default].weight`` -> (3, "up_proj", "B", "default")."""
+    m = _LORA_NAME.fullmatch(tensor)
+    if m and m[4] in MODULE_PARENT and MODULE_PARENT[m[4]] == m[3]:  # the common case, at once
+        return int(m[2]), m[4], m[5], m[6]
+    parts = tensor.split(".")
+    i = next((i for i, p in enumerate(parts) if p.startswith("lora_")), None)
+    if i is None:
+        raise AdapterError(f"{where}: tensor {tensor!r} is not a LoRA weight (a modules_to_save "
+                           "or base weight?); only lora_A / lora_B weights are allowed")
+    kind, rest, module = parts[i], parts[i + 1:], parts[i - 1] if i else ""
+    if module not in ALL_NAMES:
+        raise AdapterError(f"{where}: tensor {tensor!r} adapts {module!r}, which the engine "
+                           f"cannot wrap; {SUPPORTED}")
+    if kind not in ("lora_A", "lora_B") or rest[-1:] != ["weight"] or len(rest) > 2:
+        raise AdapterError(f"{where}: tensor {tensor!r} is not a lora_A / lora_B weight (DoRA "
+                           "magnitudes and LoRA biases are not supported)")
+    path = parts[:i]
+    if len(path) < 4 or path[-4] != "layers" or not path[-3].isdigit() \
+            or path[-2] != MODULE_PARENT[module]:
+        raise AdapterError(f"{where}: tensor {tensor!r} is not under layers.<i>."
+                           f"{MODULE_PARENT[module]}.{module} of the decoder")
+    return int(path[-3]), module, kind[-1], rest[0] if len(rest) == 2 else None
+
+
+def check_pairs(keys: TensorKeys, plan: Plan, num_layers: int, where: Path) -> None:
+    """Layer in range, both halves present, and targeted by adapter_config.json."""
+    for (layer, module), ab in sorted(keys.items()):
+        some = next(iter(ab.values()))
+        if layer >= num_layers:
+            raise AdapterError(f"{where}: tensor {some!r} is for layer {layer}, but the base model "
+                               f"has {num_layers} layers (0..{num_layers - 1})")
+        for have, lack in (("A", "B"), ("B", "A")):
+            if have in ab and lack not in ab:
+                raise AdapterError(f"{where}: tensor {ab[have]!r} has no matching lora_{lack}; "
+                                   "every module needs both lora_A and lora_B")
+        if (layer, module) not in plan:
+            raise AdapterError(f"{where}: tensor {some!r} adapts {module_key(layer, module)}, "
+                               "which adapter_config.json does not target (target_modules / "
+                               "layers_to_transform)")
+
+
+def check_shapes(header: Header, keys: TensorKeys, plan: Plan,
+                 modules: dict[str, tuple[int, int]], where: Path) -> None:
+    """A is [r, in] and B is [out, r] with r from the config and (in, out) from the base."""
+    for (layer, module), ab in sorted(keys.items()):
+        r = plan[(layer, module)][0]
+        d_in, d_out = modules[module]
+        for half, want in (("A", (r, d_in)), ("B", (d_out, r))):
+            found = header[ab[half]][1]
+            if found != want:
+                raise AdapterError(f"{where}: tensor {ab[half]!r} has shape {list(found)}, "
+                                   f"expected {list(want)} (r={r} from adapter_config.json, "
+                                   f"{module} of the base is in={d_in}, out={d_out})")
+
+
+def check_dtypes(header: Header, keys: TensorKeys, where: Path) -> None:
+    for _, ab in sorted(keys.items()):
+        for tensor in ab.values():
+            dtype = header[tensor][0]
+            if dtype not in FLOAT_DTYPES:
+                raise AdapterError(f"{where}: tensor {tensor!r} has dtype {dtype}; LoRA weights "
+                                   f"must be floating point ({', '.join(FLOAT_DTYPES)})")

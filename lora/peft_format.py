@@ -1,4 +1,6 @@
-"""Read and validate a PEFT LoRA adapter directory into float32 A / scaled-B tensors.
+"""Inspect and read a PEFT LoRA adapter directory: its metadata from the config and the
+safetensors header alone (``inspect_peft_adapter``), its weights as float32 A / scaled-B
+tensors (``read_peft_adapter``, which inspects first).
 
 A servable adapter directory holds ``adapter_config.json`` (peft_type LORA) and
 ``adapter_model.safetensors`` whose tensors are ``<prefix>.layers.<i>.self_attn|mlp.<module>
@@ -7,6 +9,10 @@ A servable adapter directory holds ``adapter_config.json`` (peft_type LORA) and
 (``.bin``/``.pt``/``.pth``) are refused and never unpickled. The (layer, module) pairs served
 are the ones present in the file; each must be targeted by the config, a targeted pair
 without tensors is left out (as PEFT with its default init, where B starts at zero).
+
+Inspecting checks everything but the values: the config (PEFT's LoraConfig), the base model
+rule below, tensor names, pairs, shapes against the base, dtypes and ranks against
+max_lora_rank. Reading adds what needs the values: every one must be finite.
 
 Base model rule: ``base_model_name_or_path`` refuses the adapter only when both sides can
 be compared, i.e. it names a local directory (other than the served base) whose
@@ -17,36 +23,41 @@ exist here, or a config that cannot be read is not an error: the tensor shapes a
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+import dataclasses
+from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
-from safetensors import safe_open
 
 from .peft_checks import (
-    ALL_NAMES,
     LORA_TARGETS,
-    MODULE_PARENT,
-    SUPPORTED,
     AdapterError,
-    Plan,
+    check_dtypes,
+    check_pairs,
     check_servable,
-    module_key,
+    check_shapes,
+    index_tensors,
     plan_modules,
-    read_lora_config,
-    scaling,
 )
+from .peft_files import (
+    CONFIG_NAME,
+    PARSED,
+    ContentKey,
+    config_key,
+    lora_config,
+    safetensors_header,
+)
+from .tensor_layout import StaleLayout, TensorLayout
 
 if TYPE_CHECKING:
     import transformers
 
-__all__ = ["LORA_TARGETS", "AdapterError", "BaseShapes", "LoRAWeights", "read_peft_adapter"]
+__all__ = ["LORA_TARGETS", "AdapterError", "AdapterMeta", "BaseShapes", "LoRAWeights",
+           "inspect_peft_adapter", "read_peft_adapter"]
 
 WEIGHTS_NAME = "adapter_model.safetensors"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
-
-TensorKeys = dict[tuple[int, str], dict[str, str]]  # (layer, module) -> {"A": key, "B": key}
 
 
 @dataclass(frozen=True)
@@ -90,39 +101,100 @@ class BaseShapes:
                 if f.name != "name_or_path" and getattr(self, f.name) != getattr(other, f.name)]
 
 
-@dataclass
-class LoRAWeights:
+@dataclass(frozen=True)
+class AdapterMeta:
+    """An inspected adapter: what registering it needs, from its config and safetensors
+    header (no tensor data read)."""
+
     name: str
-    path: Path
+    path: Path  # the adapter dir, as given
     rank: int  # the largest rank of any module
+    ranks: dict[tuple[int, str], int]  # (layer, module) -> r, for the pairs in the file, sorted
+    target_modules: list[str]  # sorted subset of the base's modules actually present
+    size_bytes: int  # bytes of A and B as read_peft_adapter holds them (float32)
+    file_bytes: int  # bytes of adapter_model.safetensors
+    dtypes: tuple[str, ...]  # safetensors dtypes of the stored weights, sorted: ("BF16",)
     lora_alpha: float
     use_rslora: bool
-    target_modules: list[str]  # sorted subset of the base's modules actually present
+    base_model_name_or_path: str | None
+    layout: TensorLayout = field(repr=False, compare=False)  # where the tensors lie
+    config: ContentKey = field(repr=False, compare=False)  # of the adapter_config.json read
+
+
+@dataclass
+class LoRAWeights:
+    """An adapter read into host memory: its metadata and its float32 tensors."""
+
+    meta: AdapterMeta
     # (layer_idx, "q_proj") -> (A [r, in] float32, B [out, r] float32, scaling multiplied in)
     layers: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
-    size_bytes: int  # bytes of the safetensors file
-    base_model_name_or_path: str | None
+
+    name = property(lambda self: self.meta.name)
+    path = property(lambda self: self.meta.path)
+    rank = property(lambda self: self.meta.rank)
+    target_modules = property(lambda self: self.meta.target_modules)
+    size_bytes = property(lambda self: self.meta.size_bytes)
+    lora_alpha = property(lambda self: self.meta.lora_alpha)
+    use_rslora = property(lambda self: self.meta.use_rslora)
+    base_model_name_or_path = property(lambda self: self.meta.base_model_name_or_path)
 
 
-def read_peft_adapter(path: str | Path, base: BaseShapes, max_lora_rank: int,
-                      name: str = "") -> LoRAWeights:
-    """Read the PEFT LoRA dir at ``path`` for ``base``; AdapterError says what is wrong."""
+def inspect_peft_adapter(path: str | Path, base: BaseShapes, max_lora_rank: int,
+                         name: str = "") -> AdapterMeta:
+    """Check the PEFT LoRA dir at ``path`` for ``base`` without reading tensor data;
+    AdapterError says what is wrong. Parses go through ``peft_files.PARSED``."""
     adapter_dir = _adapter_dir(path)
-    config = read_lora_config(adapter_dir)
+    config_read = _config_key(adapter_dir)  # before parsing: a later change is one read_ sees
+    config = lora_config(adapter_dir)
     check_servable(config, adapter_dir)
     _check_same_base(config.base_model_name_or_path, base, adapter_dir)
     plan = plan_modules(config, base.num_layers, max_lora_rank, adapter_dir,
                         tuple(base.modules))
     weights_file = _weights_file(adapter_dir)
-    layers = _read_layers(weights_file, plan, base, config.use_rslora)
-    return LoRAWeights(
-        name=name or adapter_dir.name, path=adapter_dir,
-        rank=max(plan[pair][0] for pair in layers), lora_alpha=float(config.lora_alpha),
+    header = safetensors_header(weights_file)
+    keys = index_tensors(list(header.tensors), weights_file)
+    check_pairs(keys, plan, base.num_layers, weights_file)
+    check_shapes(header.tensors, keys, plan, base.modules, weights_file)
+    check_dtypes(header.tensors, keys, weights_file)
+    layout = TensorLayout.of(header, keys, plan, base.modules, bool(config.use_rslora))
+    return AdapterMeta(
+        name=name or adapter_dir.name, path=adapter_dir, rank=max(layout.ranks.values()),
+        ranks=layout.ranks, target_modules=sorted({m for _, m in layout.ranks}),
+        size_bytes=layout.held_bytes, file_bytes=header.file_bytes,
+        dtypes=tuple(sorted(set(layout.dtypes))), lora_alpha=float(config.lora_alpha),
         use_rslora=bool(config.use_rslora),
-        target_modules=sorted({m for _, m in layers}),
-        layers=layers, size_bytes=weights_file.stat().st_size,
-        base_model_name_or_path=config.base_model_name_or_path,
-    )
+        base_model_name_or_path=config.base_model_name_or_path, layout=layout, config=config_read)
+
+
+def read_peft_adapter(path: str | Path, base: BaseShapes, max_lora_rank: int,
+                      name: str = "", meta: AdapterMeta | None = None) -> LoRAWeights:
+    """Read the PEFT LoRA dir at ``path`` for ``base``: inspect it, then load its tensors
+    (AdapterError says what is wrong). ``meta``, from ``inspect_peft_adapter`` of the same
+    ``path``, stands for the inspection while neither file has changed since."""
+    name = name or (meta.name if meta is not None else "")
+    if meta is None or meta.path != Path(path) or _config_key(meta.path) != meta.config:
+        meta = inspect_peft_adapter(path, base, max_lora_rank, name)
+    elif name != meta.name:
+        meta = dataclasses.replace(meta, name=name)
+    try:
+        layers = _load(meta)
+    except StaleLayout:  # the weights changed since ``meta``: once more, from the top
+        meta = inspect_peft_adapter(path, base, max_lora_rank, name)
+        layers = _load(meta)
+    return LoRAWeights(meta, layers)
+
+
+def _load(meta: AdapterMeta) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
+    weights_file = meta.path / WEIGHTS_NAME
+    return meta.layout.load(weights_file, lambda: index_tensors(
+        list(safetensors_header(weights_file).tensors), weights_file))
+
+
+def _config_key(adapter_dir: Path) -> ContentKey | None:
+    try:
+        return config_key(adapter_dir / CONFIG_NAME)
+    except OSError:
+        return None  # missing: inspecting says so
 
 
 def _adapter_dir(path: str | Path) -> Path:
@@ -143,18 +215,25 @@ def _check_same_base(trained_on: str | None, base: BaseShapes, where: Path) -> N
     if Path(base.name_or_path).exists() and Path(trained_on).resolve() == Path(
             base.name_or_path).resolve():
         return
-    try:
-        from transformers import AutoConfig
-
-        other = BaseShapes.from_hf_config(
-            AutoConfig.from_pretrained(trained_on, local_files_only=True), trained_on)
-    except Exception:  # noqa: BLE001  # unreadable or not Llama-like: cannot tell
-        return
-    diffs = base.differences(other)
+    other = PARSED.get("base_shapes", Path(trained_on) / "config.json", config_key, _base_shapes)
+    diffs = base.differences(other) if other is not None else []
     if diffs:
         raise AdapterError(f"{where}: adapter was trained on base model {trained_on!r}, which "
                            f"differs from the served base {base.name_or_path!r} (served vs "
                            f"trained: {'; '.join(diffs)}); serve it with its own base model")
+
+
+def _base_shapes(config_json: Path) -> BaseShapes | None:
+    """The shapes of the model dir holding ``config_json``; None if unreadable or not
+    Llama-like (then nothing can be compared)."""
+    try:
+        from transformers import AutoConfig
+
+        model_dir = str(config_json.parent)
+        return BaseShapes.from_hf_config(
+            AutoConfig.from_pretrained(model_dir, local_files_only=True), model_dir)
+    except Exception:  # noqa: BLE001
+        return None
 
 
 def _weights_file(adapter_dir: Path) -> Path:
@@ -169,110 +248,3 @@ def _weights_file(adapter_dir: Path) -> Path:
     if path.stat().st_size == 0:
         raise AdapterError(f"{path} is empty (0 bytes); it must be a safetensors file")
     return path
-
-
-def _read_layers(weights_file: Path, plan: Plan, base: BaseShapes,
-                 use_rslora: bool) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
-    """Index, check and load every (layer, module) pair of the file; B is pre-scaled."""
-    try:
-        with safe_open(str(weights_file), framework="pt", device="cpu") as f:
-            keys = _index_tensors(list(f.keys()), weights_file)
-            _check_pairs(keys, plan, base, weights_file)
-            _check_shapes(f, keys, plan, base, weights_file)
-            layers = {}
-            for pair, ab in sorted(keys.items()):
-                r, alpha = plan[pair]
-                a = _load(f, ab["A"], weights_file)
-                b = _load(f, ab["B"], weights_file) * scaling(r, alpha, use_rslora)
-                layers[pair] = (a, b)
-            return layers
-    except AdapterError:
-        raise
-    except Exception as exc:  # SafetensorError and friends: truncated, bad header, bad offsets
-        raise AdapterError(f"{weights_file} is not a readable safetensors file (truncated or "
-                           f"corrupt?): {exc}") from exc
-
-
-def _index_tensors(names: list[str], where: Path) -> TensorKeys:
-    """Group the file's tensor names by (layer, module); every name must be a LoRA A or B."""
-    if not any(".lora_" in n for n in names):
-        raise AdapterError(f"{where} holds no LoRA tensors (found {sorted(names)[:5]}); expected "
-                           "names like base_model.model.model.layers.0.self_attn.q_proj"
-                           ".lora_A.weight")
-    keys: TensorKeys = {}
-    infixes: set[str | None] = set()
-    for tensor in names:
-        layer, module, ab, infix = _parse_name(tensor, where)
-        infixes.add(infix)
-        if ab in keys.setdefault((layer, module), {}):
-            raise AdapterError(f"{where}: tensors {keys[(layer, module)][ab]!r} and {tensor!r} "
-                               "are both lora_" + ab + f" of {module_key(layer, module)}")
-        keys[(layer, module)][ab] = tensor
-    if len(infixes) > 1:
-        raise AdapterError(f"{where} mixes adapter names {sorted(map(str, infixes))}; "
-                           "one adapter per file")
-    return keys
-
-
-def _parse_name(tensor: str, where: Path) -> tuple[int, str, str, str | None]:
-    """``...layers.3.mlp.up_proj.lora_B[.default].weight`` -> (3, "up_proj", "B", "default")."""
-    parts = tensor.split(".")
-    i = next((i for i, p in enumerate(parts) if p.startswith("lora_")), None)
-    if i is None:
-        raise AdapterError(f"{where}: tensor {tensor!r} is not a LoRA weight (a modules_to_save "
-                           "or base weight?); only lora_A / lora_B weights are allowed")
-    kind, rest, module = parts[i], parts[i + 1:], parts[i - 1] if i else ""
-    if module not in ALL_NAMES:
-        raise AdapterError(f"{where}: tensor {tensor!r} adapts {module!r}, which the engine "
-                           f"cannot wrap; {SUPPORTED}")
-    if kind not in ("lora_A", "lora_B") or rest[-1:] != ["weight"] or len(rest) > 2:
-        raise AdapterError(f"{where}: tensor {tensor!r} is not a lora_A / lora_B weight (DoRA "
-                           "magnitudes and LoRA biases are not supported)")
-    path = parts[:i]
-    if len(path) < 4 or path[-4] != "layers" or not path[-3].isdigit() \
-            or path[-2] != MODULE_PARENT[module]:
-        raise AdapterError(f"{where}: tensor {tensor!r} is not under layers.<i>."
-                           f"{MODULE_PARENT[module]}.{module} of the decoder")
-    return int(path[-3]), module, kind[-1], rest[0] if len(rest) == 2 else None
-
-
-def _check_pairs(keys: TensorKeys, plan: Plan, base: BaseShapes, where: Path) -> None:
-    """Layer in range, both halves present, and targeted by adapter_config.json."""
-    for (layer, module), ab in sorted(keys.items()):
-        some = next(iter(ab.values()))
-        if layer >= base.num_layers:
-            raise AdapterError(f"{where}: tensor {some!r} is for layer {layer}, but the base model "
-                               f"has {base.num_layers} layers (0..{base.num_layers - 1})")
-        for have, lack in (("A", "B"), ("B", "A")):
-            if have in ab and lack not in ab:
-                raise AdapterError(f"{where}: tensor {ab[have]!r} has no matching lora_{lack}; "
-                                   "every module needs both lora_A and lora_B")
-        if (layer, module) not in plan:
-            raise AdapterError(f"{where}: tensor {some!r} adapts {module_key(layer, module)}, "
-                               "which adapter_config.json does not target (target_modules / "
-                               "layers_to_transform)")
-
-
-def _check_shapes(f: Any, keys: TensorKeys, plan: Plan, base: BaseShapes, where: Path) -> None:
-    """A is [r, in] and B is [out, r] with r from the config and (in, out) from the base."""
-    for (layer, module), ab in sorted(keys.items()):
-        r = plan[(layer, module)][0]
-        d_in, d_out = base.modules[module]
-        for half, want in (("A", [r, d_in]), ("B", [d_out, r])):
-            found = list(f.get_slice(ab[half]).get_shape())
-            if found != want:
-                raise AdapterError(f"{where}: tensor {ab[half]!r} has shape {found}, expected "
-                                   f"{want} (r={r} from adapter_config.json, {module} of the base "
-                                   f"is in={d_in}, out={d_out})")
-
-
-def _load(f: Any, tensor: str, where: Path) -> torch.Tensor:
-    t = f.get_tensor(tensor)
-    if not t.is_floating_point():
-        raise AdapterError(f"{where}: tensor {tensor!r} has dtype {t.dtype}; LoRA weights must "
-                           "be floating point")
-    t = t.to(torch.float32, copy=True).contiguous()  # own memory: get_tensor maps the file
-    if not torch.isfinite(t).all():
-        raise AdapterError(f"{where}: tensor {tensor!r} holds NaN or Inf values; all LoRA "
-                           "weights must be finite")
-    return t

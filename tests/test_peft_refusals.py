@@ -1,20 +1,39 @@
 """lora/peft_format.py refuses broken adapter directories, each with a message naming the
-problem: config, tensors, files, pickles (never unpickled), paths, another base model."""
+problem: config, tensors, files, pickles (never unpickled), paths, another base model.
+Inspecting refuses each with the same message as reading, except the values (NaN, Inf),
+which only reading sees."""
 
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
-from loraplex.lora.peft_format import AdapterError, BaseShapes, read_peft_adapter
+from loraplex.lora.peft_format import (
+    AdapterError,
+    BaseShapes,
+    inspect_peft_adapter,
+    read_peft_adapter,
+)
 from safetensors.torch import load_file
 
 from tests.adapter_dirs import Q0, V1, edit_config, edit_tensors
 
 # ---- refusals -----------------------------------------------------------------------------------
+
+
+def refused(path: Path, base: BaseShapes, max_lora_rank: int = 16) -> str:
+    """The AdapterError message for ``path``: inspecting and reading refuse it alike."""
+    with pytest.raises(AdapterError) as at_inspect:
+        inspect_peft_adapter(path, base, max_lora_rank)
+    with pytest.raises(AdapterError) as at_read:
+        read_peft_adapter(path, base, max_lora_rank)
+    assert str(at_read.value) == str(at_inspect.value)
+    return str(at_read.value)
+
 
 
 def _pickle_bomb(marker: Path) -> object:
@@ -69,10 +88,9 @@ CONFIG_REFUSALS = {  # adapter_config.json changes -> fragment of the message
 def test_refuses_config(ad: Path, llama: BaseShapes, case: str) -> None:
     changes, fragment = CONFIG_REFUSALS[case]
     edit_config(ad, **changes)
-    with pytest.raises(AdapterError) as err:
-        read_peft_adapter(ad, llama, max_lora_rank=16)
-    assert fragment in str(err.value)
-    assert str(ad) in str(err.value)
+    message = refused(ad, llama)
+    assert fragment in message
+    assert str(ad) in message
 
 
 TENSOR_REFUSALS = {  # safetensors edits -> fragment of the message (all name the tensor)
@@ -96,8 +114,6 @@ TENSOR_REFUSALS = {  # safetensors edits -> fragment of the message (all name th
                     "'base_model.model.lm_head.weight' is not a LoRA weight"),
     "dora_magnitude": (lambda t: _put(t, f"{Q0}.lora_magnitude_vector", torch.ones(64)),
                        "is not a lora_A / lora_B weight"),
-    "nan": (_poison(float("nan")), f"'{Q0}.lora_B.weight' holds NaN or Inf"),
-    "inf": (_poison(float("-inf")), f"'{Q0}.lora_B.weight' holds NaN or Inf"),
     "int_dtype": (lambda t: _put(t, f"{Q0}.lora_A.weight", torch.ones(8, 64, dtype=torch.int32)),
                   "must be floating point"),
     "mixed_names": (lambda t: _put(t, f"{Q0}.lora_A.other.weight", t.pop(f"{Q0}.lora_A.weight")),
@@ -112,9 +128,15 @@ TENSOR_REFUSALS = {  # safetensors edits -> fragment of the message (all name th
 def test_refuses_tensors(ad: Path, llama: BaseShapes, case: str) -> None:
     fn, fragment = TENSOR_REFUSALS[case]
     edit_tensors(ad, fn)
-    with pytest.raises(AdapterError) as err:
+    assert fragment in refused(ad, llama)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("-inf")])
+def test_refuses_nonfinite_values_when_read(ad: Path, llama: BaseShapes, value: float) -> None:
+    edit_tensors(ad, _poison(value))
+    inspect_peft_adapter(ad, llama, max_lora_rank=16)  # the header is fine
+    with pytest.raises(AdapterError, match=rf"'{Q0}.lora_B.weight' holds NaN or Inf"):
         read_peft_adapter(ad, llama, max_lora_rank=16)
-    assert fragment in str(err.value)
 
 
 def _truncate(ad: Path) -> None:
@@ -150,9 +172,7 @@ FILE_REFUSALS = {  # breaks the directory -> fragment of the message
 def test_refuses_files(ad: Path, llama: BaseShapes, case: str) -> None:
     breaker, fragment = FILE_REFUSALS[case]
     breaker(ad)
-    with pytest.raises(AdapterError) as err:
-        read_peft_adapter(ad, llama, max_lora_rank=16)
-    assert fragment in str(err.value)
+    assert fragment in refused(ad, llama)
 
 
 @pytest.mark.parametrize("suffix", [".bin", ".pt", ".pth"])
@@ -162,9 +182,8 @@ def test_refuses_pickle_without_unpickling(ad: Path, llama: BaseShapes, tmp_path
     weights = load_file(ad / "adapter_model.safetensors")
     (ad / "adapter_model.safetensors").unlink()
     torch.save({"bomb": _pickle_bomb(marker), **weights}, ad / f"adapter_model{suffix}")
-    with pytest.raises(AdapterError, match=rf"only pickle weights \['adapter_model\{suffix}'\]"
-                                           r".*never loads"):
-        read_peft_adapter(ad, llama, max_lora_rank=16)
+    assert re.search(rf"only pickle weights \['adapter_model\{suffix}'\].*never loads",
+                     refused(ad, llama))
     assert not marker.exists()
 
 
@@ -174,13 +193,11 @@ def test_refuses_bad_paths(ad: Path, llama: BaseShapes, tmp_path: Path) -> None:
     cases = {tmp_path / "missing": "does not exist", dangling: "is a dangling symlink",
              ad / "adapter_config.json": "is a file, not a directory"}
     for path, fragment in cases.items():
-        with pytest.raises(AdapterError, match=fragment):
-            read_peft_adapter(path, llama, max_lora_rank=16)
+        assert fragment in refused(path, llama)
 
 
 def test_refuses_a_different_local_base(ad: Path, llama: BaseShapes,
                                         tiny_models: Callable[[str], Path]) -> None:
     edit_config(ad, base_model_name_or_path=str(tiny_models("qwen3")))
-    with pytest.raises(AdapterError, match="differs from the served base") as err:
-        read_peft_adapter(ad, llama, max_lora_rank=16)
-    assert "model_type: llama vs qwen3" in str(err.value)
+    message = refused(ad, llama)
+    assert "differs from the served base" in message and "model_type: llama vs qwen3" in message

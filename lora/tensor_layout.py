@@ -1,0 +1,139 @@
+"""TensorLayout: where an adapter's A and B tensors lie in its safetensors file, and how they
+become the float32 A and scaled B the engine holds.
+
+It is built from the header alone (``peft_format.inspect_peft_adapter``); ``load`` then costs
+about what the bytes cost: one read of the file's data section into a buffer of its own, one
+conversion to float32 when the file holds one dtype (the usual case; a file that mixes dtypes
+is converted tensor by tensor), A and B as views of that buffer, one sum to check that every
+value is finite (only a non-finite sum looks further, to name the tensor), and the B views
+multiplied by their scaling in place (one call).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from array import array
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .peft_checks import AdapterError, Plan, TensorKeys, scaling
+from .peft_files import ITEMSIZE, ContentKey, SafetensorsHeader, content_key
+
+Pair = tuple[int, str]  # (layer, module)
+Layers = dict[Pair, tuple[torch.Tensor, torch.Tensor]]  # -> (A [r, in], B [out, r]), float32
+
+_PAIRS: dict[Pair, Pair] = {}  # one tuple per (layer, module) seen, held by every layout
+TORCH_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
+                "BF16": torch.bfloat16, "F8_E4M3": torch.float8_e4m3fn,
+                "F8_E5M2": torch.float8_e5m2}  # peft_checks.FLOAT_DTYPES
+
+
+@dataclass(frozen=True)
+class TensorLayout:
+    """Per (layer, module), in sorted order: rank, where A and B start (bytes after
+    ``data_start``) and B's scaling. Shapes follow: A [r, in], B [out, r] with the base's
+    (in, out) of the module (``dims``)."""
+
+    ranks: dict[Pair, int]  # sorted by pair; the order of the arrays below
+    dims: dict[str, tuple[int, int]]  # module -> (in, out) of the base
+    a_at: array  # 'q', per pair
+    b_at: array  # 'q', per pair
+    scales: array  # 'd', per pair
+    dtypes: tuple[str, ...]  # the file's one dtype, or (A's, B's) of every pair in turn
+    data_start: int
+    data_bytes: int
+    header: ContentKey  # of the header this layout was built from
+
+    @classmethod
+    def of(cls, header: SafetensorsHeader, keys: TensorKeys, plan: Plan,
+           dims: dict[str, tuple[int, int]], use_rslora: bool) -> TensorLayout:
+        """The layout of checked tensors: ``keys`` index ``header`` (dtypes floating) and
+        every pair is in ``plan``."""
+        at, offset = {}, 0
+        for name, (dtype, shape) in header.tensors.items():  # back to back, in file order
+            at[name] = offset
+            offset += ITEMSIZE[dtype] * math.prod(shape)
+        pairs = [_PAIRS.setdefault(p, p) for p in sorted(keys)]  # shared by every adapter
+        per_tensor = [header.tensors[keys[p][h]][0] for p in pairs for h in "AB"]
+        return cls(
+            ranks={p: plan[p][0] for p in pairs}, dims=dims,
+            a_at=array("q", [at[keys[p]["A"]] for p in pairs]),
+            b_at=array("q", [at[keys[p]["B"]] for p in pairs]),
+            scales=array("d", [scaling(*plan[p], use_rslora) for p in pairs]),
+            dtypes=tuple(per_tensor) if len(set(per_tensor)) > 1 else (per_tensor[0],),
+            data_start=header.data_start, data_bytes=offset, header=header.key)
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of A and B as ``load`` returns them (float32)."""
+        return 4 * sum(r * sum(self.dims[m]) for (_, m), r in self.ranks.items())
+
+    def load(self, path: Path, names: Callable[[], TensorKeys]) -> Layers:
+        """Read A and B (float32, B scaled) from the safetensors file ``path``; ``names``
+        gives the tensor names for an error message. StaleLayout if the file's header is no
+        longer the one this layout was built from."""
+        raw = self._read(path)  # [data_bytes] uint8, our own memory
+        if len(self.dtypes) == 1:
+            flat = raw.view(TORCH_DTYPES[self.dtypes[0]]).to(torch.float32)  # no copy if F32
+            size = ITEMSIZE[self.dtypes[0]]
+            layers = {}
+            for (pair, r), a_at, b_at in zip(self.ranks.items(), self.a_at, self.b_at):
+                d_in, d_out = self.dims[pair[1]]
+                layers[pair] = (flat.as_strided((r, d_in), (d_in, 1), a_at // size),
+                                flat.as_strided((d_out, r), (r, 1), b_at // size))
+        else:
+            flat, layers = None, self._convert_each(raw)
+        if not torch.isfinite(flat.sum() if flat is not None else  # one pass, no bool buffer
+                              torch.stack([t.sum() for ab in layers.values() for t in ab]).sum()):
+            self._name_nonfinite(layers, path, names)
+        if any(s != 1.0 for s in self.scales):
+            torch._foreach_mul_([b for _, b in layers.values()], list(self.scales))
+        return layers
+
+    def _read(self, path: Path) -> torch.Tensor:
+        """The data section, from the same open file as the header it is checked against."""
+        raw = torch.empty(self.data_bytes, dtype=torch.uint8)
+        with path.open("rb") as f:
+            head = f.read(self.data_start)
+            if content_key(path, os.fstat(f.fileno()).st_size, head) != self.header:
+                raise StaleLayout(f"{path} changed since it was inspected")
+            done = f.readinto(memoryview(raw.numpy()))  # a buffered read: all, or up to EOF
+        if done != self.data_bytes:
+            raise AdapterError(f"{path} is not a readable safetensors file (truncated or "
+                               f"corrupt?): {done} of {self.data_bytes} data bytes")
+        return raw
+
+    def _convert_each(self, raw: torch.Tensor) -> Layers:
+        """A file that mixes dtypes: each tensor from its bytes to its own float32 tensor."""
+        layers, dtypes = {}, iter(self.dtypes)
+        for (pair, r), a_at, b_at in zip(self.ranks.items(), self.a_at, self.b_at):
+            d_in, d_out = self.dims[pair[1]]
+            a = _tensor(raw, a_at, next(dtypes), (r, d_in))
+            layers[pair] = (a, _tensor(raw, b_at, next(dtypes), (d_out, r)))
+        return layers
+
+    @staticmethod
+    def _name_nonfinite(layers: Layers, path: Path, names: Callable[[], TensorKeys]) -> None:
+        """AdapterError naming the first tensor with a NaN or Inf (a sum can also overflow
+        to Inf on finite values: then there is none, and nothing is raised)."""
+        for pair, ab in layers.items():
+            for half, t in zip("AB", ab):
+                if not torch.isfinite(t).all():
+                    raise AdapterError(f"{path}: tensor {names()[pair][half]!r} holds NaN or "
+                                       "Inf values; all LoRA weights must be finite")
+
+
+class StaleLayout(AdapterError):
+    """The file changed after inspection: inspect it again."""
+
+
+def _tensor(raw: torch.Tensor, at: int, dtype: str, shape: tuple[int, int]) -> torch.Tensor:
+    """float32 copy of the tensor at byte ``at`` of ``raw``."""
+    src = raw[at: at + ITEMSIZE[dtype] * shape[0] * shape[1]]
+    if at % ITEMSIZE[dtype]:  # an odd offset after a narrower dtype: views need alignment
+        src = src.clone()
+    return src.view(TORCH_DTYPES[dtype]).view(shape).to(torch.float32, copy=True)
