@@ -14,7 +14,8 @@ from tqdm import tqdm
 
 from ..lora.cache import AdapterCache, AdapterInfo
 from ..lora.layers import attach_lora, rank_row_bytes
-from ..lora.peft_format import BaseShapes, LoRAWeights, read_peft_adapter
+from ..lora.peft_format import (AdapterMeta, BaseShapes, LoRAWeights, inspect_peft_adapter,
+                                read_peft_adapter)
 from ..lora.rank_pool import RankPool
 from ..lora.slots import SlotBuffers
 from . import lora_capacity
@@ -55,7 +56,7 @@ class LLMEngine:
         self.base_shapes = BaseShapes.from_hf_config(self.base.hf_config, str(self.base.path))
         self.lora = AdapterCache(self.lora_capacity.max_loras, cfg.max_cpu_loras,  # type: ignore[arg-type]
                                  RankPool(self.lora_capacity.num_units, kernels.rank_unit),
-                                 read=lambda name, path: self.read_adapter(path, name),
+                                 read=self._read_registered,
                                  load_slot=self._load_slot, clear_slot=self.slot_buffers.clear,
                                  move_slot=self.slot_buffers.move,
                                  max_concurrent_reads=cfg.max_adapter_reads)
@@ -256,6 +257,15 @@ class LLMEngine:
         self._observe_adapter_load("host", time.perf_counter() - start)
         return weights
 
+    def _read_registered(self, meta: AdapterMeta) -> LoRAWeights:
+        """The loader threads' read of a registered adapter (its checks are not redone
+        while the files are unchanged)."""
+        start = time.perf_counter()
+        weights = read_peft_adapter(meta.path, self.base_shapes, self.config.max_lora_rank,
+                                    meta.name, meta=meta)
+        self._observe_adapter_load("host", time.perf_counter() - start)
+        return weights
+
     def _load_slot(self, slot: int, weights: LoRAWeights) -> None:
         start = time.perf_counter()
         self.slot_buffers.load(slot, weights)
@@ -267,12 +277,14 @@ class LLMEngine:
 
     def add_adapter(self, name: str, path: str | Path, replace: bool = False, pin: bool = False,
                     preloaded: bool = False, weights: LoRAWeights | None = None) -> AdapterInfo:
-        """Register an adapter; ``weights`` already read by ``read_adapter`` skip the disk."""
+        """Register an adapter. Without ``weights`` (already read by ``read_adapter``) this
+        validates its config and safetensors header only: registering costs metadata, and
+        the weights are read when a request needs them."""
         if self.is_base_model(name):
             raise InvalidRequestError(f"adapter name {name!r} is empty or the base model's")
-        if weights is None:
-            weights = self.read_adapter(path, name)
-        return self.lora.register(name, weights, replace=replace, pin=pin, preloaded=preloaded,
+        meta = weights.meta if weights is not None else inspect_peft_adapter(
+            path, self.base_shapes, self.config.max_lora_rank, name)
+        return self.lora.register(name, meta, replace=replace, pin=pin, preloaded=preloaded,
                                   weights=weights)
 
     def remove_adapter(self, name: str) -> None:

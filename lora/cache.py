@@ -68,6 +68,7 @@ class _Adapter:
     size_bytes: int
     pinned: bool = False
     preloaded: bool = False
+    meta: Any = None  # what registration validated (AdapterMeta): the loader reads by it
     weights: Any = None  # host copy (LoRAWeights) or None when only on disk
     loading: Future | None = None
     slot: int | None = None
@@ -94,7 +95,7 @@ class AdapterCache:
         max_loras: int,
         max_cpu_loras: int,
         pool: RankPool,
-        read: Callable[[str, Path], Any],  # (name, path) -> weights; raises on a bad adapter
+        read: Callable[[Any], Any],  # meta -> weights; raises on a bad adapter
         load_slot: Callable[[int, Any], None],  # copy weights into the run at a slot
         clear_slot: Callable[[int], None],
         move_slot: Callable[[int, int, int], None] | None = None,  # (src, dst, rank rows)
@@ -138,7 +139,7 @@ class AdapterCache:
         if old is not None:
             self._retire(old)
         a = _Adapter(name, Path(meta.path), next(self._ids), meta.rank,
-                     list(meta.target_modules), meta.size_bytes, pin, preloaded,
+                     list(meta.target_modules), meta.size_bytes, pin, preloaded, meta=meta,
                      weights=weights, last_used=next(self._clock))
         self.names[name] = self.by_id[a.adapter_id] = a
         if weights is not None:
@@ -214,7 +215,7 @@ class AdapterCache:
                 self._collect(a)
             if a.weights is None:
                 if reads > 0 and a.loading is None and a.error is None:
-                    a.loading = self._loader.submit(self._timed_read, a.name, a.path)
+                    a.loading = self._loader.submit(self._timed_read, a.meta)
                     reads -= 1
             elif (place and a.slot is None and device_loads < self.look_ahead_loads
                   and self._place(a, evict_for=self.next_use[adapter_id])):
@@ -351,11 +352,11 @@ class AdapterCache:
     def _maybe_start_loading(self, a: _Adapter) -> None:
         """Start reading ``a`` from disk if a reader is free and the host tier has room."""
         if a.loading is None and a.weights is None and a.error is None and self._read_room():
-            a.loading = self._loader.submit(self._timed_read, a.name, a.path)
+            a.loading = self._loader.submit(self._timed_read, a.meta)
 
-    def _timed_read(self, name: str, path: Path) -> Any:
+    def _timed_read(self, meta: Any) -> Any:
         start = time.perf_counter()
-        weights = self._read(name, path)
+        weights = self._read(meta)
         with self._timing_lock:  # several loader threads
             self.counts["load_host_seconds"] += time.perf_counter() - start
         return weights

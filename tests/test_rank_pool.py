@@ -54,6 +54,7 @@ def test_books_hold_under_any_sequence_of_allocations_frees_and_compactions(ops)
 class Meta:
     path: Path
     rank: int
+    name: str = ""
     target_modules: list[str] = field(default_factory=lambda: ["q_proj"])
     size_bytes: int = 0
 
@@ -80,14 +81,14 @@ def make_cache(units: int, max_loras: int, max_cpu: int, ranks: dict[str, int],
                reads: int = 4, gate: threading.Event | None = None):
     device = Device()
 
-    def read(name: str, path: Path) -> Meta:
+    def read(meta: Meta) -> Meta:
         if gate is not None:
             gate.wait(5)
-        return Meta(path, ranks[name])
+        return meta
 
     cache = AdapterCache(max_loras, max_cpu, RankPool(units, 1), read, device.load,
                          device.clear, device.move, max_concurrent_reads=reads)
-    ids = {name: cache.register(name, Meta(Path(name), r)).adapter_id
+    ids = {name: cache.register(name, Meta(Path(name), r, name)).adapter_id
            for name, r in ranks.items()}
     return cache, device, ids
 
