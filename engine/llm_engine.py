@@ -14,8 +14,13 @@ from tqdm import tqdm
 
 from ..lora.cache import AdapterCache, AdapterInfo
 from ..lora.layers import attach_lora, rank_row_bytes
-from ..lora.peft_format import (AdapterMeta, BaseShapes, LoRAWeights, inspect_peft_adapter,
-                                read_peft_adapter)
+from ..lora.peft_format import (
+    AdapterMeta,
+    BaseShapes,
+    LoRAWeights,
+    inspect_peft_adapter,
+    read_peft_adapter,
+)
 from ..lora.rank_pool import RankPool
 from ..lora.slots import SlotBuffers
 from . import lora_capacity
