@@ -22,10 +22,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..kernels.testing import make_lora_weights, make_paged_cache
+from ..kernels.testing import make_lora_pools, make_paged_cache
 from ..kernels.torch import attention as reference_attention
 from ..kernels.torch import lora as reference_lora
-from ..kernels.triton import attention, attention_prefill, sgmv
+from ..kernels.triton import TritonBackend, attention, attention_prefill, sgmv
 from ..kernels.triton.segments import TritonLoRASegments
 
 TOL = {torch.float32: (1e-4, 1e-4), torch.bfloat16: (2e-2, 2e-2), torch.float16: (2e-3, 2e-3)}
@@ -37,10 +37,10 @@ KERNELS = {"shrink": sgmv._shrink_kernel, "expand": sgmv._expand_kernel,
 @dataclass
 class Shapes:
     lora_layers: dict[str, tuple[int, list[int]]]  # name: (in, [out_i per slice])
-    lora_batches: list[tuple[str, list[int]]]  # (label, token slots)
-    max_loras: int
+    lora_batches: list[tuple[str, list[int]]]  # (label, adapter of each token, -1: none)
+    max_loras: int  # adapters, packed back to back in the backend's pools
     r_max: int
-    ranks: list[int]
+    ranks: list[int]  # adapter k has rank ranks[k % len(ranks)]
     heads: tuple[int, int, int, int]  # Hq, Hkv, D, block size
     decode: list[tuple[int, int]]  # (batch, context)
     prefill: list[tuple[int, int, int]]  # (seqs, new tokens, cached prefix)
@@ -113,15 +113,19 @@ class Bench:
     def lora(self, shapes: Shapes) -> None:
         dev, dt, elt, r_max = self.device, self.dtype, self.elt, shapes.r_max
         for layer, (din, outs) in shapes.lora_layers.items():
-            slot_ranks = [[shapes.ranks[s % len(shapes.ranks)] for s in range(shapes.max_loras)]
-                          for _ in outs]
-            a, b, ranks = make_lora_weights(din, outs, slot_ranks, r_max, dt, dev, r_major_b=True)
-            padded = torch.full_like(ranks, r_max)  # the same buffers, every slot at r_max
-            for label, slots in shapes.lora_batches:
+            adapter_ranks = [[shapes.ranks[k % len(shapes.ranks)]
+                              for k in range(shapes.max_loras)] for _ in outs]
+            pools = make_lora_pools(din, outs, adapter_ranks, r_max, dt, dev,
+                                    unit=TritonBackend.rank_unit, r_major_b=True)
+            a, b, ranks = pools.lora_a, pools.lora_b, pools.ranks
+            padded = torch.zeros_like(ranks)  # every adapter read at r_max (rank-unaware)
+            padded[:, pools.slots] = r_max
+            for label, adapters in shapes.lora_batches:
+                slots = pools.token_slots(adapters)
                 seg = TritonLoRASegments.from_token_slots(slots, dev)
                 tokens = len(slots)
-                used = {s for s in slots if s >= 0}
-                rsum = sum(slot_ranks[0][s] for s in used)  # weight rows read per slice
+                used = {k for k in adapters if k >= 0}
+                rsum = sum(adapter_ranks[0][k] for k in used)  # weight rows read per slice
                 x = torch.randn(tokens, din, dtype=dt, device=dev)
                 out = torch.zeros(tokens, sum(outs), dtype=dt, device=dev)
                 h = sgmv.lora_shrink(x, a, ranks, seg)

@@ -2,12 +2,14 @@
 
     .venv/bin/python -m loraplex.bench.lora_cpu [--threads 2] [--reps 20]
 
-SmolLM2-135M shapes (hidden 576, intermediate 1536, q 576→576, k/v 576→192), rank 8,
-32 adapter slots; decode (32 tokens over 32, 8 and 2 adapters, unsorted), mixed steps
-(128 and 256 tokens over 32 adapters) and prefill (512 tokens over 32 adapters, 2048
-over 8, contiguous); fp32 and bf16. Prints µs per call
-(the minimum over reps: the machine is shared, and the minimum is the least disturbed
-figure) of the base linear and of each route, and which route ``add_lora`` chooses.
+SmolLM2-135M shapes (hidden 576, intermediate 1536, q 576→576, k/v 576→192), 32
+adapters of rank 8 (``--ranks 8,16,3``: ranks cycled over the adapters) packed back to
+back in the cpu backend's rank-row pools (``lora_pool``), so slot ids run up to
+32 · rank; decode (32 tokens over 32, 8 and 2 adapters, unsorted), mixed steps (128 and
+256 tokens over 32 adapters) and prefill (512 tokens over 32 adapters, 2048 over 8,
+contiguous); fp32 and bf16. Prints the ISA, then µs per call (the minimum over reps: the
+machine is shared, and the minimum is the least disturbed figure) of the base linear and
+of each route, per dtype, and which route ``add_lora`` chooses.
 """
 
 # ruff: noqa: B023  (every lambda is timed at once, inside the loop that binds it)
@@ -20,9 +22,10 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from ..kernels.cpu import CPUBackend
+from ..kernels.cpu import CPUBackend, isa
 from ..kernels.cpu.lora_routes import ROUTES, _compute_dtype, add_lora, choose_route
 from ..kernels.cpu.segments import CPULoRASegments
+from ..kernels.testing import LoRAPools, make_lora_pools
 from ..kernels.torch import lora as reference
 
 LAYERS = {  # name: (in, [out_i per slice])
@@ -41,7 +44,7 @@ CASES = {  # name: (tokens, distinct adapters, contiguous sequences)
     "prefill 2048x8": (2048, 8, True),
     "prefill 512x8": (512, 8, True),
 }
-MAX_LORAS, RANK = 32, 8
+MAX_LORAS = 32
 
 
 def best_us(fn: Callable[[], object], reps: int) -> float:
@@ -55,14 +58,11 @@ def best_us(fn: Callable[[], object], reps: int) -> float:
     return min(times) * 1e6
 
 
-def weights(din: int, outs: list[int], dtype: torch.dtype) -> tuple[list, list, torch.Tensor]:
-    g = torch.Generator().manual_seed(0)
-    a = [(torch.randn(MAX_LORAS, RANK, din, generator=g) * 0.02).to(dtype) for _ in outs]
+def weights(din: int, outs: list[int], dtype: torch.dtype, ranks: list[int]) -> LoRAPools:
+    """MAX_LORAS adapters (ranks cycled) back to back in the cpu backend's own pools."""
     backend = CPUBackend(torch.device("cpu"), dtype)
-    b = [backend.lora_b_buffer(MAX_LORAS, o, RANK) for o in outs]
-    for t in b:  # the engine's slot layout, random values
-        t.copy_(torch.randn(t.shape, generator=g) * 0.02)
-    return a, b, torch.full((len(outs), MAX_LORAS), RANK, dtype=torch.int32)
+    adapter_ranks = [[ranks[k % len(ranks)] for k in range(MAX_LORAS)] for _ in outs]
+    return make_lora_pools(din, outs, adapter_ranks, max(ranks), dtype, backend=backend)
 
 
 def token_slots(tokens: int, adapters: int, contiguous: bool) -> list[int]:
@@ -71,31 +71,36 @@ def token_slots(tokens: int, adapters: int, contiguous: bool) -> list[int]:
     return [(t * 5) % adapters for t in range(tokens)]  # interleaved, unsorted
 
 
-def run(reps: int, only: str, dtypes: list[torch.dtype],
-        routes: list[str]) -> None:
+def run(reps: int, only: str, dtypes: list[torch.dtype], routes: list[str],
+        ranks: list[int]) -> None:
     cols = ["base", *routes, *(f"{r}/f32" for r in routes), "shrink+expand"]
+    print(f"ISA {isa.cpu_isa()} (native bf16: {'yes' if isa.HALF_NATIVE else 'no'}), "
+          f"{torch.get_num_threads()} threads, {MAX_LORAS} adapters of ranks {ranks} "
+          f"in rank-row pools (unit {CPUBackend.rank_unit}); dtype per row; µs per call")
     print(f"{'dtype':8s} {'case':15s} {'layer':8s} " + " ".join(f"{c:>13s}" for c in cols)
           + "  chosen")
     for dtype in dtypes:
         for case, (tokens, adapters, contiguous) in CASES.items():
             if only not in case:
                 continue
-            seg = CPULoRASegments.from_token_slots(token_slots(tokens, adapters, contiguous),
-                                                   torch.device("cpu"))
             for layer, (din, outs) in LAYERS.items():
-                a, b, ranks = weights(din, outs, dtype)
+                pools = weights(din, outs, dtype, ranks)
+                a, b, rk = pools.lora_a, pools.lora_b, pools.ranks
+                seg = CPULoRASegments.from_token_slots(
+                    pools.token_slots(token_slots(tokens, adapters, contiguous)),
+                    torch.device("cpu"))
                 x = torch.randn(tokens, din).to(dtype)
                 w = (torch.randn(sum(outs), din) * 0.02).to(dtype)
                 out = torch.zeros(tokens, sum(outs), dtype=dtype)
                 row = {"base": best_us(lambda: F.linear(x, w), reps)}
                 for name in routes:
                     row[name] = best_us(lambda name=name: add_lora(
-                        out, x, a, b, ranks, seg, route=name, compute_dtype=dtype), reps)
+                        out, x, a, b, rk, seg, route=name, compute_dtype=dtype), reps)
                     row[f"{name}/f32"] = float("nan") if dtype == torch.float32 else best_us(
-                        lambda name=name: add_lora(out, x, a, b, ranks, seg, route=name,
+                        lambda name=name: add_lora(out, x, a, b, rk, seg, route=name,
                                                    compute_dtype=torch.float32), reps)
                 row["shrink+expand"] = best_us(lambda: reference.lora_expand(
-                    reference.lora_shrink(x, a, ranks, seg), b, ranks, seg, out), reps)
+                    reference.lora_shrink(x, a, rk, seg), b, rk, seg, out), reps)
                 print(f"{str(dtype)[6:]:8s} {case:15s} {layer:8s} "
                       + " ".join(f"{row[c]:13.0f}" for c in cols)
                       + f"  {choose_route(seg, _compute_dtype(x))}",
@@ -109,10 +114,12 @@ def main() -> None:
     parser.add_argument("--only", default="", help="cases whose name contains this")
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--routes", default=",".join(ROUTES))
+    parser.add_argument("--ranks", default="8", help="adapter ranks, cycled over adapters")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     dtypes = [getattr(torch, d) for d in args.dtypes.split(",")]
-    run(args.reps, args.only, dtypes, args.routes.split(","))
+    run(args.reps, args.only, dtypes, args.routes.split(","),
+        [int(r) for r in args.ranks.split(",")])
 
 
 if __name__ == "__main__":

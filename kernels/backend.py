@@ -5,9 +5,10 @@ engine hands that object to the model, the LoRA layers and the sampler. No call 
 again.
 
 Shapes: T tokens of the flat batch, B decoding sequences, S prefilling sequences, Hq/Hkv
-query/KV heads of D dims, caches [num_blocks, block_size, Hkv, D], L = max_loras slots of
-r_max rank, slices i of a fused linear with out_i outputs each. Slot buffers are views of
-rank-row pools (``lora_pool``): slot s reads its first ranks[i, s] rows only.
+query/KV heads of D dims, caches [num_blocks, block_size, Hkv, D], U = pool units (slot
+ids, which may be sparse and large) of up to r_max rank, slices i of a fused linear with
+out_i outputs each. Slot buffers are views of rank-row pools (``lora_pool``): slot s reads
+its first ranks[i, s] rows only.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from .lora_segments import LoRASegments
 class KernelBackend(ABC):
     name: ClassVar[str]
     segments_type: ClassVar[type[LoRASegments]] = LoRASegments  # what add_lora reads
-    r_major_b: ClassVar[bool] = False  # B slot buffers stored [L, r_max, out] (transposed)
+    r_major_b: ClassVar[bool] = False  # B pools stored [rows, out] (else [out, rows])
 
     def __init__(self, device: torch.device, dtype: torch.dtype):
         self.device = device
@@ -84,7 +85,10 @@ class KernelBackend(ABC):
                  lora_b: list[torch.Tensor], ranks: torch.Tensor, seg: LoRASegments) -> None:
         """out[t, off_i:off_i+out_i] += (x[t] @ A_i[s, :r]ᵀ) @ B_i[s, :, :r]ᵀ, s = token t's
         slot, r = ranks[i, s]; tokens of slot -1 untouched. out [T, Σ out_i], x [T, in],
-        A_i [L, r_max, in], B_i [L, out_i, r_max], ranks [num_slices, L] int32."""
+        A_i [U, r_max, in], B_i [U, out_i, r_max] (views of ``lora_pool``'s pools, or any
+        strided buffers with a unit stride along in / along out or rank), ranks
+        [num_slices, U] int32. Nothing past ranks[i, s] is read, nor assumed zero; per-step
+        cost follows the slots in use, never the largest slot id."""
 
     # ---- attention ----------------------------------------------------------------------
     @abstractmethod

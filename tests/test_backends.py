@@ -1,7 +1,7 @@
 """Every kernel backend available here (torch; cpu where the C++ kernels build; triton
 under TRITON_INTERPRET=1 on CPU) behind the one KernelBackend interface: the same LoRA
-delta as the torch backend's, each over its own B layout and segments; and the choice of
-backend by ``LORAPLEX_KERNELS``."""
+delta as the torch backend's, each over its own pools (``lora_pool``: its rank unit and B
+layout) and segments; and the choice of backend by ``LORAPLEX_KERNELS``."""
 
 from __future__ import annotations
 
@@ -12,28 +12,29 @@ import torch
 from loraplex.kernels import backend_class, backend_name, select_backend
 from loraplex.kernels.cpu import CPUBackend
 from loraplex.kernels.cpu.segments import CPULoRASegments
-from loraplex.kernels.testing import dense_lora_oracle, make_lora_weights
+from loraplex.kernels.testing import make_lora_pools
 from loraplex.kernels.torch import TorchBackend
 from loraplex.kernels.triton import TritonBackend
 
 CPU = torch.device("cpu")
-SLOTS = [3, -1, 0, 2, 3, 1, -1, 0, 4, 2, 3, 0]  # unsorted, slot -1 mixed in
-SLOT_RANKS = [[8, 1, 16, 4, 0], [16, 8, 0, 1, 4]]  # [slice][slot]: mixed ranks, rank 0 too
+ADAPTERS = [3, -1, 0, 2, 3, 1, -1, 0, 4, 2, 3, 0, 5]  # unsorted, no adapter (-1) mixed in
+ADAPTER_RANKS = [[8, 1, 16, 5, 0, 13], [16, 8, 0, 1, 4, 3]]  # [slice][adapter], rank 0 too
 OUTS = [48, 24]
 
 
 def _delta(name: str, dtype: torch.dtype) -> torch.Tensor:
+    """The delta (over ones) of the adapters packed back to back in the backend's own
+    pools, from unit 40 on with a free unit after each: sparse slot ids."""
     backend = select_backend(CPU, dtype, name)
     assert backend.name == name
-    lora_a, lora_b, ranks = make_lora_weights(64, OUTS, SLOT_RANKS, 16, dtype, seed=5,
-                                              r_major_b=name == "cpu")
-    if name == "cpu":  # the backend's own slot layout for B
-        assert backend.lora_b_buffer(5, OUTS[0], 16).stride() == lora_b[0].stride()
-    x = torch.randn(len(SLOTS), 64, generator=torch.Generator().manual_seed(6)).to(dtype)
-    seg = backend.lora_segments(SLOTS)
+    pools = make_lora_pools(64, OUTS, ADAPTER_RANKS, 16, dtype, seed=5, backend=backend,
+                            first_unit=40, gap_units=1)
+    slots = pools.token_slots(ADAPTERS)
+    x = torch.randn(len(slots), 64, generator=torch.Generator().manual_seed(6)).to(dtype)
+    seg = backend.lora_segments(slots)
     assert isinstance(seg, CPULoRASegments) == (name == "cpu")
-    out = torch.ones(len(SLOTS), sum(OUTS), dtype=dtype)
-    backend.add_lora(out, x, lora_a, lora_b, ranks, seg)
+    out = torch.ones(len(slots), sum(OUTS), dtype=dtype)
+    backend.add_lora(out, x, pools.lora_a, pools.lora_b, pools.ranks, seg)
     return out
 
 
@@ -49,11 +50,35 @@ def test_every_backend_gives_the_torch_backends_add_lora(name: str,
                                                                        "atol": 2e-2}
     torch.testing.assert_close(got, want, **tol)
     assert (got[[1, 6]] == 1).all()  # slot -1 untouched
-    if dtype == torch.float32:  # and the torch backend's is the dense oracle's
-        lora_a, lora_b, ranks = make_lora_weights(64, OUTS, SLOT_RANKS, 16, dtype, seed=5)
-        x = torch.randn(len(SLOTS), 64, generator=torch.Generator().manual_seed(6))
-        torch.testing.assert_close(want, 1 + dense_lora_oracle(x, lora_a, lora_b, ranks,
-                                                               SLOTS), **tol)
+    if dtype == torch.float32:  # and the torch backend's is the adapters' own formula
+        pools = make_lora_pools(64, OUTS, ADAPTER_RANKS, 16, dtype, seed=5)
+        x = torch.randn(len(ADAPTERS), 64, generator=torch.Generator().manual_seed(6))
+        torch.testing.assert_close(want, 1 + pools.oracle(x, pools.token_slots(ADAPTERS)),
+                                   **tol)
+
+
+@pytest.mark.parametrize(("name", "unit", "r_major"), [("torch", 1, False), ("cpu", 1, True),
+                                                       ("triton", 8, True)])
+def test_lora_pool_views_overlap_by_the_rank_unit(name: str, unit: int, r_major: bool) -> None:
+    """Slot s is unit s: A[s, j] is pool row s · unit + j, B[s, :, j] its column, so a slot's
+    rows past its rank are the next slot's; the pools' zero tail keeps the last view in
+    bounds. Triton's unit of 8 rows keeps every slot's rows 16-byte aligned in bf16."""
+    cls = backend_class(name)
+    assert cls.rank_unit == unit and cls.r_major_b == r_major
+    backend = cls(CPU, torch.bfloat16)
+    a, b = backend.lora_pool(6, 16, 40, 24)
+    assert a.shape == (6, 16, 40) and b.shape == (6, 24, 16)
+    assert a.stride() == (unit * 40, 40, 1)
+    rows = 6 * unit + 16 - unit
+    assert b.stride() == ((unit * 24, 1, 24) if r_major else (unit, rows, 1))
+    assert a.untyped_storage().nbytes() == rows * 40 * 2
+    assert b.untyped_storage().nbytes() == rows * 24 * 2
+    a[2, :unit] = 1.0
+    b[2, :, :unit] = 2.0
+    assert (a[1, unit : 2 * unit] == 1).all() and (b[1, :, unit : 2 * unit] == 2).all()
+    assert not a[5, unit:].any() and not b[5, :, unit:].any()  # the zero tail
+    if name == "triton":  # bf16 vector loads: every slot starts 16 bytes aligned
+        assert all(t[s].data_ptr() % 16 == 0 for t in (a, b) for s in range(6))
 
 
 @pytest.mark.parametrize(("env", "cls"), [("triton", TritonBackend), ("torch", TorchBackend),

@@ -1,5 +1,7 @@
 """Triton SGMV shrink / expand (kernels/triton/sgmv.py, under the interpreter) against the
-torch backend's (kernels/torch/lora.py)."""
+torch backend's (kernels/torch/lora.py), over rank-row pools holding adapters of mixed
+ranks back to back (kernels/testing.py), so a load past a slot's rank reads a neighbour's
+rows; sparse slot ids, slot -1 and unsorted tokens throughout."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ import os
 import pytest
 import torch
 from loraplex.kernels import backend_name, select_backend
-from loraplex.kernels.testing import make_lora_weights, random_token_slots
+from loraplex.kernels.testing import LoRAPools, make_lora_pools, random_token_slots
 from loraplex.kernels.torch import lora as reference
 from loraplex.kernels.triton import sgmv
 from loraplex.kernels.triton.segments import TritonLoRASegments
@@ -23,7 +25,12 @@ def segments(slots: list[int], device: str | torch.device = "cpu") -> TritonLoRA
 # compiled kernels on the GPU (bench/gpu_check.sh sets TRITON_INTERPRET=0), else the interpreter
 DEVICE = torch.device("cuda" if os.environ.get("TRITON_INTERPRET") == "0" else "cpu")
 
-MIXED = [1, 8, 16, 64, 0]  # slot ranks, mixed in every batch; rotated per slice
+MIXED = [1, 8, 16, 5, 0, 13]  # adapter ranks, mixed in every batch; rotated per slice
+R_MAX = 16
+LAYOUTS = {  # name: make_lora_pools arguments
+    "u8": {"unit": 8, "r_major_b": True, "first_unit": 60, "gap_units": 1},  # the backend's
+    "u1-bcols": {"unit": 1, "first_unit": 200},  # rank unit 1, B stored [out, rows]
+}
 SLICE_OUTS = {1: [200], 2: [136, 72], 3: [200, 72, 72]}
 TOL = {
     torch.float32: {"rtol": 1e-4, "atol": 1e-4},
@@ -31,97 +38,114 @@ TOL = {
     torch.bfloat16: {"rtol": 1.6e-2, "atol": 1e-2},
 }
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
-# (hidden, tokens, slices, dtype): the full grid at hidden 200, few tokens for the big ones
-GRID = [(200, t, s, d) for t in (1, 7, 64) for s, d in ((1, F32), (2, F16), (3, BF16))]
-GRID += [(200, 64, 3, F32), (576, 1, 3, BF16), (576, 7, 3, F32), (1000, 7, 2, F16),
-         (1000, 1, 1, BF16)]
+# (hidden, tokens, slices, dtype, layout): the full grid at hidden 200, few tokens for the
+# big ones
+GRID = [(200, t, s, d, lay) for t in (1, 7, 64) for (s, d), lay in
+        zip(((1, F32), (2, F16), (3, BF16)), ("u8", "u1-bcols", "u8"))]
+GRID += [(200, 64, 3, F32, "u1-bcols"), (576, 1, 3, BF16, "u8"), (576, 7, 3, F32, "u1-bcols"),
+         (1000, 7, 2, F16, "u8"), (1000, 1, 1, BF16, "u1-bcols")]
 
 
 def _ids(case: tuple) -> str:
-    din, tokens, slices, dtype = case
-    return f"in{din}-T{tokens}-s{slices}-{str(dtype)[6:]}"
+    din, tokens, slices, dtype, layout = case
+    return f"in{din}-T{tokens}-s{slices}-{str(dtype)[6:]}-{layout}"
 
 
-def _case(din: int, tokens: int, slices: int, dtype: torch.dtype, past_rank: float = 0.0):
+def _case(din: int, tokens: int, slices: int, dtype: torch.dtype, layout: str = "u8",
+          fill: float | None = None) -> tuple[LoRAPools, list[int], torch.Tensor]:
     outs = SLICE_OUTS[slices]
-    slot_ranks = [MIXED[i:] + MIXED[:i] for i in range(slices)]
-    lora_a, lora_b, ranks = make_lora_weights(din, outs, slot_ranks, 64, dtype, DEVICE,
-                                              seed=tokens, past_rank=past_rank)
-    slots = random_token_slots(tokens, len(MIXED), seed=din + tokens)  # unsorted, -1 mixed in
+    adapter_ranks = [MIXED[i:] + MIXED[:i] for i in range(slices)]
+    pools = make_lora_pools(din, outs, adapter_ranks, R_MAX, dtype, DEVICE, seed=tokens,
+                            fill=fill, **LAYOUTS[layout])
+    adapters = random_token_slots(tokens, len(MIXED), seed=din + tokens)  # unsorted, -1 too
     x = torch.randn(tokens, din, generator=torch.Generator().manual_seed(1)).to(dtype).to(DEVICE)
-    return outs, lora_a, lora_b, ranks, slots, x
+    return pools, pools.token_slots(adapters), x
 
 
 @pytest.mark.parametrize("case", GRID, ids=_ids)
 def test_shrink_matches_twin(case: tuple) -> None:
-    _, lora_a, _, ranks, slots, x = _case(*case)
+    pools, slots, x = _case(*case)
     seg = segments(slots, DEVICE)
-    got = sgmv.lora_shrink(x, lora_a, ranks, seg)
-    torch.testing.assert_close(got, reference.lora_shrink(x, lora_a, ranks, seg),
+    got = sgmv.lora_shrink(x, pools.lora_a, pools.ranks, seg)
+    torch.testing.assert_close(got, reference.lora_shrink(x, pools.lora_a, pools.ranks, seg),
                                rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("case", GRID, ids=_ids)
 def test_expand_matches_twin(case: tuple) -> None:
-    outs, lora_a, lora_b, ranks, slots, x = _case(*case)
+    pools, slots, x = _case(*case)
     seg = segments(slots, DEVICE)
-    h = reference.lora_shrink(x, lora_a, ranks, seg)
-    base = torch.randn(len(slots), sum(outs)).to(x.dtype).to(DEVICE)
+    h = reference.lora_shrink(x, pools.lora_a, pools.ranks, seg)
+    base = torch.randn(len(slots), sum(pools.outs)).to(x.dtype).to(DEVICE)
     got, want = base.clone(), base.clone()
-    sgmv.lora_expand(h, lora_b, ranks, seg, got)
-    reference.lora_expand(h, lora_b, ranks, seg, want)
+    sgmv.lora_expand(h, pools.lora_b, pools.ranks, seg, got)
+    reference.lora_expand(h, pools.lora_b, pools.ranks, seg, want)
     torch.testing.assert_close(got, want, **TOL[x.dtype])
 
 
-def test_kernels_never_read_past_the_rank() -> None:
-    """Rank-aware: the buffers past each slot's rank hold NaN and the result stays exact."""
-    outs, lora_a, lora_b, ranks, slots, x = _case(200, 7, 3, F32, past_rank=float("nan"))
-    seg, cpu_seg = segments(slots, DEVICE), segments(slots)
-    cpu = [[t.cpu() for t in ts] for ts in (lora_a, lora_b)]  # the twin is rank-exact on CPU
-    h = sgmv.lora_shrink(x, lora_a, ranks, seg)
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_kernels_never_read_past_the_rank(layout: str) -> None:
+    """Rank-aware: every pool row no adapter's slice owns holds NaN (the rows past each
+    slot's rank among them) and the result stays exact: the adapters' own formula."""
+    pools, slots, x = _case(200, 7, 3, F32, layout, fill=float("nan"))
+    seg = segments(slots, DEVICE)
+    h = sgmv.lora_shrink(x, pools.lora_a, pools.ranks, seg)
     assert torch.isfinite(h).all()
-    want_h = reference.lora_shrink(x.cpu(), cpu[0], ranks.cpu(), cpu_seg)
-    torch.testing.assert_close(h.cpu(), want_h, rtol=1e-4, atol=1e-4)
-    out = torch.zeros(len(slots), sum(outs), device=DEVICE)
-    sgmv.lora_expand(h, lora_b, ranks, seg, out)
-    want = torch.zeros(len(slots), sum(outs))
-    reference.lora_expand(h.cpu(), cpu[1], ranks.cpu(), cpu_seg, want)
+    want_h = reference.lora_shrink(x, pools.lora_a, pools.ranks, seg)  # rank-exact too
+    torch.testing.assert_close(h, want_h, rtol=1e-4, atol=1e-4)
+    out = torch.zeros(len(slots), sum(pools.outs), device=DEVICE)
+    sgmv.lora_expand(h, pools.lora_b, pools.ranks, seg, out)
     assert torch.isfinite(out).all()
-    torch.testing.assert_close(out.cpu(), want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(out, pools.oracle(x, slots), rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("slots", [[-1, -1, -1], []], ids=["all-none", "empty"])
 def test_kernels_without_adapter_tokens(slots: list[int]) -> None:
-    outs, lora_a, lora_b, ranks, _, _ = _case(200, 1, 2, F32)
+    pools, _, _ = _case(200, 1, 2, F32)
     x = torch.randn(len(slots), 200, device=DEVICE)
-    h = sgmv.lora_shrink(x, lora_a, ranks, segments(slots, DEVICE))
-    assert h.shape == (2, len(slots), 64) and not h.any()
-    out = torch.ones(len(slots), sum(outs), device=DEVICE)
-    sgmv.lora_expand(h, lora_b, ranks, segments(slots, DEVICE), out)
+    h = sgmv.lora_shrink(x, pools.lora_a, pools.ranks, segments(slots, DEVICE))
+    assert h.shape == (2, len(slots), R_MAX) and not h.any()
+    out = torch.ones(len(slots), sum(pools.outs), device=DEVICE)
+    sgmv.lora_expand(h, pools.lora_b, pools.ranks, segments(slots, DEVICE), out)
     assert (out == 1).all()
 
 
 def test_dispatch_runs_triton_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The backend's own pools (rank unit 8, r-major B): the same delta as the torch
+    backend's over its own pools (rank unit 1, B [out, rows]), the same adapters."""
     monkeypatch.setenv("LORAPLEX_KERNELS", "triton")
     assert backend_name(DEVICE) == "triton"
-    outs, lora_a, lora_b, ranks, slots, x = _case(200, 7, 3, BF16)
-    backend = select_backend(DEVICE, BF16)
-    assert backend.name == "triton"
-    seg = backend.lora_segments(slots)
-    got = torch.zeros(len(slots), sum(outs), dtype=BF16, device=DEVICE)
-    backend.add_lora(got, x, lora_a, lora_b, ranks, seg)
-    monkeypatch.setenv("LORAPLEX_KERNELS", "torch")
-    backend = select_backend(DEVICE, BF16)
-    assert backend.name == "torch"
-    want = torch.zeros_like(got)
-    backend.add_lora(want, x, lora_a, lora_b, ranks, backend.lora_segments(slots))
-    torch.testing.assert_close(got, want, **TOL[BF16])
+    adapter_ranks = [MIXED[i:] + MIXED[:i] for i in range(3)]
+    adapters = random_token_slots(7, len(MIXED), seed=207)
+    x = torch.randn(7, 200, generator=torch.Generator().manual_seed(1)).to(BF16).to(DEVICE)
+    results = []
+    for name in ("triton", "torch"):
+        monkeypatch.setenv("LORAPLEX_KERNELS", name)
+        backend = select_backend(DEVICE, BF16)
+        assert backend.name == name
+        pools = make_lora_pools(200, SLICE_OUTS[3], adapter_ranks, R_MAX, BF16, seed=7,
+                                backend=backend, first_unit=33)
+        slots = pools.token_slots(adapters)
+        out = torch.zeros(len(slots), sum(pools.outs), dtype=BF16, device=DEVICE)
+        backend.add_lora(out, x, pools.lora_a, pools.lora_b, pools.ranks,
+                         backend.lora_segments(slots))
+        results.append(out)
+    assert pools.lora_a[0].stride(0) == 200  # the torch backend's unit is 1 row
+    torch.testing.assert_close(results[0], results[1], **TOL[BF16])
 
 
 def test_more_than_three_slices_is_refused() -> None:
-    lora_a, _, ranks = make_lora_weights(16, [8] * 4, [[4]] * 4, 8, F32)
+    pools = make_lora_pools(16, [8] * 4, [[4]] * 4, 8, F32)
     with pytest.raises(ValueError, match="1 to 3 slices, got 4"):
-        sgmv.lora_shrink(torch.randn(2, 16), lora_a, ranks, segments([0, 0]))
+        sgmv.lora_shrink(torch.randn(2, 16), pools.lora_a, pools.ranks, segments([0, 0]))
+
+
+def test_slices_with_different_a_strides_are_refused() -> None:
+    pools = make_lora_pools(16, [8, 8], [[4], [4]], 8, F32, unit=8)
+    other = make_lora_pools(16, [8], [[4]], 8, F32, unit=1)
+    with pytest.raises(ValueError, match="share their shape and strides"):
+        sgmv.lora_shrink(torch.randn(2, 16), [pools.lora_a[0], other.lora_a[0]],
+                         pools.ranks, segments([0, 0]))
 
 
 def test_work_list_holds_exactly_the_row_blocks_of_adapted_segments() -> None:
@@ -140,19 +164,22 @@ def test_work_list_holds_exactly_the_row_blocks_of_adapted_segments() -> None:
     assert covered == list(range(5, len(slots)))  # every adapted row once, base rows never
 
 
+@pytest.mark.parametrize("unit", [8, 1])
 @pytest.mark.parametrize("dtype", [F32, BF16])
-def test_mixed_long_and_single_segments_with_r_major_b(dtype: torch.dtype) -> None:
+def test_mixed_long_and_single_segments_with_r_major_b(dtype: torch.dtype, unit: int) -> None:
     """A long prefill segment among one-token decode segments, B in the r-major layout the
-    Triton backend stores: equal to the torch backend."""
-    outs, slot_ranks = [72, 40, 40], [[8, 16, 4, 1], [16, 8, 0, 4], [4, 4, 8, 16]]
-    lora_a, lora_b, ranks = make_lora_weights(96, outs, slot_ranks, 16, dtype, DEVICE, seed=3,
-                                              r_major_b=True)
-    slots = [2] * 37 + [0, 1, 3, -1, 1, 0, 3]
+    Triton backend stores, adapters of ranks 1..16 back to back from unit 500 on: equal to
+    the torch backend and to the adapters' own formula."""
+    outs, adapter_ranks = [72, 40, 40], [[8, 16, 3, 1], [16, 7, 0, 4], [4, 4, 8, 13]]
+    pools = make_lora_pools(96, outs, adapter_ranks, 16, dtype, DEVICE, seed=3, unit=unit,
+                            r_major_b=True, first_unit=500)
+    slots = pools.token_slots([2] * 37 + [0, 1, 3, -1, 1, 0, 3])
     x = torch.randn(len(slots), 96, generator=torch.Generator().manual_seed(2)).to(dtype)
     x = x.to(DEVICE)
     seg = segments(slots, DEVICE)
     got = torch.zeros(len(slots), sum(outs), dtype=dtype, device=DEVICE)
-    sgmv.add_lora(got, x, lora_a, lora_b, ranks, seg)
+    sgmv.add_lora(got, x, pools.lora_a, pools.lora_b, pools.ranks, seg)
     want = torch.zeros_like(got)
-    reference.add_lora(want, x, lora_a, lora_b, ranks, seg)
+    reference.add_lora(want, x, pools.lora_a, pools.lora_b, pools.ranks, seg)
     torch.testing.assert_close(got, want, **TOL[dtype])
+    torch.testing.assert_close(got.float(), pools.oracle(x, slots), **TOL[dtype])

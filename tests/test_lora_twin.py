@@ -1,6 +1,8 @@
-"""The torch backend's LoRA shrink/expand (the oracle) against a dense per-token oracle, the
-CPU backend's routes (kernels/cpu/lora_routes.py) against both and each other, the per-step
-segment metadata, and every backend's add_lora against the torch backend's."""
+"""The torch backend's LoRA shrink/expand (the oracle) against a per-token formula from the
+adapters' own matrices, the CPU backend's routes (kernels/cpu/lora_routes.py) against both
+and each other, the per-step segment metadata, and every backend's add_lora against the
+torch backend's. Slot buffers are rank-row pools (KernelBackend.lora_pool) holding adapters
+of mixed ranks back to back, so reading past a slot's rank reads a neighbour's rows."""
 
 from __future__ import annotations
 
@@ -11,8 +13,8 @@ from loraplex.kernels.cpu import extension, lora_routes
 from loraplex.kernels.cpu.lora_routes import ROUTES, add_lora, choose_route
 from loraplex.kernels.cpu.segments import CPULoRASegments
 from loraplex.kernels.testing import (
-    dense_lora_oracle,
-    make_lora_weights,
+    LoRAPools,
+    make_lora_pools,
     random_token_slots,
     segments,
 )
@@ -25,100 +27,153 @@ def cpu_segments(token_slots: list[int]) -> CPULoRASegments:
     """The CPU backend's segments (the fields its routes read)."""
     return CPULoRASegments.from_token_slots(token_slots, CPU)
 
-MIXED = [1, 8, 16, 64, 0]  # slot ranks; each slice rotates them so slots differ per slice
+MIXED = [1, 8, 16, 5, 0, 13]  # adapter ranks (not only multiples of 8); rotated per slice
+R_MAX = 16
 SLICE_OUTS = {1: [200], 2: [136, 72], 3: [200, 72, 72]}
 TOL = {
     torch.float32: {"rtol": 1e-4, "atol": 1e-4},
     torch.float16: {"rtol": 2e-2, "atol": 2e-2},
     torch.bfloat16: {"rtol": 4e-2, "atol": 4e-2},
 }
-
-
-def _case(din: int, num_slices: int, dtype: torch.dtype, seed: int = 0,
-          r_major_b: bool = False):
-    outs = SLICE_OUTS[num_slices]
-    slot_ranks = [MIXED[i:] + MIXED[:i] for i in range(num_slices)]
-    return (outs, *make_lora_weights(din, outs, slot_ranks, 64, dtype, seed=seed,
-                                     r_major_b=r_major_b))
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("num_tokens", [1, 7, 64])
-@pytest.mark.parametrize("num_slices", [1, 2, 3])
-def test_twin_shrink_expand_matches_dense_oracle(dtype: torch.dtype, num_tokens: int,
-                                                 num_slices: int) -> None:
-    outs, lora_a, lora_b, ranks = _case(200, num_slices, dtype)
-    slots = random_token_slots(num_tokens, len(MIXED), seed=num_tokens)
-    seg = segments(slots)
-    x = torch.randn(num_tokens, 200).to(dtype)
-    h = reference.lora_shrink(x, lora_a, ranks, seg)
-    assert h.shape == (num_slices, num_tokens, 64) and h.dtype == torch.float32
-    assert not h[:, [t for t, s in enumerate(slots) if s < 0]].any()
-    base = torch.randn(num_tokens, sum(outs)).to(dtype)
-    out = base.clone()
-    reference.lora_expand(h, lora_b, ranks, seg, out)
-    want = base.float() + dense_lora_oracle(x, lora_a, lora_b, ranks, slots)
-    torch.testing.assert_close(out.float(), want, **TOL[dtype])
-
-
-CASES = {  # name: token slots
-    "decode-unsorted": [3, 0, 2, -1, 1, 3, 0, 2, 1, -1, 0, 3],
-    "decode-all-distinct": [0, 1, 2, 3, 4],
-    "prefill-contiguous": [0] * 40 + [-1] * 9 + [2] * 33 + [3] * 20,
-    "one-adapter": [1] * 30,
-    "none": [-1, -1, -1],
-    "mixed-random": random_token_slots(64, 5, seed=3),
+LAYOUTS = {  # name: make_lora_pools arguments
+    "u1-rmajor": {"unit": 1, "r_major_b": True},  # the CPU backend's pools
+    "u1-sparse": {"unit": 1, "first_unit": 500, "gap_units": 1},  # slots 500.., B [out, rows]
+    "u8-sparse-rmajor": {"unit": 8, "first_unit": 300, "gap_units": 2, "r_major_b": True},
+    "dense": {"dense": True},  # the stacked buffers of before the pools
 }
 
 
-@pytest.mark.parametrize("r_major_b", [False, True], ids=["b-dense", "b-r-major"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("case", list(CASES))
-@pytest.mark.parametrize("route", list(ROUTES))
-def test_every_route_matches_dense_oracle(route: str, case: str, dtype: torch.dtype,
-                                          r_major_b: bool) -> None:
-    outs, lora_a, lora_b, ranks = _case(576, 3, dtype, seed=1, r_major_b=r_major_b)
-    slots = CASES[case]
-    x = torch.randn(len(slots), 576).to(dtype)
-    base = torch.randn(len(slots), sum(outs)).to(dtype)
+def _case(din: int, num_slices: int, dtype: torch.dtype, seed: int = 0,
+          layout: str = "u1-rmajor", **kw) -> LoRAPools:
+    outs = SLICE_OUTS[num_slices]
+    adapter_ranks = [MIXED[i:] + MIXED[:i] for i in range(num_slices)]
+    return make_lora_pools(din, outs, adapter_ranks, R_MAX, dtype, seed=seed,
+                           **{**LAYOUTS[layout], **kw})
+
+
+def _delta(route: str | None, pools: LoRAPools, x: torch.Tensor, slots: list[int],
+           base: torch.Tensor, **kw) -> torch.Tensor:
     out = base.clone()
-    add_lora(out, x, lora_a, lora_b, ranks, cpu_segments(slots), route=route,
-             compute_dtype=dtype)  # the half-precision GEMMs too, even where emulated
-    want = base.float() + dense_lora_oracle(x, lora_a, lora_b, ranks, slots)
+    if route == "twin":
+        reference.add_lora(out, x, pools.lora_a, pools.lora_b, pools.ranks, segments(slots))
+    else:
+        add_lora(out, x, pools.lora_a, pools.lora_b, pools.ranks, cpu_segments(slots),
+                 route=route, **kw)
+    return out
+
+
+def test_pools_pack_adapters_of_mixed_ranks_back_to_back() -> None:
+    """The builder's layout: each adapter right after the previous one's units, the rows
+    past a slice's rank nonzero (a neighbour's, or garbage), and A[s, j] pool row
+    s · unit + j through the overlapping views."""
+    pools = _case(64, 3, torch.float32, layout="u1-rmajor")
+    tops = [max(MIXED[(k + i) % len(MIXED)] for i in range(3)) for k in range(len(MIXED))]
+    assert pools.slots == [sum(max(t, 1) for t in tops[:k]) for k in range(len(MIXED))]
+    a, ranks = pools.lora_a[0], pools.ranks[0]
+    for k, slot in enumerate(pools.slots):
+        r = int(ranks[slot])
+        assert r == MIXED[k]
+        assert (a[slot, r:] != 0).any(dim=1).all()  # past the rank: no zero row
+        for j in range(R_MAX):  # the views overlap: row j of slot s is row 0 of s + j
+            if slot + j < a.shape[0]:
+                assert torch.equal(a[slot, j], a[slot + j, 0])
+    assert not ranks[[s for s in range(ranks.numel()) if s not in pools.slots]].any()
+    u8 = _case(64, 3, torch.float32, layout="u8-sparse-rmajor")
+    assert u8.slots[0] == 300 and u8.lora_a[0].stride(0) == 8 * 64
+    assert u8.lora_b[0].stride() == (8 * 200, 1, 200)
+
+
+@pytest.mark.parametrize("layout", ["u1-rmajor", "u1-sparse", "u8-sparse-rmajor"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("num_tokens", [1, 7, 64])
+@pytest.mark.parametrize("num_slices", [1, 2, 3])
+def test_twin_shrink_expand_matches_oracle(dtype: torch.dtype, num_tokens: int,
+                                           num_slices: int, layout: str) -> None:
+    """The torch backend against x @ Aᵀ @ Bᵀ from each adapter's own matrices."""
+    pools = _case(200, num_slices, dtype, layout=layout)
+    slots = pools.token_slots(random_token_slots(num_tokens, len(MIXED), seed=num_tokens))
+    seg = segments(slots)
+    x = torch.randn(num_tokens, 200).to(dtype)
+    h = reference.lora_shrink(x, pools.lora_a, pools.ranks, seg)
+    assert h.shape == (num_slices, num_tokens, R_MAX) and h.dtype == torch.float32
+    assert not h[:, [t for t, s in enumerate(slots) if s < 0]].any()
+    for i in range(num_slices):  # columns past each token's rank stay 0
+        for t, s in enumerate(slots):
+            if s >= 0:
+                assert not h[i, t, int(pools.ranks[i, s]):].any()
+    base = torch.randn(num_tokens, sum(pools.outs)).to(dtype)
+    out = base.clone()
+    reference.lora_expand(h, pools.lora_b, pools.ranks, seg, out)
+    want = base.float() + pools.oracle(x, slots)
     torch.testing.assert_close(out.float(), want, **TOL[dtype])
 
 
+CASES = {  # name: adapter of each token (-1: none), in MIXED's order
+    "decode-unsorted": [3, 0, 2, -1, 1, 3, 0, 2, 1, -1, 0, 3, 5, 4],
+    "decode-all-distinct": [0, 1, 2, 3, 4, 5],
+    "prefill-contiguous": [0] * 40 + [-1] * 9 + [2] * 33 + [3] * 20 + [5] * 17,
+    "one-adapter": [1] * 30,
+    "none": [-1, -1, -1],
+    "mixed-random": random_token_slots(64, len(MIXED), seed=3),
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("case", list(CASES))
-def test_routes_agree_with_each_other(case: str) -> None:
-    outs, lora_a, lora_b, ranks = _case(200, 2, torch.float32, seed=2)
-    slots = CASES[case]
+@pytest.mark.parametrize("route", list(ROUTES))
+def test_every_route_matches_oracle(route: str, case: str, dtype: torch.dtype,
+                                    layout: str) -> None:
+    pools = _case(576, 3, dtype, seed=1, layout=layout)
+    slots = pools.token_slots(CASES[case])
+    x = torch.randn(len(slots), 576).to(dtype)
+    base = torch.randn(len(slots), sum(pools.outs)).to(dtype)
+    out = _delta(route, pools, x, slots, base,
+                 compute_dtype=dtype)  # the half-precision GEMMs too, even where emulated
+    want = base.float() + pools.oracle(x, slots)
+    torch.testing.assert_close(out.float(), want, **TOL[dtype])
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("case", list(CASES))
+def test_routes_agree_with_each_other(case: str, layout: str) -> None:
+    pools = _case(200, 2, torch.float32, seed=2, layout=layout)
+    slots = pools.token_slots(CASES[case])
     x = torch.randn(len(slots), 200)
-    results = {}
+    zero = torch.zeros(len(slots), sum(pools.outs))
+    want = _delta("twin", pools, x, slots, zero)
     for route in ROUTES:
-        out = torch.zeros(len(slots), sum(outs))
-        add_lora(out, x, lora_a, lora_b, ranks, cpu_segments(slots), route=route)
-        results[route] = out
-    for route, out in results.items():
-        torch.testing.assert_close(out, results["loop"], rtol=1e-5, atol=1e-5, msg=route)
+        torch.testing.assert_close(_delta(route, pools, x, slots, zero), want, rtol=1e-5,
+                                   atol=1e-5, msg=route)
 
 
-@pytest.mark.parametrize("r_major_b", [False, True], ids=["b-dense", "b-r-major"])
-@pytest.mark.parametrize("route", ["loop", "kernel"])
-def test_rank_exact_paths_never_read_past_the_rank(route: str, r_major_b: bool) -> None:
-    """The loop and kernel routes and shrink/expand do r columns of work: NaN past the rank
-    stays unseen."""
-    outs = SLICE_OUTS[3]
-    slot_ranks = [MIXED[i:] + MIXED[:i] for i in range(3)]
-    lora_a, lora_b, ranks = make_lora_weights(64, outs, slot_ranks, 64, torch.float32,
-                                              past_rank=float("nan"), r_major_b=r_major_b)
-    slots = CASES["mixed-random"]
-    seg, x = cpu_segments(slots), torch.randn(len(slots), 64)
-    out = torch.zeros(len(slots), sum(outs))
-    add_lora(out, x, lora_a, lora_b, ranks, seg, route=route)
+@pytest.mark.parametrize("layout", ["u1-rmajor", "u1-sparse", "u8-sparse-rmajor", "dense"])
+@pytest.mark.parametrize("route", ["loop", "kernel", "twin"])
+def test_rank_exact_paths_never_read_past_the_rank(route: str, layout: str) -> None:
+    """The loop and kernel routes and the twin's shrink/expand read r rows of A and r
+    columns of B: NaN in every other row of the pools stays unseen."""
+    pools = _case(64, 3, torch.float32, layout=layout, fill=float("nan"))
+    slots = pools.token_slots(CASES["mixed-random"])
+    x = torch.randn(len(slots), 64)
+    out = _delta(route, pools, x, slots, torch.zeros(len(slots), sum(pools.outs)))
     assert torch.isfinite(out).all()
-    out2 = torch.zeros_like(out)
-    reference.lora_expand(reference.lora_shrink(x, lora_a, ranks, seg), lora_b, ranks, seg, out2)
-    torch.testing.assert_close(out2, out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out, pools.oracle(x, slots), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("route", [*ROUTES, "twin"])
+def test_routes_over_slot_ids_in_the_thousands(route: str) -> None:
+    """A pool of 4096 units, two adapters at its far end beside one at its start: exact,
+    and the step's groups are the three slots in use, not 4096."""
+    pools = make_lora_pools(64, [32, 16], [[8, 3, 16], [4, 0, 8]], R_MAX, torch.float32,
+                            seed=4, at=[0, 4078, 4081], r_major_b=True)
+    assert pools.lora_a[0].shape[0] == 4097 and pools.slots == [0, 4078, 4081]
+    slots = pools.token_slots([2, 0, -1, 1, 2, 0, 0, 1, -1, 2])
+    seg = cpu_segments(slots)
+    assert seg.num_groups == 3 and seg.group_slots_host == [0, 4078, 4081]
+    assert seg.group_offsets.tolist() == [3, 5, 8]
+    x = torch.randn(len(slots), 64)
+    out = _delta(route, pools, x, slots, torch.zeros(len(slots), 48))
+    torch.testing.assert_close(out, pools.oracle(x, slots), rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize(
@@ -163,30 +218,40 @@ def test_kernel_route_falls_back_to_grouped_where_it_cannot_build(
     """Where the kernel cannot load, the fallback is a backend choice: the torch backend
     serves (and gives the oracle's delta); the kernel route itself never falls back
     silently."""
-    outs, lora_a, lora_b, ranks = _case(200, 3, torch.float32)
-    slots = CASES["decode-unsorted"]
+    pools = _case(200, 3, torch.float32, layout="u1-sparse")
+    slots = pools.token_slots(CASES["decode-unsorted"])
     x = torch.randn(len(slots), 200)
     monkeypatch.setenv("LORAPLEX_CPU_KERNEL", "0")
     assert backend_name(CPU) == "torch"
     backend = select_backend(CPU, torch.float32)
     assert backend.name == "torch"
-    out = torch.zeros(len(slots), sum(outs))
-    backend.add_lora(out, x, lora_a, lora_b, ranks, backend.lora_segments(slots))
-    torch.testing.assert_close(out, dense_lora_oracle(x, lora_a, lora_b, ranks, slots),
-                               rtol=1e-4, atol=1e-4)
+    out = torch.zeros(len(slots), sum(pools.outs))
+    backend.add_lora(out, x, pools.lora_a, pools.lora_b, pools.ranks,
+                     backend.lora_segments(slots))
+    torch.testing.assert_close(out, pools.oracle(x, slots), rtol=1e-4, atol=1e-4)
     with pytest.raises(extension.KernelBuildError):
-        add_lora(torch.zeros_like(out), x, lora_a, lora_b, ranks, cpu_segments(slots),
-                 route="kernel")
+        add_lora(torch.zeros_like(out), x, pools.lora_a, pools.lora_b, pools.ranks,
+                 cpu_segments(slots), route="kernel")
 
 
-def test_cpu_kernel_refuses_out_of_range_slots() -> None:
+def test_cpu_kernel_refuses_out_of_range_slots_and_ranks() -> None:
     assert extension.available(), "the C++ CPU kernels did not build on this machine"
     module = extension.load()
-    lora_a, lora_b, ranks = make_lora_weights(16, [8], [[4, 4]], 8, torch.float32)
+    pools = make_lora_pools(16, [8], [[4, 3]], 8, torch.float32, r_major_b=True)
+    a, b, ranks = pools.lora_a, pools.lora_b, pools.ranks  # 7 units: slots 0 and 4
     x, out = torch.randn(2, 16), torch.zeros(2, 8)
-    rows, bad_slots = torch.tensor([0, 1]), torch.tensor([0, 2])
-    with pytest.raises(RuntimeError, match="slot 2 out of range"):
-        module.add_lora_gather(out, x, rows, bad_slots, lora_a, lora_b, ranks)
+    rows = torch.tensor([0, 1])
+    with pytest.raises(RuntimeError, match="slot 7 out of range"):
+        module.add_lora_gather(out, x, rows, torch.tensor([0, 7]), a, b, ranks)
+    bad = ranks.clone()
+    bad[0, 4] = 9  # past r_max: would read past the pool
+    with pytest.raises(RuntimeError, match="rank 9 of slot 4 out of range"):
+        module.add_lora_gather(out, x, rows, torch.tensor([0, 4]), a, b, bad)
+    with pytest.raises(RuntimeError, match="one slot per column of ranks"):
+        module.add_lora_gather(out, x, rows, torch.tensor([0, 4]), a, b, ranks[:, :5])
+    with pytest.raises(RuntimeError, match="unit stride along in"):
+        module.add_lora_gather(out, x, rows, torch.tensor([0, 4]),
+                               [a[0].new_zeros(7, 16, 8).transpose(1, 2)], b, ranks)
     assert not out.any()
 
 
@@ -201,13 +266,12 @@ def test_long_segments_of_mixed_ranks_take_the_rank_exact_loop() -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_half_compute_in_fp32_matches_oracle(dtype: torch.dtype) -> None:
-    outs, lora_a, lora_b, ranks = _case(200, 3, dtype)
-    slots = CASES["mixed-random"]
+    pools = _case(200, 3, dtype)
+    slots = pools.token_slots(CASES["mixed-random"])
     x = torch.randn(len(slots), 200).to(dtype)
-    out = torch.zeros(len(slots), sum(outs), dtype=dtype)
-    add_lora(out, x, lora_a, lora_b, ranks, cpu_segments(slots), compute_dtype=torch.float32)
-    torch.testing.assert_close(out.float(), dense_lora_oracle(x, lora_a, lora_b, ranks, slots),
-                               **TOL[dtype])
+    out = _delta(None, pools, x, slots, torch.zeros(len(slots), sum(pools.outs), dtype=dtype),
+                 compute_dtype=torch.float32)
+    torch.testing.assert_close(out.float(), pools.oracle(x, slots), **TOL[dtype])
 
 
 def test_segments_group_tokens_by_slot() -> None:
@@ -217,20 +281,34 @@ def test_segments_group_tokens_by_slot() -> None:
     assert seg.seg_slots_host == [-1, 0, 2, 5] == seg.seg_slots.tolist()
     assert seg.seg_starts_host == [0, 2, 4, 6, 7] == seg.seg_starts.tolist()
     assert seg.token_indices.dtype == torch.int64
-    assert seg.max_seg_len == 2 and seg.num_groups == 6
-    assert seg.group_offsets.tolist() == [2, 2, 4, 4, 4, 5]
+    assert seg.max_seg_len == 2 and seg.num_groups == 3 and seg.group_step == 0
+    assert seg.group_slots_host == [0, 2, 5] == seg.group_slots.tolist()
+    assert seg.group_offsets.tolist() == [2, 4, 5]
     assert seg.lora_rows.tolist() == [2, 4, 0, 3, 6]
     assert seg.lora_row_slots.tolist() == [0, 0, 2, 2, 5]
+    assert seg.lora_row_groups.tolist() == [0, 0, 1, 1, 2]
     assert seg.seg_row_start_host == [-1, -1, -1, 6]
     assert not seg.lora_rows_identity
     assert seg.lora_segments_host == [(0, 2, 4), (2, 4, 6), (5, 6, 7)]
+
+
+def test_segments_group_only_the_slots_in_use() -> None:
+    """Sparse slot ids in the thousands: the groups are the slots in use, and their step
+    when they step evenly (the routes then slice the pools instead of gathering)."""
+    seg = cpu_segments([4000, 7, -1, 4000, 7])
+    assert seg.num_groups == 2 and seg.group_slots_host == [7, 4000]
+    assert seg.group_offsets.tolist() == [2, 4] and seg.group_step == 3993
+    assert seg.lora_row_groups.tolist() == [0, 0, 1, 1]
+    assert cpu_segments([8, 16, 24, 8]).group_step == 8
+    assert cpu_segments([5, 5]).group_step == 1
 
 
 @pytest.mark.parametrize("slots", [[], [-1, -1]])
 def test_segments_without_adapters(slots: list[int]) -> None:
     seg = cpu_segments(slots)
     assert seg.max_seg_len == 0 and seg.num_lora_tokens == 0 and seg.num_groups == 0
-    lora_a, lora_b, ranks = make_lora_weights(16, [8], [[4, 4]], 8, torch.float32)
+    pools = make_lora_pools(16, [8], [[4, 4]], 8, torch.float32)
+    lora_a, lora_b, ranks = pools.lora_a, pools.lora_b, pools.ranks
     x = torch.randn(len(slots), 16)
     for name in ("cpu", "torch"):
         backend = select_backend(CPU, torch.float32, name)
@@ -253,16 +331,16 @@ def test_dispatch_add_lora_on_cpu_uses_the_twin() -> None:
     assert backend_name(CPU) == "cpu"
     backend = select_backend(CPU, torch.float32)
     assert backend.name == "cpu"
-    outs, lora_a, lora_b, ranks = _case(200, 3, torch.float32, r_major_b=True)
-    slots = CASES["decode-unsorted"]
+    pools = make_lora_pools(200, SLICE_OUTS[3], [MIXED[i:] + MIXED[:i] for i in range(3)],
+                            R_MAX, torch.float32, backend=backend)
+    assert pools.lora_b[0].stride(1) == 1  # its own B layout: r-major
+    slots = pools.token_slots(CASES["decode-unsorted"])
     x = torch.randn(len(slots), 200)
-    out = torch.zeros(len(slots), sum(outs))
-    backend.add_lora(out, x, lora_a, lora_b, ranks, backend.lora_segments(slots))
-    torch.testing.assert_close(out, dense_lora_oracle(x, lora_a, lora_b, ranks, slots),
-                               rtol=1e-4, atol=1e-4)
-    h = reference.lora_shrink(x, lora_a, ranks, segments(slots))
-    out2 = torch.zeros_like(out)
-    reference.lora_expand(h, lora_b, ranks, segments(slots), out2)
+    out = torch.zeros(len(slots), sum(pools.outs))
+    backend.add_lora(out, x, pools.lora_a, pools.lora_b, pools.ranks,
+                     backend.lora_segments(slots))
+    torch.testing.assert_close(out, pools.oracle(x, slots), rtol=1e-4, atol=1e-4)
+    out2 = _delta("twin", pools, x, slots, torch.zeros_like(out))
     torch.testing.assert_close(out2, out, rtol=1e-4, atol=1e-4)
 
 
@@ -278,10 +356,11 @@ def test_dispatch_rejects_unknown_backend(monkeypatch: pytest.MonkeyPatch) -> No
 @pytest.mark.parametrize("route", sorted(ROUTES))
 def test_routes_skip_a_layer_no_present_adapter_targets(route: str) -> None:
     """Adapters in the batch target other modules: every slot's rank here is 0, out is kept."""
-    lora_a, lora_b, ranks = make_lora_weights(64, [32, 16], [[0, 0, 0, 0], [0, 0, 0, 0]], 8,
-                                              torch.float32)
+    pools = make_lora_pools(64, [32, 16], [[0, 0, 0, 0], [0, 0, 0, 0]], 8, torch.float32)
     x = torch.randn(6, 64)
     out = torch.randn(6, 48)
     before = out.clone()
-    add_lora(out, x, lora_a, lora_b, ranks, cpu_segments([0, 1, 2, 3, 0, 1]), route=route)
+    slots = pools.token_slots([0, 1, 2, 3, 0, 1])
+    add_lora(out, x, pools.lora_a, pools.lora_b, pools.ranks, cpu_segments(slots),
+             route=route)
     torch.testing.assert_close(out, before)

@@ -1,5 +1,5 @@
 """The CPU backend: the C++ kernels of csrc/ (built by extension.py), the CPU routes of the
-LoRA delta (lora_routes.py) over r-major B slot buffers, packed float32 linears
+LoRA delta (lora_routes.py) over rank-row pools with r-major B, packed float32 linears
 (packed_linear.py) and the per-ISA dtype rule (isa.py). Everything CPU-specific lives in
 this folder: without it, or without a compiler, the engine serves with the torch backend.
 
@@ -28,6 +28,7 @@ class CPUBackend(TorchBackend):
     name = "cpu"
     segments_type = CPULoRASegments  # with the routes' per-step fields
     r_major_b = True  # the C++ expand reads each rank's outputs contiguously (vector FMAs)
+    # rank_unit 1: adapters packed row by row (no alignment to keep: unaligned loads)
 
     def __init__(self, device: torch.device, dtype: torch.dtype):
         super().__init__(device, dtype)

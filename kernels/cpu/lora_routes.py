@@ -2,9 +2,15 @@
 step and layer shape by ``choose_route`` (the rule and its measurements:
 ``bench/lora_cpu.py``, bench/results/).
 
-Routes are rank-aware on the host: a rank-r slot costs r columns (loop), or at most the
-largest rank among the step's used slots (grouped, gather, dense), never r_max. Half-
-precision deltas are computed in fp32 where the CPU has no native bf16 GEMM (``isa.py``).
+Slot buffers are overlapping views of rank-row pools (``KernelBackend.lora_pool``): the
+rows past a slot's rank are the next adapter's, not zeros. Every route reads exactly a
+slot's own rank (kernel, loop) or pads to the largest rank in use and zeroes h's columns
+past each token's own rank before the expand (grouped, gather, dense). Routes are
+rank-aware on the host: a rank-r slot costs r columns (loop), or at most the largest rank
+among the step's used slots (grouped, gather, dense), never r_max; and they work over the
+slots in use (``CPULoRASegments``' compact groups), never over every slot up to the
+largest id. Half-precision deltas are computed in fp32 where the CPU has no native bf16
+GEMM (``isa.py``).
 """
 
 from __future__ import annotations
@@ -19,8 +25,8 @@ from .isa import HALF_NATIVE
 from .segments import CPULoRASegments as LoRASegments
 
 Route = Callable[
-    [torch.Tensor, torch.Tensor, list, list, list, LoRASegments, torch.dtype], None
-]  # (out, x, lora_a, lora_b, ranks_host, seg, compute dtype)
+    [torch.Tensor, torch.Tensor, list, list, torch.Tensor, list, LoRASegments, torch.dtype], None
+]  # (out, x, lora_a, lora_b, ranks, group ranks (host, [slice][group]), seg, compute dtype)
 
 KERNEL_MAX_WORK = 4096  # tokens per adapter segment × rank up to which the kernel wins
 
@@ -35,14 +41,39 @@ def _add_rows(out: torch.Tensor, rows_start: int, rows: torch.Tensor | None, col
         out[rows, col : col + width] += y
 
 
-def route_loop(out: torch.Tensor, x: torch.Tensor, lora_a: list, lora_b: list, rk: list,
-               seg: LoRASegments, cdt: torch.dtype) -> None:
-    """Per segment: one shrink GEMM shared by the slices, one expand GEMM per slice."""
-    starts = seg.seg_starts_host
+def group_ranks(ranks: torch.Tensor, seg: LoRASegments) -> list[list[int]]:
+    """Each slice's rank of every slot in use (the step's groups): [num_slices][G], host."""
+    return ranks.index_select(1, seg.group_slots).tolist()
+
+
+def _slot_rows(w: torch.Tensor, seg: LoRASegments, r: int) -> torch.Tensor:
+    """w[slot, :r] for the step's slots in use: [G, r, ...]. A view of the pool when those
+    slots step evenly (every slot of a stacked buffer, adapters of one rank back to back),
+    else a gather."""
+    slots, step = seg.group_slots_host, seg.group_step
+    if step:
+        return w[slots[0] : slots[-1] + 1 : step, :r]
+    return w[seg.group_slots, :r]
+
+
+def _mask_past_rank(h: torch.Tensor, row_ranks: torch.Tensor) -> None:
+    """h[n, j] = 0 for j >= row_ranks[n], in place: a padded shrink's columns past a row's
+    rank read the next adapter's rows of the pool. h [N, r] (or [N, r, 1]), row_ranks [N]."""
+    cols = torch.arange(h.shape[1], device=h.device)  # [r]
+    past = cols >= row_ranks.unsqueeze(1)  # [N, r]
+    h.masked_fill_(past.view(h.shape), 0)
+
+
+def route_loop(out: torch.Tensor, x: torch.Tensor, lora_a: list, lora_b: list,
+               ranks: torch.Tensor, rk: list, seg: LoRASegments, cdt: torch.dtype) -> None:
+    """Per segment: one shrink GEMM shared by the slices, one expand GEMM per slice; every
+    slot's own rank exactly (slices of its A and B)."""
+    starts, group = seg.seg_starts_host, 0
     for k, slot in enumerate(seg.seg_slots_host):
         if slot < 0:
             continue
-        rs = [rk[i][slot] for i in range(len(lora_a))]
+        rs = [row[group] for row in rk]  # segments with a slot are the groups, in order
+        group += 1
         if not any(rs):
             continue
         lo, hi = starts[k], starts[k + 1]
@@ -60,78 +91,99 @@ def route_loop(out: torch.Tensor, x: torch.Tensor, lora_a: list, lora_b: list, r
             col += b.shape[1]
 
 
-def _used_rank(rk: list, seg: LoRASegments) -> list[int]:
-    used = [s for s in seg.seg_slots_host if s >= 0]
-    return [max(row[s] for s in used) for row in rk]
+def _used_rank(rk: list) -> list[int]:
+    return [max(row, default=0) for row in rk]
 
 
-def route_grouped(out: torch.Tensor, x: torch.Tensor, lora_a: list, lora_b: list, rk: list,
-                  seg: LoRASegments, cdt: torch.dtype) -> None:
-    """grouped_mm over the rows sorted by slot; slices share the shrink GEMM."""
-    rs, g, offs = _used_rank(rk, seg), seg.num_groups, seg.group_offsets
+def _row_ranks(rk_i: list[int], seg: LoRASegments) -> torch.Tensor:
+    """The rank of every adapted row's slot in one slice: [N] int64."""
+    return torch.tensor(rk_i).index_select(0, seg.lora_row_groups)
+
+
+def route_grouped(out: torch.Tensor, x: torch.Tensor, lora_a: list, lora_b: list,
+                  ranks: torch.Tensor, rk: list, seg: LoRASegments, cdt: torch.dtype) -> None:
+    """grouped_mm over the rows sorted by slot, one group per slot in use; slices share the
+    shrink GEMM. Ranks are padded to the largest in use (rounded up to 16 bytes): h's
+    columns past a row's own rank are zeroed before the expand."""
+    rs, offs = _used_rank(rk), seg.group_offsets
     if not any(rs):  # no slot in this step adapts this layer (other adapters target others)
         return
     per16 = 16 // x.element_size()  # grouped_mm wants 16-byte strides
     r_max = lora_a[0].shape[1]
     rs = [min(-(-r // per16) * per16, r_max) if r else 0 for r in rs]
-    if any(n % per16 for n in [r_max, x.shape[1], *rs, *(b.shape[1] for b in lora_b)]):
-        return route_loop(out, x, lora_a, lora_b, rk, seg, cdt)
+    if any(n % per16 for n in [x.shape[1], *rs, *(b.shape[1] for b in lora_b)]):
+        return route_loop(out, x, lora_a, lora_b, ranks, rk, seg, cdt)
     rows = None if seg.lora_rows_identity else seg.lora_rows
     xs = x if rows is None else x[rows]  # [N, in]
-    a_cat = torch.cat([a[:g, :r] for a, r in zip(lora_a, rs) if r], dim=1)  # [g, sum r, in]
+    a_cat = torch.cat([_slot_rows(a, seg, r) for a, r in zip(lora_a, rs) if r],
+                      dim=1)  # [G, sum r, in]
     h = F.grouped_mm(xs.to(cdt), a_cat.to(cdt).transpose(1, 2), offs=offs)  # [N, sum r]
     c = col = 0
-    for b, r in zip(lora_b, rs):
+    for b, r, rk_i in zip(lora_b, rs, rk):
         if r:
             hi = h[:, c : c + r].contiguous()  # [N, r]
-            y = F.grouped_mm(hi, b[:g, :, :r].to(cdt).transpose(1, 2), offs=offs)  # [N, out_i]
+            if min(rk_i) < r:
+                _mask_past_rank(hi, _row_ranks(rk_i, seg))
+            bt = _strides_16(_slot_rows(b.transpose(1, 2), seg, r).to(cdt))  # [G, r, out_i]
+            y = F.grouped_mm(hi, bt, offs=offs)  # [N, out_i]
             _add_rows(out, 0, rows, col, y)
             c += r
         col += b.shape[1]
 
 
-def route_gather(out: torch.Tensor, x: torch.Tensor, lora_a: list, lora_b: list, rk: list,
-                 seg: LoRASegments, cdt: torch.dtype) -> None:
-    """Per token: gather the token's A and B, batched matmul (decode, many adapters)."""
-    rs = _used_rank(rk, seg)
+def _strides_16(t: torch.Tensor) -> torch.Tensor:
+    """t itself when grouped_mm takes its strides (16-byte multiples), else a dense copy."""
+    if all(st * t.element_size() % 16 == 0 for st in t.stride() if st != 1):
+        return t
+    return t.contiguous()
+
+
+def route_gather(out: torch.Tensor, x: torch.Tensor, lora_a: list, lora_b: list,
+                 ranks: torch.Tensor, rk: list, seg: LoRASegments, cdt: torch.dtype) -> None:
+    """Per token: gather the token's A and B up to the largest rank in use, batched matmul
+    (decode, many adapters); h's columns past a token's own rank are zeroed."""
     rows = None if seg.lora_rows_identity else seg.lora_rows
     slots = seg.lora_row_slots  # [N]
     xs = (x if rows is None else x[rows]).to(cdt).unsqueeze(2)  # [N, in, 1]
     col = 0
-    for a, b, r in zip(lora_a, lora_b, rs):
+    for a, b, r, rk_i in zip(lora_a, lora_b, _used_rank(rk), rk):
         if r:
             h = torch.bmm(a[slots, :r].to(cdt), xs)  # [N, r, 1]
+            if min(rk_i) < r:
+                _mask_past_rank(h, _row_ranks(rk_i, seg))
             y = torch.bmm(b[slots, :, :r].to(cdt), h).squeeze(2)  # [N, out_i]
             _add_rows(out, 0, rows, col, y)
         col += b.shape[1]
 
 
-def route_dense(out: torch.Tensor, x: torch.Tensor, lora_a: list, lora_b: list, rk: list,
-                seg: LoRASegments, cdt: torch.dtype) -> None:
-    """Shrink against every slot at once (no weight copy), keep each token's own slot;
-    expand by a per-token gather of B."""
-    rs, g = _used_rank(rk, seg), seg.num_groups
+def route_dense(out: torch.Tensor, x: torch.Tensor, lora_a: list, lora_b: list,
+                ranks: torch.Tensor, rk: list, seg: LoRASegments, cdt: torch.dtype) -> None:
+    """Shrink against every slot in use at once (no weight copy where their rows lie back
+    to back in the pool), keep each token's own slot and rank; expand by a per-token
+    gather of B."""
+    g = seg.num_groups
     rows = None if seg.lora_rows_identity else seg.lora_rows
-    slots = seg.lora_row_slots  # [N]
+    slots, groups = seg.lora_row_slots, seg.lora_row_groups  # [N], [N]
     xs = (x if rows is None else x[rows]).to(cdt)  # [N, in]
     pick = torch.arange(xs.shape[0], device=x.device)
     col = 0
-    for a, b, r in zip(lora_a, lora_b, rs):
+    for a, b, r, rk_i in zip(lora_a, lora_b, _used_rank(rk), rk):
         if r:
-            r_max = a.shape[1]
-            h_all = F.linear(xs, a[:g].reshape(g * r_max, -1).to(cdt))  # [N, g * r_max]
-            h = h_all.view(-1, g, r_max)[pick, slots, :r]  # [N, r]
+            w = _slot_rows(a, seg, r).reshape(g * r, -1)  # [G * r, in]
+            h_all = F.linear(xs, w.to(cdt))  # [N, G * r]
+            h = h_all.view(-1, g, r)[pick, groups]  # [N, r]
+            if min(rk_i) < r:
+                _mask_past_rank(h, _row_ranks(rk_i, seg))
             y = torch.bmm(b[slots, :, :r].to(cdt), h.unsqueeze(2)).squeeze(2)  # [N, out_i]
             _add_rows(out, 0, rows, col, y)
         col += b.shape[1]
 
 
-def route_kernel(out: torch.Tensor, x: torch.Tensor, lora_a: list, lora_b: list, rk: list,
-                 seg: LoRASegments, cdt: torch.dtype) -> None:
-    """Per token, in C++ (csrc/lora_gather.cpp): each token reads its own A and B in place,
-    B r-major, fp32 accumulation. The kernel reads the ranks tensor itself; this host-ranks
-    form is what a caller of ROUTES gets."""
-    ranks = torch.tensor(rk, dtype=torch.int32)
+def route_kernel(out: torch.Tensor, x: torch.Tensor, lora_a: list, lora_b: list,
+                 ranks: torch.Tensor, rk: list, seg: LoRASegments, cdt: torch.dtype) -> None:
+    """Per token, in C++ (csrc/lora_gather.cpp): each token reads its own A and B in place
+    (any strides with a unit one along in and along out or rank), its own rank exactly,
+    fp32 accumulation."""
     extension.load().add_lora_gather(out, x, seg.lora_rows, seg.lora_row_slots, lora_a,
                                      lora_b, ranks)
 
@@ -171,12 +223,12 @@ def _kernel_wins(seg: LoRASegments, rank: int) -> bool:
     return seg.tokens_per_lora_segment * rank <= KERNEL_MAX_WORK
 
 
-def _mixed_ranks(rk: list[list[int]], seg: LoRASegments) -> tuple[bool, int]:
-    """Whether the used slots' ranks differ by 2x or more in some slice, and the largest."""
-    used = [s for s in seg.seg_slots_host if s >= 0]
+def _mixed_ranks(rk: list[list[int]]) -> tuple[bool, int]:
+    """Whether the used slots' ranks (``group_ranks``) differ by 2x or more in some slice,
+    and the largest."""
     mixed, largest = False, 0
     for row in rk:
-        ranks = [row[s] for s in used if row[s]]
+        ranks = [r for r in row if r]
         if ranks:
             mixed = mixed or max(ranks) >= 2 * min(ranks)
             largest = max(largest, max(ranks))
@@ -186,9 +238,9 @@ def _mixed_ranks(rk: list[list[int]], seg: LoRASegments) -> tuple[bool, int]:
 def add_lora(
     out: torch.Tensor,  # [T, sum(out_i)]
     x: torch.Tensor,  # [T, in]
-    lora_a: list[torch.Tensor],  # num_slices × [max_loras, r_max, in]
-    lora_b: list[torch.Tensor],  # num_slices × [max_loras, out_i, r_max]
-    ranks: torch.Tensor,  # [num_slices, max_loras] int32
+    lora_a: list[torch.Tensor],  # num_slices × [num_units, r_max, in], views of pools
+    lora_b: list[torch.Tensor],  # num_slices × [num_units, out_i, r_max], views of pools
+    ranks: torch.Tensor,  # [num_slices, num_units] int32
     seg: LoRASegments,
     route: str | None = None,
     compute_dtype: torch.dtype | None = None,
@@ -203,7 +255,7 @@ def add_lora(
         extension.load().add_lora_gather(out, x, seg.lora_rows, seg.lora_row_slots, lora_a,
                                          lora_b, ranks)
         return
-    ROUTES[route](out, x, lora_a, lora_b, ranks.tolist(), seg, cdt)
+    ROUTES[route](out, x, lora_a, lora_b, ranks, group_ranks(ranks, seg), seg, cdt)
 
 
 def _memo_route(seg: LoRASegments, ranks: torch.Tensor, cdt: torch.dtype,
@@ -215,7 +267,7 @@ def _memo_route(seg: LoRASegments, ranks: torch.Tensor, cdt: torch.dtype,
     key = (ranks.data_ptr(), ranks._version, cdt)
     route = seg.route_memo.get(key)
     if route is None:
-        mixed, largest = _mixed_ranks(ranks.tolist(), seg)
+        mixed, largest = _mixed_ranks(group_ranks(ranks, seg))
         route = seg.route_memo[key] = choose_route(seg, cdt, mixed, largest)
     return route
 

@@ -1,5 +1,7 @@
 """CPULoRASegments: the shared per-step segments plus what the CPU routes read (the rows of
-adapted tokens, their slots, per-slot offsets for grouped matmul), built once per step."""
+adapted tokens, their slots, the slots in use as compact groups with offsets for grouped
+matmul), built once per step. Nothing here scales with the largest slot id: slot ids are
+pool units, sparse and up to thousands."""
 
 from __future__ import annotations
 
@@ -16,8 +18,12 @@ class CPULoRASegments(LoRASegments):
     num_lora_tokens: int = 0  # tokens with slot >= 0
     lora_rows: torch.Tensor = None  # [num_lora_tokens] int64, the adapted tokens' rows by slot
     lora_row_slots: torch.Tensor = None  # [num_lora_tokens] int64, slot of each of lora_rows
-    group_offsets: torch.Tensor = None  # [num_groups] int32, end of each slot's rows
-    num_groups: int = 0  # max slot + 1 (0 when no token has an adapter)
+    lora_row_groups: torch.Tensor = None  # [num_lora_tokens] int64, group of each of lora_rows
+    group_slots: torch.Tensor = None  # [num_groups] int64, the slots in use, ascending
+    group_slots_host: list[int] = field(default_factory=list)  # the same, on the host
+    group_offsets: torch.Tensor = None  # [num_groups] int32, end of each group's rows
+    num_groups: int = 0  # slots in use (0 when no token has an adapter)
+    group_step: int = 1  # group_slots' common difference (1 for one group), 0 if uneven
     seg_row_start_host: list[int] = field(default_factory=list)  # first row, if a range; else -1
     lora_rows_identity: bool = False  # lora_rows == arange(T): all adapted, batch sorted
     num_lora_segments: int = 0
@@ -32,22 +38,34 @@ class CPULoRASegments(LoRASegments):
         shared = cls.fields_of(host, device)
         slots, starts, order = shared["seg_slots_host"], host.starts, host.order
         first = starts[1] if slots and slots[0] < 0 else 0  # rows of slot -1 come first
-        num_groups = slots[-1] + 1 if slots and slots[-1] >= 0 else 0
-        per_slot = torch.zeros(num_groups, dtype=torch.int64)  # [num_groups]
-        adapted = host.seg_slots >= 0
-        per_slot[host.seg_slots[adapted]] = host.counts[adapted]
-        num_tokens = order.numel()
+        adapted = host.seg_slots >= 0  # one segment per slot in use, ascending: its group
+        group_slots, per_group = host.seg_slots[adapted], host.counts[adapted]  # [G], [G]
+        num_groups, num_tokens = group_slots.numel(), order.numel()
         return cls(
             **shared,
             num_lora_tokens=num_tokens - first,
             lora_rows=order[first:].to(device),
             lora_row_slots=host.sorted_slots[first:].to(device),
-            group_offsets=torch.cumsum(per_slot, 0).to(torch.int32).to(device),
+            lora_row_groups=torch.repeat_interleave(torch.arange(num_groups),
+                                                    per_group).to(device),
+            group_slots=group_slots.to(device),
+            group_slots_host=group_slots.tolist(),
+            group_offsets=torch.cumsum(per_group, 0).to(torch.int32).to(device),
             num_groups=num_groups,
+            group_step=_common_step(group_slots.tolist()),
             seg_row_start_host=_range_starts(order, starts),
             lora_rows_identity=first == 0 and bool((order == torch.arange(num_tokens)).all()),
             num_lora_segments=sum(1 for s in slots if s >= 0),
         )
+
+
+def _common_step(slots: list[int]) -> int:
+    """d where slots == slots[0] + d · arange(G) (1 for G <= 1), else 0: slices of the
+    slot buffers with step d are views, no gather."""
+    if len(slots) < 2:
+        return 1
+    step = slots[1] - slots[0]
+    return step if all(b - a == step for a, b in pairwise(slots)) else 0
 
 
 def _range_starts(order: torch.Tensor, starts: list[int]) -> list[int]:

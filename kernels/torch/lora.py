@@ -1,5 +1,7 @@
 """Segmented LoRA shrink / expand in plain torch: per segment, one gather and one matmul
-per slice, in fp32. The oracle of the Triton SGMV kernels and the CPU routes."""
+per slice, in fp32, over exactly the first ranks[i, s] rows of A_i[s] and columns of B_i[s]
+(slot buffers are overlapping views of rank-row pools: what lies past a rank is the next
+adapter's). The oracle of the Triton SGMV kernels and the CPU routes."""
 
 from __future__ import annotations
 
@@ -8,25 +10,24 @@ import torch
 from ..lora_segments import LoRASegments
 
 
-def host_ranks(ranks: torch.Tensor, r_max: int) -> list[list[int]]:
-    """ranks as host lists [num_slices][max_loras]; on an accelerator, r_max everywhere
-    (padded rows/columns are zero, so the result is the same, without a device sync)."""
-    if ranks.device.type == "cpu":
-        return ranks.tolist()
-    return [[r_max] * ranks.shape[1] for _ in range(ranks.shape[0])]
+def host_ranks(ranks: torch.Tensor) -> list[list[int]]:
+    """The true ranks as host lists [num_slices][num_units], on every device (a device sync
+    on an accelerator: this is the oracle). Rows past a slot's rank belong to the next
+    adapter of the pool, so no rank can be rounded up."""
+    return ranks.tolist()
 
 
 def lora_shrink(
     x: torch.Tensor,  # [T, in]
-    lora_a: list[torch.Tensor],  # num_slices × [max_loras, r_max, in]
-    ranks: torch.Tensor,  # [num_slices, max_loras] int32
+    lora_a: list[torch.Tensor],  # num_slices × [num_units, r_max, in], views of pools
+    ranks: torch.Tensor,  # [num_slices, num_units] int32
     seg: LoRASegments,
 ) -> torch.Tensor:  # [num_slices, T, r_max] float32
     """h[i, t, :r] = x[t] @ A_i[slot_t, :r]ᵀ in fp32; rows of slot -1 tokens and columns
     past a slot's rank are 0."""
     r_max = lora_a[0].shape[1]
     h = torch.zeros(len(lora_a), x.shape[0], r_max, dtype=torch.float32, device=x.device)
-    rk = host_ranks(ranks, r_max)
+    rk = host_ranks(ranks)
     for slot, lo, hi in seg.lora_segments_host:
         rows = seg.token_indices[lo:hi]  # [n]
         xs = x[rows].float()  # [n, in]
@@ -39,15 +40,14 @@ def lora_shrink(
 
 def lora_expand(
     h: torch.Tensor,  # [num_slices, T, r_max] float32
-    lora_b: list[torch.Tensor],  # num_slices × [max_loras, out_i, r_max]
-    ranks: torch.Tensor,  # [num_slices, max_loras] int32
+    lora_b: list[torch.Tensor],  # num_slices × [num_units, out_i, r_max], views of pools
+    ranks: torch.Tensor,  # [num_slices, num_units] int32
     seg: LoRASegments,
     out: torch.Tensor,  # [T, sum(out_i)]
 ) -> None:
     """out[t, off_i:off_i+out_i] += h[i, t, :r] @ B_i[slot_t, :, :r]ᵀ for tokens with a slot;
     fp32 accumulation, one rounding to out's dtype."""
-    r_max = lora_b[0].shape[2]
-    rk = host_ranks(ranks, r_max)
+    rk = host_ranks(ranks)
     for slot, lo, hi in seg.lora_segments_host:
         rows = seg.token_indices[lo:hi]  # [n]
         off = 0
@@ -63,9 +63,9 @@ def lora_expand(
 def add_lora(
     out: torch.Tensor,  # [T, sum(out_i)]
     x: torch.Tensor,  # [T, in]
-    lora_a: list[torch.Tensor],  # num_slices × [max_loras, r_max, in]
-    lora_b: list[torch.Tensor],  # num_slices × [max_loras, out_i, r_max]
-    ranks: torch.Tensor,  # [num_slices, max_loras] int32
+    lora_a: list[torch.Tensor],  # num_slices × [num_units, r_max, in]
+    lora_b: list[torch.Tensor],  # num_slices × [num_units, out_i, r_max]
+    ranks: torch.Tensor,  # [num_slices, num_units] int32
     seg: LoRASegments,
 ) -> None:
     """out += expand(shrink(x, A), B)."""

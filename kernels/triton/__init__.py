@@ -17,6 +17,7 @@ class TritonBackend(TorchBackend):
     name = "triton"
     segments_type = TritonLoRASegments  # with the SGMV work list
     r_major_b = True  # an expand tile's lanes read neighbouring outputs
+    rank_unit = 8  # slots 8 rank rows apart: 16-byte aligned in bf16 (vector loads)
 
     def add_lora(self, out: torch.Tensor, x: torch.Tensor, lora_a: list[torch.Tensor],
                  lora_b: list[torch.Tensor], ranks: torch.Tensor, seg: LoRASegments) -> None:

@@ -1,9 +1,13 @@
 """Segmented-gather LoRA shrink / expand in Triton (Punica SGMV, rank-aware).
 
-    shrink: h[i, t, :r] = x[t] @ A_i[s, :r]ᵀ                 x [T, K], A_i [L, R_MAX, K]
-    expand: out[t, off_i : off_i + N_i] += h[i, t, :r] @ B_i[s, :, :r]ᵀ      B_i [L, N_i, R_MAX]
+    shrink: h[i, t, :r] = x[t] @ A_i[s, :r]ᵀ                 x [T, K], A_i [U, R_MAX, K]
+    expand: out[t, off_i : off_i + N_i] += h[i, t, :r] @ B_i[s, :, :r]ᵀ      B_i [U, N_i, R_MAX]
     (s = token t's slot, r = ranks[i, s]; h [NS, T, R_MAX] float32; tokens of slot -1 and
     ranks of 0 are skipped.)
+
+A_i and B_i are overlapping slot views of rank-row pools (KernelBackend.lora_pool): the
+rows past a slot's rank are the next adapter's, so every load is masked by the slot's rank,
+and every stride (slot, rank, output) is read from the tensors, never assumed dense.
 
 Launches: one program per work item (a block of BLOCK_M rows of one adapted segment, from
 the step's TritonLoRASegments) in shrink, which reads each x tile once for every slice of a
@@ -13,8 +17,9 @@ blocks of every slice laid end to end (no padding to the widest slice).
 Bytes: a slot of rank r reads r rows of A and r columns of B whatever ``max_lora_rank``
 (masked loads fetch nothing): a rank-8 adapter with max_lora_rank 64 reads 8/64 of its slot.
 Its shrink still computes the full R_PAD (next power of two >= max_lora_rank) columns of
-the tile. B is stored r-major (TritonBackend.lora_b_buffer: [L, R_MAX, N_i] storage, a
-transposed view), so neighbouring lanes of an expand tile read neighbouring outputs.
+the tile (masked to zero past the rank). B is stored r-major (TritonBackend.r_major_b:
+[rows, N_i] pools), so neighbouring lanes of an expand tile read neighbouring outputs; a
+slot's rows start at a multiple of TritonBackend.rank_unit = 8 rows (16-byte aligned).
 
 Precision: float32 operands multiply in full fp32 ("ieee", never TF32); fp16/bf16 x and A
 multiply as half with fp32 accumulation; expand multiplies the fp32 h by B upcast to fp32
@@ -55,7 +60,8 @@ def _pick(slice_id, p0, p1, p2):
 @triton.jit
 def _shrink_slice(acc, xt, a_ptr, rank, offs_k, mask_k, offs_r, K, stride_ar,
                   UPCAST: tl.constexpr, PRECISION: tl.constexpr):
-    """acc [BM, R_PAD] += xt [BM, BK] @ A[:rank, offs_k]ᵀ (A of one slot, rows K apart)."""
+    """acc [BM, R_PAD] += xt [BM, BK] @ A[:rank, offs_k]ᵀ (A of one slot, rows stride_ar
+    apart); rows past the rank are not loaded (they are the next adapter's)."""
     at = tl.load(a_ptr + offs_r[None, :] * stride_ar + offs_k[:, None],
                  mask=mask_k[:, None] & (offs_r[None, :] < rank), other=0.0)  # [BK, R_PAD]
     if UPCAST:
@@ -71,15 +77,16 @@ def _store_h(h_ptr, acc, tok, mask_m, offs_r, rank, stride_ht):
 
 @triton.jit
 def _shrink_kernel(
-    x_ptr, a0_ptr, a1_ptr, a2_ptr, h_ptr,  # x [T, K]; a_i [L, R_MAX, K]; h [NS, T, R_MAX] f32
-    ranks_ptr, token_idx_ptr, seg_starts_ptr, seg_slots_ptr,  # [NS, L], [T], [S+1], [S]
+    x_ptr, a0_ptr, a1_ptr, a2_ptr, h_ptr,  # x [T, K]; a_i [U, R_MAX, K]; h [NS, T, R_MAX] f32
+    ranks_ptr, token_idx_ptr, seg_starts_ptr, seg_slots_ptr,  # [NS, U], [T], [S+1], [S]
     work_seg_ptr, work_start_ptr,  # [W], [W]
-    K, max_loras, stride_xt, stride_al, stride_ar, stride_hs, stride_ht,
+    K, stride_ranks, stride_xt, stride_al, stride_ar, stride_hs, stride_ht,
     NUM_SLICES: tl.constexpr, R_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """h[i, t, :rank_i] = x[t] @ A_i[slot, :rank_i]ᵀ for the rows of one work item and every
-    slice i: each x tile is loaded once for all slices. A_i and x are dense in K."""
+    slice i: each x tile is loaded once for all slices. A_i and x have unit stride in K;
+    the A_i share their slot and rank strides (stride_al, stride_ar)."""
     w = tl.program_id(0)
     seg = tl.load(work_seg_ptr + w)
     start = tl.load(work_start_ptr + w)
@@ -94,9 +101,9 @@ def _shrink_kernel(
     rank1 = rank0 * 0
     rank2 = rank0 * 0
     if NUM_SLICES > 1:
-        rank1 = tl.load(ranks_ptr + max_loras + slot)
+        rank1 = tl.load(ranks_ptr + stride_ranks + slot)
     if NUM_SLICES > 2:
-        rank2 = tl.load(ranks_ptr + 2 * max_loras + slot)
+        rank2 = tl.load(ranks_ptr + 2 * stride_ranks + slot)
     acc0 = tl.zeros([BLOCK_M, R_PAD], dtype=tl.float32)
     acc1 = tl.zeros([BLOCK_M, R_PAD], dtype=tl.float32)
     acc2 = tl.zeros([BLOCK_M, R_PAD], dtype=tl.float32)
@@ -124,11 +131,11 @@ def _shrink_kernel(
 
 @triton.jit
 def _expand_kernel(
-    h_ptr, b0_ptr, b1_ptr, b2_ptr, out_ptr,  # h [NS, T, R] f32; b_i [L, N_i, R]; out [T, ΣN]
+    h_ptr, b0_ptr, b1_ptr, b2_ptr, out_ptr,  # h [NS, T, R] f32; b_i [U, N_i, R]; out [T, ΣN]
     layer_ptr,  # [NS, 4] int64: width N_i, column offset, stride_l, stride_r of b_i
     blocks_ptr,  # [Z, 2] int32: (slice, first output) of every output block of the layer
     ranks_ptr, token_idx_ptr, seg_starts_ptr, seg_slots_ptr, work_seg_ptr, work_start_ptr,
-    max_loras, stride_hs, stride_ht, stride_ot,
+    stride_ranks, stride_hs, stride_ht, stride_ot,
     STRIDE_BN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,
 ):
@@ -139,7 +146,7 @@ def _expand_kernel(
     n0 = tl.load(blocks_ptr + tl.program_id(1) * 2 + 1)
     seg = tl.load(work_seg_ptr + w)
     slot = tl.load(seg_slots_ptr + seg)
-    rank = tl.load(ranks_ptr + slice_id * max_loras + slot)
+    rank = tl.load(ranks_ptr + slice_id * stride_ranks + slot)
     if rank == 0:
         return
     start = tl.load(work_start_ptr + w)
@@ -177,12 +184,17 @@ def _three(ts: list[torch.Tensor]) -> list[torch.Tensor]:
 
 def lora_shrink(
     x: torch.Tensor,  # [T, in], dense rows
-    lora_a: list[torch.Tensor],  # num_slices × [max_loras, r_max, in], dense
-    ranks: torch.Tensor,  # [num_slices, max_loras] int32
+    lora_a: list[torch.Tensor],  # num_slices × [num_units, r_max, in], one set of strides
+    ranks: torch.Tensor,  # [num_slices, num_units] int32
     seg: TritonLoRASegments,
 ) -> torch.Tensor:  # [num_slices, T, r_max] float32
-    """h[i, t, :r] = x[t] @ A_i[slot_t, :r]ᵀ in fp32; rows of slot -1 tokens are 0."""
-    max_loras, r_max, k = lora_a[0].shape
+    """h[i, t, :r] = x[t] @ A_i[slot_t, :r]ᵀ in fp32; rows of slot -1 tokens and columns
+    past a slot's rank are 0."""
+    r_max, k = lora_a[0].shape[1:]
+    if any(a.stride() != lora_a[0].stride() or a.shape != lora_a[0].shape
+           for a in lora_a) or lora_a[0].stride(2) != 1:
+        raise ValueError("the A buffers of one layer must share their shape and strides, "
+                         f"with unit stride along in; got {[a.stride() for a in lora_a]}")
     x = x if x.stride(1) == 1 else x.contiguous()
     h = torch.zeros(len(lora_a), x.shape[0], r_max, dtype=torch.float32, device=x.device)
     if seg.num_work == 0:
@@ -190,7 +202,7 @@ def lora_shrink(
     a0, a1, a2 = _three(lora_a)
     _shrink_kernel[(seg.num_work,)](
         x, a0, a1, a2, h, ranks, seg.token_indices, seg.seg_starts, seg.seg_slots,
-        seg.work_seg, seg.work_start, k, max_loras, x.stride(0), a0.stride(0), a0.stride(1),
+        seg.work_seg, seg.work_start, k, ranks.stride(0), x.stride(0), a0.stride(0), a0.stride(1),
         h.stride(0), h.stride(1),
         NUM_SLICES=len(lora_a), R_PAD=max(16, triton.next_power_of_2(r_max)),
         BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K, UPCAST=_interpreting(),
@@ -222,8 +234,8 @@ def _layer_tables(lora_b: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tenso
 
 def lora_expand(
     h: torch.Tensor,  # [num_slices, T, r_max] float32, dense
-    lora_b: list[torch.Tensor],  # num_slices × [max_loras, out_i, r_max], one stride along out
-    ranks: torch.Tensor,  # [num_slices, max_loras] int32
+    lora_b: list[torch.Tensor],  # num_slices × [num_units, out_i, r_max], one stride along out
+    ranks: torch.Tensor,  # [num_slices, num_units] int32
     seg: TritonLoRASegments,
     out: torch.Tensor,  # [T, sum(out_i)], dense rows
 ) -> None:
@@ -237,7 +249,7 @@ def lora_expand(
     b0, b1, b2 = _three(lora_b)
     _expand_kernel[(seg.num_work, blocks.shape[0])](
         h, b0, b1, b2, out, layer, blocks, ranks, seg.token_indices, seg.seg_starts,
-        seg.seg_slots, seg.work_seg, seg.work_start, lora_b[0].shape[0],
+        seg.seg_slots, seg.work_seg, seg.work_start, ranks.stride(0),
         h.stride(0), h.stride(1), out.stride(0),
         STRIDE_BN=stride_bn, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_R=BLOCK_R,
     )
@@ -246,9 +258,9 @@ def lora_expand(
 def add_lora(
     out: torch.Tensor,  # [T, sum(out_i)]
     x: torch.Tensor,  # [T, in]
-    lora_a: list[torch.Tensor],  # num_slices × [max_loras, r_max, in]
-    lora_b: list[torch.Tensor],  # num_slices × [max_loras, out_i, r_max]
-    ranks: torch.Tensor,  # [num_slices, max_loras] int32
+    lora_a: list[torch.Tensor],  # num_slices × [num_units, r_max, in], views of pools
+    lora_b: list[torch.Tensor],  # num_slices × [num_units, out_i, r_max], views of pools
+    ranks: torch.Tensor,  # [num_slices, num_units] int32
     seg: TritonLoRASegments,
 ) -> None:
     """out += expand(shrink(x, A), B): two launches, every slice in each."""

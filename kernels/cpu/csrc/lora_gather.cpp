@@ -4,10 +4,13 @@
 //
 // out[t, col_i : col_i + out_i] += B_i[s] @ (A_i[s] @ x[t]) for each lora row t = rows[j]
 // with slot s = row_slots[j] and each slice i; only the first ranks[i][s] rows of A_i[s]
-// and columns of B_i[s] are read. Accumulation in fp32, one rounding into out.
-// B_i is a [max_loras, out_i, r_max] tensor, stored densely either so or r-major
-// ([max_loras, r_max, out_i] storage, a transposed view: the engine's CPU slot layout, whose
-// expand runs as vector FMAs over out_i).
+// and columns of B_i[s] are read (the slot buffers are overlapping views of rank-row pools:
+// what lies past a slot's rank is the next adapter's). Accumulation in fp32, one rounding
+// into out.
+// A_i is a [units, r_max, in] view with unit stride along in (its slot and row strides are
+// read from the tensor); B_i a [units, out_i, r_max] view with unit stride along out
+// (r-major: [rows, out_i] pool storage, the engine's CPU slot layout, whose expand runs as
+// vector FMAs over out_i) or along the rank ([out_i, rows] storage).
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
@@ -111,16 +114,16 @@ void expand_block_t(const scalar_t* bt, int64_t ld, const float* h, int64_t r, i
     }
 }
 
-// h[q * r + k] = a[k] · x[q] for the block's cnt <= kBlock rows (x rows already fp32):
-// every A row is loaded once for all of them.
+// h[q * r + k] = a[k · lda :] · x[q] for the block's cnt <= kBlock rows (x rows already
+// fp32): every A row is loaded once for all of them.
 template <typename scalar_t>
-void shrink_block(const scalar_t* a, int64_t in, const float* x, int64_t cnt, int64_t r,
-                  float* h) {
+void shrink_block(const scalar_t* a, int64_t lda, int64_t in, const float* x, int64_t cnt,
+                  int64_t r, float* h) {
 #if defined(__AVX2__) && defined(__FMA__)
   if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {  // A converted eight at a time
     if (in % 8 == 0) {
       for (int64_t k = 0; k < r; ++k) {
-        const scalar_t* a_k = a + k * in;
+        const scalar_t* a_k = a + k * lda;
         __m256 s[kBlock];
         for (int64_t q = 0; q < cnt; ++q) s[q] = _mm256_setzero_ps();
         for (int64_t c = 0; c < in; c += 8) {
@@ -136,7 +139,7 @@ void shrink_block(const scalar_t* a, int64_t in, const float* x, int64_t cnt, in
 #endif
   if (cnt == 1) {
     for (int64_t k = 0; k < r; ++k) {
-      const scalar_t* a_k = a + k * in;
+      const scalar_t* a_k = a + k * lda;
       float acc = 0.f;
 #pragma omp simd reduction(+ : acc)
       for (int64_t c = 0; c < in; ++c) acc += static_cast<float>(a_k[c]) * x[c];
@@ -150,7 +153,7 @@ void shrink_block(const scalar_t* a, int64_t in, const float* x, int64_t cnt, in
   const float* x2 = x + std::min<int64_t>(2, cnt - 1) * in;
   const float* x3 = x + std::min<int64_t>(3, cnt - 1) * in;
   for (int64_t k = 0; k < r; ++k) {
-    const scalar_t* a_k = a + k * in;
+    const scalar_t* a_k = a + k * lda;
     float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
 #pragma omp simd reduction(+ : s0, s1, s2, s3)
     for (int64_t c = 0; c < in; ++c) {
@@ -170,25 +173,28 @@ void add_lora_rows(torch::Tensor& out, const torch::Tensor& x, const torch::Tens
                    const torch::Tensor& row_slots, const std::vector<torch::Tensor>& lora_a,
                    const std::vector<torch::Tensor>& lora_b, const torch::Tensor& ranks) {
   const int64_t num_rows = rows.size(0), in = x.size(1), num_slices = lora_a.size();
-  const int64_t max_loras = ranks.size(1), ld_out = out.stride(0), ld_x = x.stride(0);
+  const int64_t units = ranks.size(1), ld_out = out.stride(0), ld_x = x.stride(0);
   const int64_t* row_p = rows.data_ptr<int64_t>();
   const int64_t* slot_p = row_slots.data_ptr<int64_t>();
   const int32_t* rank_p = ranks.data_ptr<int32_t>();
   const scalar_t* x_p = x.data_ptr<scalar_t>();
   scalar_t* out_p = out.data_ptr<scalar_t>();
   std::vector<const scalar_t*> a_p(num_slices), b_p(num_slices);
-  std::vector<int64_t> r_max(num_slices), width(num_slices), col(num_slices);
-  std::vector<int64_t> b_slot_stride(num_slices);
-  std::vector<bool> r_major(num_slices);  // B stored [max_loras, r_max, out_i] (see above)
+  std::vector<int64_t> width(num_slices), col(num_slices);
+  std::vector<int64_t> a_slot_stride(num_slices), lda(num_slices);
+  std::vector<int64_t> b_slot_stride(num_slices), ldb(num_slices);
+  std::vector<bool> r_major(num_slices);  // B's outputs of one rank adjacent (see above)
   int64_t next_col = 0;
   for (int64_t i = 0; i < num_slices; ++i) {
     a_p[i] = lora_a[i].data_ptr<scalar_t>();
     b_p[i] = lora_b[i].data_ptr<scalar_t>();
-    r_max[i] = lora_a[i].size(1);
+    a_slot_stride[i] = lora_a[i].stride(0);
+    lda[i] = lora_a[i].stride(1);  // between rank rows of A
     width[i] = lora_b[i].size(1);
     b_slot_stride[i] = lora_b[i].stride(0);
     r_major[i] = lora_b[i].stride(1) == 1 && width[i] > 1;
-    col[i] = next_col;
+    ldb[i] = r_major[i] ? lora_b[i].stride(2) : lora_b[i].stride(1);  // between rank rows
+    col[i] = next_col;                                                 // or output rows
     next_col += width[i];
   }
   // Rows are sorted by slot: up to kBlock consecutive rows of one slot form a block that
@@ -207,7 +213,7 @@ void add_lora_rows(torch::Tensor& out, const torch::Tensor& x, const torch::Tens
     for (int64_t item = begin; item < end; ++item) {
       const int64_t blk = item / num_slices, i = item % num_slices;
       const int64_t j0 = block_start[blk], cnt = block_start[blk + 1] - j0;
-      const int64_t s = slot_p[j0], r = rank_p[i * max_loras + s];
+      const int64_t s = slot_p[j0], r = rank_p[i * units + s];
       if (r == 0) continue;
       if (x_block != blk) {  // the block's x rows in fp32, once per block
         for (int64_t q = 0; q < cnt; ++q)
@@ -216,18 +222,18 @@ void add_lora_rows(torch::Tensor& out, const torch::Tensor& x, const torch::Tens
         x_block = blk;
       }
       if (r * kBlock > (int64_t)h.size()) h.resize(r * kBlock);
-      shrink_block(a_p[i] + s * r_max[i] * in, in, xf.data(), cnt, r, h.data());
+      shrink_block(a_p[i] + s * a_slot_stride[i], lda[i], in, xf.data(), cnt, r, h.data());
       const scalar_t* b = b_p[i] + s * b_slot_stride[i];
       if (r_major[i]) {
         scalar_t* outs[kBlock];
         for (int64_t q = 0; q < cnt; ++q) outs[q] = out_p + row_p[j0 + q] * ld_out + col[i];
-        expand_block_t(b, width[i], h.data(), r, cnt, width[i], outs);
+        expand_block_t(b, ldb[i], h.data(), r, cnt, width[i], outs);
         continue;
       }
       for (int64_t n0 = 0; n0 < width[i]; n0 += kExpandChunk) {  // B chunk stays in L1
         const int64_t w = std::min(kExpandChunk, width[i] - n0);
         for (int64_t q = 0; q < cnt; ++q)
-          expand_row(b + n0 * r_max[i], r_max[i], h.data() + q * r, r, w,
+          expand_row(b + n0 * ldb[i], ldb[i], h.data() + q * r, r, w,
                      out_p + row_p[j0 + q] * ld_out + col[i] + n0);
       }
     }
@@ -247,27 +253,38 @@ void add_lora_gather(torch::Tensor out, torch::Tensor x, torch::Tensor rows,
   TORCH_CHECK(ranks.scalar_type() == torch::kInt32 && ranks.is_contiguous(), "ranks: int32");
   TORCH_CHECK(lora_a.size() == lora_b.size() && (int64_t)lora_a.size() == ranks.size(0),
               "one A, one B and one ranks row per slice");
+  const int64_t units = ranks.size(1);
   int64_t total = 0;
   for (size_t i = 0; i < lora_a.size(); ++i) {
-    TORCH_CHECK(lora_a[i].is_contiguous() &&
-                    (lora_b[i].is_contiguous() || lora_b[i].transpose(1, 2).is_contiguous()),
-                "slot buffers must be dense (B: [L, out, r] or r-major [L, r, out] storage)");
-    TORCH_CHECK(lora_a[i].scalar_type() == x.scalar_type() &&
-                    lora_b[i].scalar_type() == x.scalar_type(),
+    const auto& a = lora_a[i];
+    const auto& b = lora_b[i];
+    TORCH_CHECK(a.dim() == 3 && b.dim() == 3 && a.stride(2) == 1 &&
+                    (b.stride(1) == 1 || b.stride(2) == 1),
+                "slot buffers: A [units, r, in] with unit stride along in, B [units, out, r] "
+                "with unit stride along out or r");
+    TORCH_CHECK(a.scalar_type() == x.scalar_type() && b.scalar_type() == x.scalar_type(),
                 "slot buffers must have x's dtype");
-    TORCH_CHECK(lora_a[i].size(2) == x.size(1) && lora_b[i].size(2) == lora_a[i].size(1),
+    TORCH_CHECK(a.size(2) == x.size(1) && b.size(2) == a.size(1),
                 "slot buffer shapes do not match x");
-    total += lora_b[i].size(1);
+    TORCH_CHECK(a.size(0) == units && b.size(0) == units,
+                "slot buffers must have one slot per column of ranks");
+    total += b.size(1);
   }
   TORCH_CHECK(out.size(1) == total && out.size(0) == x.size(0), "out is not [T, sum(out_i)]");
   TORCH_CHECK(rows.is_contiguous() && row_slots.is_contiguous() &&
                   rows.size(0) == row_slots.size(0), "one slot per row");
   const int64_t* row_p = rows.data_ptr<int64_t>();
   const int64_t* slot_p = row_slots.data_ptr<int64_t>();
+  const int32_t* rank_p = ranks.data_ptr<int32_t>();
   for (int64_t j = 0; j < rows.size(0); ++j) {  // the kernel indexes memory with these
     TORCH_CHECK(row_p[j] >= 0 && row_p[j] < x.size(0), "row ", row_p[j], " out of range");
-    TORCH_CHECK(slot_p[j] >= 0 && slot_p[j] < ranks.size(1), "slot ", slot_p[j],
-                " out of range");
+    TORCH_CHECK(slot_p[j] >= 0 && slot_p[j] < units, "slot ", slot_p[j], " out of range");
+    if (j > 0 && slot_p[j] == slot_p[j - 1]) continue;
+    for (size_t i = 0; i < lora_a.size(); ++i) {
+      const int32_t r = rank_p[i * units + slot_p[j]];
+      TORCH_CHECK(r >= 0 && r <= lora_a[i].size(1), "rank ", r, " of slot ", slot_p[j],
+                  " out of range");
+    }
   }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "add_lora_gather",
                                   [&] {
