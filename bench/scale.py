@@ -38,8 +38,16 @@ from ..client import AsyncClient
 from . import report
 from .cache_metrics import cache_stats, scrape
 from .flags import int_list, length_range, positive_float_list, str_list
-from .scale_report import headline, run_line, scale_table, target_rows, targets_table
-from .server_process import free_port, served
+from .rss import rss_bytes
+from .scale_report import (
+    headline,
+    memory_table,
+    run_line,
+    scale_table,
+    target_rows,
+    targets_table,
+)
+from .server_process import free_port, served_process
 from .serving import RunOptions, RunSpec, measure, warm_up
 from .workload import WorkloadSpec, synthetic, warmup_requests
 
@@ -121,17 +129,25 @@ def _trace(b: Bench, run: ScaleRun, rate: float) -> RunSpec:
                    {"alpha": run.alpha, "max_loras": run.max_loras, "seed": a.seed})
 
 
-async def _measure(target: str, http: str, b: Bench, run: ScaleRun, rate: float) -> dict:
+async def _measure(target: str, pid: int, http: str, b: Bench, run: ScaleRun,
+                   rate: float) -> dict:
     async with AsyncClient(target) as client:
         info = await client.server_info()
         await warm_up(client, warmup_requests(b.args.num_warmups, [""], b.vocab_size,
                                               b.args.seed))
+        rss_start = rss_bytes(pid)  # every adapter registered, none read yet
         before = scrape(http)
         measured = await measure(client, _trace(b, run, rate))
         after = scrape(http)
+        rss_end = rss_bytes(pid)
+        adapters = (await client.list_adapters()).adapters
     measured["server"] = {"dtype": info.dtype, "max_loras": info.max_loras,
                           "max_cpu_loras": info.max_cpu_loras,
-                          "max_num_seqs": info.max_num_seqs}
+                          "max_num_seqs": info.max_num_seqs,
+                          "lora_capacity": info.lora_capacity,
+                          "lora_pool_bytes": info.lora_memory,
+                          "adapter_bytes": max((a.size_bytes for a in adapters), default=0),
+                          "rss_start_bytes": rss_start, "rss_end_bytes": rss_end}
     measured["cache"] = cache_stats(before, after, measured["metrics"]["duration_s"])
     return measured
 
@@ -143,9 +159,9 @@ def measure_run(b: Bench, run: ScaleRun, rate: float) -> dict:
                          shlex.split(b.args.server_args))
     adapters = dict(list(b.adapters.items())[:run.n])
     started = time.perf_counter()
-    with served(b.model_dir, adapters, b.log, flags) as target:
+    with served_process(b.model_dir, adapters, b.log, flags) as (target, pid):
         start_s = time.perf_counter() - started
-        measured = asyncio.run(_measure(target, f"127.0.0.1:{http_port}", b, run, rate))
+        measured = asyncio.run(_measure(target, pid, f"127.0.0.1:{http_port}", b, run, rate))
     measured["server"]["start_s"] = round(start_s, 1)
     return measured
 
@@ -283,6 +299,7 @@ def _result(b: Bench, measured: list[dict], saturation: dict | None, rate: float
             "wall_s": round(time.perf_counter() - started, 1)},
         "runs": measured, "saturation": saturation, "targets": rows,
         "sections": [("Scale", scale_table(measured)), ("Targets", targets_table(rows)),
+                     ("Memory", memory_table(measured)),
                      *([("Saturation", report.runs_table([saturation]))] if saturation else [])],
     }
 
@@ -290,6 +307,7 @@ def _result(b: Bench, measured: list[dict], saturation: dict | None, rate: float
 def _print_summary(result: dict) -> None:
     print("\n" + scale_table(result["runs"]))
     print("\n" + targets_table(result["targets"]))
+    print("\n" + memory_table(result["runs"]))
     c = result["config"]
     print(f"\n{c['machine']}\n{c['sizes']}\nrate: {c['rate_req_s']:.3f} req/s "
           f"({c['rate_from']})\nhit rates: {c['hit_rates']}")

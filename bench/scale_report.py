@@ -82,6 +82,24 @@ def scale_table(runs: Sequence[dict]) -> str:
     return table(header, rows)
 
 
+def memory_table(runs: Sequence[dict]) -> str:
+    """The server's resident memory with n adapters registered (before any was read) and
+    after the run, beside the LoRA pool and a full host tier (max_cpu_loras × adapter)."""
+    mib = 1 << 20
+    rows = []
+    for r in runs:
+        s = r["server"]
+        if "rss_start_bytes" not in s:
+            continue
+        host_tier = s["max_cpu_loras"] * s["adapter_bytes"]
+        rows.append([max_loras_cell(r), f"{r['alpha']:g}", str(r["num_adapters"]),
+                     fmt(s["rss_start_bytes"] / mib), fmt(s["rss_end_bytes"] / mib),
+                     fmt((s["rss_end_bytes"] - s["rss_start_bytes"]) / mib),
+                     fmt(s["lora_pool_bytes"] / mib), fmt(host_tier / mib)])
+    return table(["max-loras", "α", "n", "RSS registered MiB", "RSS after MiB", "growth MiB",
+                  "LoRA pool MiB", "max_cpu_loras × adapter MiB"], rows)
+
+
 def targets_table(rows: Sequence[dict]) -> str:
     if not rows:
         return "(no ratios: they need at least two adapter counts)"

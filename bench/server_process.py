@@ -38,6 +38,14 @@ def served(model_dir: Path, adapters: Mapping[str, Path], log_path: Path,
            flags: Sequence[str] = ()) -> Iterator[str]:
     """``loraplex serve`` with ``flags``, SERVING on a free port; SIGTERM and wait on exit.
     Yields HOST:PORT. The server's output is appended to ``log_path``."""
+    with served_process(model_dir, adapters, log_path, flags) as (target, _):
+        yield target
+
+
+@contextmanager
+def served_process(model_dir: Path, adapters: Mapping[str, Path], log_path: Path,
+                   flags: Sequence[str] = ()) -> Iterator[tuple[str, int]]:
+    """As ``served``; yields (HOST:PORT, the server's pid)."""
     port = free_port()
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(serve_command(model_dir, port, adapters, flags), stdout=log,
@@ -46,7 +54,7 @@ def served(model_dir: Path, adapters: Mapping[str, Path], log_path: Path,
     try:
         with Client(target) as c:
             _wait_serving(c, proc, log_path)
-        yield target
+        yield target, proc.pid
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
