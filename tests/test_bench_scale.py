@@ -104,15 +104,23 @@ def test_loads_from_the_servers_own_histogram_and_no_hit_rates_without_lookups()
     m = ServerMetrics()
     m.bind("smol", 16)
     m.adapter_loaded("host", 0.5)
-    before = parse(m.exposition().decode())
+    before = m.exposition().decode()
     m.adapter_loaded("host", 0.1)
     m.adapter_loaded("host", 0.3)
     m.adapter_loaded("device", 0.004)
-    stats = cache_stats(before, parse(m.exposition().decode()), duration_s=2.0)
+    after = m.exposition().decode()
+    stats = cache_stats(parse(before), parse(after), duration_s=2.0)
     assert stats["loads"] == {"host": 2, "device": 1}
     assert stats["loads_per_s"] == pytest.approx({"host": 1.0, "device": 0.5})
     assert stats["load_s"] == pytest.approx({"host": 0.4, "device": 0.004})
     assert stats["load_ms_mean"] == pytest.approx({"host": 200.0, "device": 4.0})
+    assert stats["lookups"] == {"device": 0, "host": 0, "disk": 0}  # no request yet
+    assert stats["hit_rate"] == {"device": None, "host": None, "disk": None}
+
+    def older_server(text: str) -> str:  # one without the lookups counter
+        return "\n".join(line for line in text.splitlines() if "adapter_lookups" not in line)
+
+    stats = cache_stats(parse(older_server(before)), parse(older_server(after)), 2.0)
     assert stats["lookups"] is None and stats["hit_rate"] is None
 
 
