@@ -47,13 +47,21 @@ def group_ranks(ranks: torch.Tensor, seg: LoRASegments) -> list[list[int]]:
 
 
 def _slot_rows(w: torch.Tensor, seg: LoRASegments, r: int) -> torch.Tensor:
-    """w[slot, :r] for the step's slots in use: [G, r, ...]. A view of the pool when those
-    slots step evenly (every slot of a stacked buffer, adapters of one rank back to back),
-    else a gather."""
+    """w[slot, :r] for the step's slots in use: [G, r, d]. A view of the pool when those
+    slots step evenly (every slot of a stacked buffer, adapters of one rank back to back);
+    else one row gather from the pool's [rows, d] storage, or an indexed copy where the
+    view's slots do not start on whole rows of such a storage."""
     slots, step = seg.group_slots_host, seg.group_step
     if step:
         return w[slots[0] : slots[-1] + 1 : step, :r]
-    return w[seg.group_slots, :r]
+    units, r_max, d = w.shape
+    s_unit, s_row, s_d = w.stride()
+    if s_d != 1 or s_row < d or s_unit % s_row:
+        return w[seg.group_slots, :r]
+    per = s_unit // s_row  # pool rows per unit
+    rows = w.as_strided(((units - 1) * per + r_max, d), (s_row, 1))  # [rows, d], the pool
+    idx = (seg.group_slots * per).unsqueeze(1) + torch.arange(r)  # [G, r] pool rows
+    return rows.index_select(0, idx.view(-1)).view(-1, r, d)
 
 
 def _mask_past_rank(h: torch.Tensor, row_ranks: torch.Tensor) -> None:

@@ -10,11 +10,16 @@ import torch
 from ..lora_segments import LoRASegments
 
 
-def host_ranks(ranks: torch.Tensor) -> list[list[int]]:
-    """The true ranks as host lists [num_slices][num_units], on every device (a device sync
-    on an accelerator: this is the oracle). Rows past a slot's rank belong to the next
-    adapter of the pool, so no rank can be rounded up."""
-    return ranks.tolist()
+def host_ranks(ranks: torch.Tensor, seg: LoRASegments) -> dict[int, list[int]]:
+    """The true ranks of the step's slots in use, {slot: [rank of each slice]}, on every
+    device (a device sync on an accelerator: this is the oracle). Rows past a slot's rank
+    belong to the next adapter of the pool, so no rank can be rounded up; only the slots in
+    use are read (slot ids run up to the pools' units)."""
+    slots = [slot for slot, _, _ in seg.lora_segments_host]
+    if not slots:
+        return {}
+    cols = ranks[:, torch.tensor(slots, device=ranks.device)].t().tolist()  # [n][slices]
+    return dict(zip(slots, cols))
 
 
 def lora_shrink(
@@ -27,12 +32,12 @@ def lora_shrink(
     past a slot's rank are 0."""
     r_max = lora_a[0].shape[1]
     h = torch.zeros(len(lora_a), x.shape[0], r_max, dtype=torch.float32, device=x.device)
-    rk = host_ranks(ranks)
+    rk = host_ranks(ranks, seg)
     for slot, lo, hi in seg.lora_segments_host:
         rows = seg.token_indices[lo:hi]  # [n]
         xs = x[rows].float()  # [n, in]
         for i, a in enumerate(lora_a):
-            r = rk[i][slot]
+            r = rk[slot][i]
             if r:
                 h[i, rows, :r] = xs @ a[slot, :r].float().t()
     return h
@@ -47,12 +52,12 @@ def lora_expand(
 ) -> None:
     """out[t, off_i:off_i+out_i] += h[i, t, :r] @ B_i[slot_t, :, :r]ᵀ for tokens with a slot;
     fp32 accumulation, one rounding to out's dtype."""
-    rk = host_ranks(ranks)
+    rk = host_ranks(ranks, seg)
     for slot, lo, hi in seg.lora_segments_host:
         rows = seg.token_indices[lo:hi]  # [n]
         off = 0
         for i, b in enumerate(lora_b):
-            r, width = rk[i][slot], b.shape[1]
+            r, width = rk[slot][i], b.shape[1]
             if r:
                 y = h[i, rows, :r].float() @ b[slot, :, :r].float().t()  # [n, out_i]
                 cur = out[rows, off : off + width].float()
