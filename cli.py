@@ -77,6 +77,8 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
                      help="device memory for adapters with --max-loras auto (e.g. 512MiB); "
                           "default: 10%% of what is left after weights and a minimum KV cache")
     cap.add_argument("--max-lora-rank", type=int, default=64)
+    cap.add_argument("--max-adapter-reads", type=int, default=4,
+                     help="adapter reads from disk at once, ahead of the queue")
     cap.add_argument("--max-cpu-loras", type=int, help="adapters in host memory (default: 2×max-loras; "
                      "2×max-num-seqs with auto)")
     cap.add_argument("--max-num-seqs", type=int, default=32, help="requests running in a step")
@@ -230,7 +232,7 @@ def _engine_kwargs(args: argparse.Namespace, modules: dict[str, str]) -> dict[st
         "max_num_batched_tokens": args.max_num_batched_tokens, "max_model_len": args.max_model_len,
         "block_size": args.block_size, "kv_cache_memory": args.kv_cache_memory,
         "gpu_memory_utilization": args.gpu_memory_utilization, "max_loras": args.max_loras,
-        "lora_memory": args.lora_memory,
+        "lora_memory": args.lora_memory, "max_adapter_reads": args.max_adapter_reads,
         "max_lora_rank": args.max_lora_rank, "max_cpu_loras": args.max_cpu_loras,
         "lora_modules": modules, "served_model_name": args.served_model_name}
 
