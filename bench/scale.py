@@ -140,7 +140,7 @@ async def _measure(target: str, pid: int, http: str, b: Bench, run: ScaleRun,
         measured = await measure(client, _trace(b, run, rate))
         after = scrape(http)
         rss_end = rss_bytes(pid)
-        adapters = (await client.list_adapters()).adapters
+        adapters = await client.list_adapters()
     measured["server"] = {"dtype": info.dtype, "max_loras": info.max_loras,
                           "max_cpu_loras": info.max_cpu_loras,
                           "max_num_seqs": info.max_num_seqs,
