@@ -1,8 +1,9 @@
 """AsyncEngine: the engine loop on its own thread; asyncio callers get a stream per request.
 
-Only the engine thread touches the LLMEngine. Callers hand it work through a command queue
-(new requests, aborts, admin calls) and receive RequestOutputs through asyncio queues fed
-with ``call_soon_threadsafe``.
+Only the engine thread touches the LLMEngine, but for its two thread-safe doors
+(``tokenize``, ``prefetch_adapter``). Callers hand it work through a command queue (new
+requests, aborts, admin calls) and receive RequestOutputs through asyncio queues fed with
+``call_soon_threadsafe``.
 """
 
 from __future__ import annotations
@@ -95,6 +96,7 @@ class AsyncEngine:
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._streams[rid] = stream
         finished = False
+        self.engine.prefetch_adapter(adapter)  # the read overlaps the step in progress
         try:
             await self.run(lambda e: e.add_request(ids, params, adapter, rid))
             while not finished:

@@ -155,6 +155,12 @@ class LLMEngine:
         """Whether ``name`` names the base model: empty, None, or the served model name."""
         return not name or name == self.config.served_model_name
 
+    def prefetch_adapter(self, adapter: str | None) -> None:
+        """Any thread: start reading ``adapter`` from disk ahead of its request, which is on
+        its way to the engine thread (``AdapterCache.prefetch``); no-op for the base model."""
+        if not self.is_base_model(adapter):
+            self.lora.prefetch(adapter)  # type: ignore[arg-type]
+
     def _adapter_id(self, adapter: str | None) -> int:
         return 0 if self.is_base_model(adapter) else self.lora.lookup(adapter)
 

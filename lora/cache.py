@@ -16,7 +16,8 @@ Invariants (``check`` asserts them; the engine's debug mode runs it after every 
   no waiting request needs, then the one whose next use lies furthest back in the queue
   (``look_ahead``), then the least recently used;
 - reading from disk happens on loader threads (at most ``max_concurrent_reads`` at once),
-  never on the engine step;
+  never on the engine step; a read may start on any thread as a request arrives
+  (``prefetch``), and the engine thread adopts it when the request reaches it;
 - a name maps to one live adapter id; a replaced or removed adapter keeps its id, weights
   and run until its last request ends (``active == 0``), then is dropped.
 """
@@ -37,6 +38,7 @@ from ..errors import AdapterExistsError, AdapterNotFoundError
 from .rank_pool import RankPool
 
 _NEVER = 1 << 62  # the next use of an adapter no waiting request needs
+EARLY_READ_TTL_S = 2.0  # an early read (``prefetch``) no request adopted by then is dropped
 ON_DISK, LOADING, ON_CPU, ON_DEVICE, FAILED = "ON_DISK", "LOADING", "ON_CPU", "ON_DEVICE", "FAILED"
 
 
@@ -121,6 +123,10 @@ class AdapterCache:
         self._clock = itertools.count(1)
         self._loader = ThreadPoolExecutor(max_concurrent_reads,
                                           thread_name_prefix="loraplex-adapter-loader")
+        # reads started by ``prefetch`` on other threads, not yet adopted by the engine
+        # thread: adapter id -> (read, when it started); at most max_concurrent_reads
+        self._early: dict[int, tuple[Future, float]] = {}
+        self._early_lock = threading.Lock()
 
     # ---- registration (engine thread) ----------------------------------------------------
     def register(self, name: str, meta: Any, replace: bool = False, pin: bool = False,
@@ -175,6 +181,41 @@ class AdapterCache:
             raise AdapterNotFoundError(f"adapter {name!r} failed to load: {a.error}")
         return a.adapter_id
 
+    def prefetch(self, name: str) -> None:
+        """Any thread: start reading ``name`` from disk now, while its request is on its way
+        to the engine thread (which adopts the read in ``request_started`` or
+        ``look_ahead``), so that the read overlaps the step in progress. No-op when the
+        adapter is unknown, held, being read, or ``max_concurrent_reads`` early reads are
+        waiting to be adopted; one nobody adopts within ``EARLY_READ_TTL_S`` is dropped."""
+        a = self.names.get(name)  # one dict read: safe beside the engine thread
+        if a is None or a.weights is not None or a.loading is not None or a.error is not None:
+            return
+        with self._early_lock:
+            if a.adapter_id in self._early or len(self._early) >= self.max_concurrent_reads:
+                return
+            self._early[a.adapter_id] = (self._loader.submit(self._timed_read, a.meta),
+                                         time.monotonic())
+
+    def _adopt_early(self, a: _Adapter) -> bool:
+        """Engine thread: make ``a``'s early read (if any) its load."""
+        with self._early_lock:
+            early = self._early.pop(a.adapter_id, None)
+        if early is None:
+            return False
+        a.loading = early[0]
+        return True
+
+    def _drop_stale_early(self) -> None:
+        """Engine thread: forget early reads of adapters gone, held or read anew, and
+        those no request adopted in time (a request refused before it was queued)."""
+        now = time.monotonic()
+        with self._early_lock:
+            for adapter_id, (_, started) in list(self._early.items()):
+                a = self.by_id.get(adapter_id)
+                if a is None or a.retired or a.weights is not None or a.loading is not None \
+                        or now - started > EARLY_READ_TTL_S:
+                    del self._early[adapter_id]
+
     def request_started(self, adapter_id: int) -> None:
         """A request for the adapter arrived: counts where it found the adapter (the cache's
         hit rate per tier) and starts its read when a reader is free."""
@@ -203,6 +244,7 @@ class AdapterCache:
         host tier), and, with ``place``, copies up to ``look_ahead_loads`` of the host-ready
         ones onto the device where that evicts nothing needed sooner. Engine thread, before
         a step."""
+        self._drop_stale_early()
         self.next_use = {}
         for pos, adapter_id in enumerate(queue):
             if adapter_id and adapter_id in self.by_id:
@@ -214,7 +256,8 @@ class AdapterCache:
             if a.loading is not None:
                 self._collect(a)
             if a.weights is None:
-                if reads > 0 and a.loading is None and a.error is None:
+                if a.loading is None and a.error is None and not self._adopt_early(a) \
+                        and reads > 0:
                     a.loading = self._loader.submit(self._timed_read, a.meta)
                     reads -= 1
             elif (place and a.slot is None and device_loads < self.look_ahead_loads
@@ -350,8 +393,10 @@ class AdapterCache:
 
     # ---- host tier ----------------------------------------------------------------------
     def _maybe_start_loading(self, a: _Adapter) -> None:
-        """Start reading ``a`` from disk if a reader is free and the host tier has room."""
-        if a.loading is None and a.weights is None and a.error is None and self._read_room():
+        """Start reading ``a`` from disk (or adopt its early read) if a reader is free and
+        the host tier has room."""
+        if a.loading is None and a.weights is None and a.error is None \
+                and not self._adopt_early(a) and self._read_room():
             a.loading = self._loader.submit(self._timed_read, a.meta)
 
     def _timed_read(self, meta: Any) -> Any:

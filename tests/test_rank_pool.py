@@ -162,6 +162,26 @@ def test_look_ahead_reads_within_the_readers_and_the_host_tier():
     assert sum(cache.on_device(ids[n]) for n in held) == 3  # copied ahead onto the device
 
 
+def test_a_read_started_on_arrival_is_adopted_by_the_request(monkeypatch):
+    gate = threading.Event()
+    cache, _, ids = make_cache(units=8, max_loras=4, max_cpu=3,
+                               ranks={"a": 2, "b": 2, "c": 2, "d": 2}, reads=2, gate=gate)
+    for name in ("a", "b", "c", "ghost"):  # any thread, before the engine sees the request
+        cache.prefetch(name)
+    assert sorted(cache._early) == [ids["a"], ids["b"]]  # unknown names and the bound
+    cache.request_started(ids["a"])  # the engine thread takes the read in flight
+    assert cache.names["a"].loading is not None and ids["a"] not in cache._early
+    gate.set()
+    cache.wait_for_loads(5)
+    assert cache.acquire(ids["a"]) and cache.counts["loads_host"] == 1
+    cache.prefetch("a")  # held: nothing to read
+    assert ids["a"] not in cache._early
+    monkeypatch.setattr("loraplex.lora.cache.EARLY_READ_TTL_S", 0.0)
+    cache.look_ahead([])  # b's request never came (refused before it was queued): dropped
+    assert cache._early == {} and cache.names["b"].weights is None
+    cache.check()
+
+
 def test_drain_for_names_the_fewest_running_adapters_that_make_room():
     cache, _, ids = make_cache(units=8, max_loras=4, max_cpu=8,
                                ranks={"a": 4, "b": 2, "c": 2, "d": 6})
