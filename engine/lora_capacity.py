@@ -79,10 +79,12 @@ def resolve(cfg: EngineConfig, bytes_per_rank_row: int, rank_unit: int,
             f"--lora-memory, a smaller --max-lora-rank, or --max-loras N")
     bound = "max_num_seqs" if cfg.max_num_seqs <= cfg.max_cpu_loras else "max_cpu_loras"
     rows = units * rank_unit
+    holds = f"{rows // cfg.max_lora_rank} adapters of rank {cfg.max_lora_rank}"
+    if cfg.max_lora_rank > 8:
+        holds += f", {rows // 8} of rank 8"
     reason = (f"--max-loras auto: up to {cap} adapters ({bound}) in a pool of {rows} rank "
-              f"rows ({_mib(rows * bytes_per_rank_row)}: {rows // cfg.max_lora_rank} "
-              f"adapters of rank {cfg.max_lora_rank}, {rows // 8} of rank 8) from a budget "
-              f"of {_mib(budget)} ({source})")
+              f"rows ({_mib(rows * bytes_per_rank_row)}: {holds}) from a budget of "
+              f"{_mib(budget)} ({source})")
     return LoRACapacity(cap, units, rank_unit, bytes_per_rank_row, reason)
 
 
