@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import AdapterExistsError, AdapterNotFoundError
+from .early_reads import EarlyReads
 from .rank_pool import RankPool
 
 _NEVER = 1 << 62  # the next use of an adapter no waiting request needs
@@ -123,10 +124,7 @@ class AdapterCache:
         self._clock = itertools.count(1)
         self._loader = ThreadPoolExecutor(max_concurrent_reads,
                                           thread_name_prefix="loraplex-adapter-loader")
-        # reads started by ``prefetch`` on other threads, not yet adopted by the engine
-        # thread: adapter id -> (read, when it started); at most max_concurrent_reads
-        self._early: dict[int, tuple[Future, float]] = {}
-        self._early_lock = threading.Lock()
+        self._early = EarlyReads(max_concurrent_reads)  # ``prefetch``'s, not yet adopted
 
     # ---- registration (engine thread) ----------------------------------------------------
     def register(self, name: str, meta: Any, replace: bool = False, pin: bool = False,
@@ -190,31 +188,19 @@ class AdapterCache:
         a = self.names.get(name)  # one dict read: safe beside the engine thread
         if a is None or a.weights is not None or a.loading is not None or a.error is not None:
             return
-        with self._early_lock:
-            if a.adapter_id in self._early or len(self._early) >= self.max_concurrent_reads:
-                return
-            self._early[a.adapter_id] = (self._loader.submit(self._timed_read, a.meta),
-                                         time.monotonic())
+        self._early.start(a.adapter_id, lambda: self._loader.submit(self._timed_read, a.meta))
 
     def _adopt_early(self, a: _Adapter) -> bool:
         """Engine thread: make ``a``'s early read (if any) its load."""
-        with self._early_lock:
-            early = self._early.pop(a.adapter_id, None)
-        if early is None:
-            return False
-        a.loading = early[0]
-        return True
+        read = self._early.adopt(a.adapter_id)
+        if read is not None:
+            a.loading = read
+        return read is not None
 
-    def _drop_stale_early(self) -> None:
-        """Engine thread: forget early reads of adapters gone, held or read anew, and
-        those no request adopted in time (a request refused before it was queued)."""
-        now = time.monotonic()
-        with self._early_lock:
-            for adapter_id, (_, started) in list(self._early.items()):
-                a = self.by_id.get(adapter_id)
-                if a is None or a.retired or a.weights is not None or a.loading is not None \
-                        or now - started > EARLY_READ_TTL_S:
-                    del self._early[adapter_id]
+    def _early_is_stale(self, adapter_id: int) -> bool:
+        """An early read of an adapter gone, held or being read anew."""
+        a = self.by_id.get(adapter_id)
+        return a is None or a.retired or a.weights is not None or a.loading is not None
 
     def request_started(self, adapter_id: int) -> None:
         """A request for the adapter arrived: counts where it found the adapter (the cache's
@@ -244,7 +230,7 @@ class AdapterCache:
         host tier), and, with ``place``, copies up to ``look_ahead_loads`` of the host-ready
         ones onto the device where that evicts nothing needed sooner. Engine thread, before
         a step."""
-        self._drop_stale_early()
+        self._early.drop(self._early_is_stale, EARLY_READ_TTL_S)
         self.next_use = {}
         for pos, adapter_id in enumerate(queue):
             if adapter_id and adapter_id in self.by_id:

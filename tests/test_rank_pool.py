@@ -178,7 +178,7 @@ def test_a_read_started_on_arrival_is_adopted_by_the_request(monkeypatch):
     assert ids["a"] not in cache._early
     monkeypatch.setattr("loraplex.lora.cache.EARLY_READ_TTL_S", 0.0)
     cache.look_ahead([])  # b's request never came (refused before it was queued): dropped
-    assert cache._early == {} and cache.names["b"].weights is None
+    assert list(cache._early) == [] and cache.names["b"].weights is None
     cache.check()
 
 
