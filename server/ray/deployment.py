@@ -12,6 +12,11 @@ and the token rule is server/auth.py's. Per replica:
   (``@serve.multiplexed``, up to ``max_cpu_loras`` names per replica), so Ray routes the
   adapter's next requests to the replicas holding it. The engine's tiered cache stays the
   cache: the multiplexed "model" is only the name;
+- a stream's messages carry the code UNAVAILABLE until the last one, which carries OK: the
+  proxy keeps the code of the last message it received when the replica dies, so a client
+  whose replica dies mid-stream gets the messages sent so far, then UNAVAILABLE (with
+  Ray's "actor died" details and the ``loraplex-replica`` trailer), where the proxy alone
+  says INTERNAL. Errors the replica raises set their own code;
 - ``check_health`` fails once the engine thread died, so Ray replaces the replica
   (``fail_engine_loop``, a handle-only method, kills it for the fault tests);
 - ``Check`` answers SERVING when this replica serves and at least ``min_replicas``
@@ -105,12 +110,17 @@ class LoraplexReplica:
             await authorize(ctx, _INFERENCE + "GenerateStream", self.options)
             await self._report_adapter(request.adapter)
             async for item in self.inference.GenerateStream(request, ctx):
+                grpc_context.set_code(grpc.StatusCode.OK if item.finished
+                                      else grpc.StatusCode.UNAVAILABLE)
                 yield item
         except grpc.aio.AbortError as e:
             # Ray's proxy takes a stream's context from the messages it carries: a code set
             # after the last one only reaches the client when the stream raises (Ray then
             # keeps the code and details set here, but drops the trailers).
             raise StreamAborted(grpc_context.details()) from e
+        except Exception:
+            grpc_context.set_code(grpc.StatusCode.INTERNAL)  # not the UNAVAILABLE above
+            raise
 
     def _inference_context(self, grpc_context: Any) -> ProxyContext:
         ctx = ProxyContext(grpc_context)

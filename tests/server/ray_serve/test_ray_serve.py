@@ -227,9 +227,9 @@ def test_cancel_and_deadline_reach_the_engine(client: Client) -> None:
 def test_replica_killed_mid_stream(client: Client, ray_app: Any, tiny_adapters,
                                    peft_reference) -> None:
     """The client of a stream on a killed replica gets the tokens sent so far, exact, then
-    INTERNAL with Ray's "actor died" message: Ray 2.60's proxy maps the replica's death
-    (RayActorError) to INTERNAL and offers no hook to change it. Ray starts a new replica,
-    which serves every registered adapter."""
+    UNAVAILABLE with Ray's "actor died" message and the dead replica's id as the
+    ``loraplex-replica`` trailer. Ray starts a new replica, which serves every registered
+    adapter."""
     import ray
 
     client.load_adapter("late", tiny_adapters("late"))
@@ -257,10 +257,11 @@ def test_replica_killed_mid_stream(client: Client, ray_app: Any, tiny_adapters,
         except grpc.RpcError as e:
             outcomes[e.code().name] += 1
             assert "actor" in e.details().lower(), e.details()
+            assert dict(e.trailing_metadata())[TRAILER] == victim
             assert got == expected[:len(got)]  # the partial stream, exact
     print(f"\n[ray] streams when a replica is killed: {dict(outcomes)}")
-    assert outcomes["OK"] and outcomes["INTERNAL"], outcomes  # the victim's streams failed
-    assert set(outcomes) <= {"OK", "INTERNAL"}, outcomes
+    assert outcomes["OK"] and outcomes["UNAVAILABLE"], outcomes  # the victim's streams failed
+    assert set(outcomes) <= {"OK", "UNAVAILABLE"}, outcomes
     deadline = time.monotonic() + 120
     while True:  # Ray replaces the replica; the new one joins with every adapter
         now = replica_ids(client)
