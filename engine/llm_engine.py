@@ -12,7 +12,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from ..lora.cache import AdapterCache, AdapterInfo
+from ..lora.cache import AdapterCache
+from ..lora.cached_adapter import AdapterInfo
 from ..lora.layers import attach_lora, rank_row_bytes
 from ..lora.peft_format import (
     AdapterMeta,
@@ -317,7 +318,7 @@ class LLMEngine:
             "lora_slots_total": self.lora.max_loras,
             "lora_slots_in_use": self.lora.slots_in_use,
             "adapters_loaded": len(self.lora.names),
-            "adapters_on_device": len(self.lora.resident),
+            "adapters_on_device": self.lora.resident_count,
             "adapters_in_host": self.lora.host_count,
             "lora_pool_units_total": self.lora.pool.num_units,
             "lora_pool_units_used": self.lora.pool.used_units,

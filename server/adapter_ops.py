@@ -12,7 +12,7 @@ from typing import Any
 import grpc
 
 from ..engine.llm_engine import LLMEngine
-from ..lora.cache import AdapterInfo
+from ..lora.cached_adapter import AdapterInfo
 from .adapter_paths import check_adapter_name, confine
 from .state import ServerState
 from .status import ServiceError

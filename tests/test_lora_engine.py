@@ -98,8 +98,8 @@ def test_staggered_with_swaps_and_reloads(tiny_llama, adapters, peft_reference):
                        max_lora_rank=64, max_model_len=128, max_num_seqs=6,
                        lora_modules={n: str(p) for n, p in adapters.items()})
     reads = []
-    real_read = engine.lora._read
-    engine.lora._read = lambda meta: reads.append(meta.name) or real_read(meta)
+    real_read = engine.lora.host._read
+    engine.lora.host._read = lambda meta: reads.append(meta.name) or real_read(meta)
     items = workload(list(adapters), seed=1)
     pending, ids, done, step = list(items), [], {}, 0
     while pending or engine.has_unfinished_requests():
@@ -145,13 +145,13 @@ def test_engine_waits_for_a_slow_read_instead_of_spinning(tiny_llama, adapters):
                        max_lora_rank=64, max_model_len=128)
     engine.add_adapter("a", adapters["qv4"])
     engine.add_adapter("b", adapters["all8"])
-    read = engine.lora._read
+    read = engine.lora.host._read
 
     def slow_read(meta):
         time.sleep(0.5)
         return read(meta)
 
-    engine.lora._read = slow_read
+    engine.lora.host._read = slow_read
     engine.add_request([5, 6], greedy(), adapter="a")
     steps, start = 0, time.monotonic()
     while engine.has_unfinished_requests():
@@ -214,7 +214,7 @@ def test_unload_lets_in_flight_finish(tiny_llama, adapters, peft_reference):
         outs.update({o.request_id: o for o in engine.step() if o.finished})
     assert outs[rid].token_ids == peft_reference("all8", prompt)
     assert engine.list_adapters() == [] and not engine.lora.by_id
-    assert not engine.lora.resident and engine.lora.pool.used_units == 0
+    assert engine.lora.resident_count == 0 and engine.lora.pool.used_units == 0
     assert_clean(engine)
 
 

@@ -168,17 +168,17 @@ def test_a_read_started_on_arrival_is_adopted_by_the_request(monkeypatch):
                                ranks={"a": 2, "b": 2, "c": 2, "d": 2}, reads=2, gate=gate)
     for name in ("a", "b", "c", "ghost"):  # any thread, before the engine sees the request
         cache.prefetch(name)
-    assert sorted(cache._early) == [ids["a"], ids["b"]]  # unknown names and the bound
+    assert sorted(cache.host.early) == [ids["a"], ids["b"]]  # unknown names and the bound
     cache.request_started(ids["a"])  # the engine thread takes the read in flight
-    assert cache.names["a"].loading is not None and ids["a"] not in cache._early
+    assert cache.names["a"].loading is not None and ids["a"] not in cache.host.early
     gate.set()
     cache.wait_for_loads(5)
     assert cache.acquire(ids["a"]) and cache.counts["loads_host"] == 1
     cache.prefetch("a")  # held: nothing to read
-    assert ids["a"] not in cache._early
-    monkeypatch.setattr("loraplex.lora.cache.EARLY_READ_TTL_S", 0.0)
+    assert ids["a"] not in cache.host.early
+    monkeypatch.setattr("loraplex.lora.host_tier.EARLY_READ_TTL_S", 0.0)
     cache.look_ahead([])  # b's request never came (refused before it was queued): dropped
-    assert list(cache._early) == [] and cache.names["b"].weights is None
+    assert list(cache.host.early) == [] and cache.names["b"].weights is None
     cache.check()
 
 

@@ -11,7 +11,7 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import PlainTextResponse
 
-from ...lora.cache import AdapterInfo
+from ...lora.cached_adapter import AdapterInfo
 from .. import adapter_ops
 from ..auth import Scope
 from ..state import ServerState
