@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 from loraplex import LLMEngine, SamplingParams
-from loraplex.cli import build_parser, byte_size, main
+from loraplex.cli import build_parser, main
+from loraplex.serve_command import byte_size
 from loraplex.server.lora_modules import LoraModule, parse_lora_module
 
 
