@@ -165,11 +165,8 @@ def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         asyncio.run(serve(options, load))
     except KeyboardInterrupt:
         return 130
-    except Exception as e:  # a failed start is one clear line and exit 1
-        logging.getLogger("loraplex").debug("start-up failed", exc_info=True)
-        logging.getLogger("loraplex").error("loraplex serve failed: %s: %s",
-                                            type(e).__name__, e)
-        return 1
+    except Exception as e:  # noqa: BLE001 - a failed start is one line and exit 1
+        return _start_failed("loraplex serve", e)
     return 0
 
 
@@ -203,12 +200,17 @@ def _serve_ray(args: argparse.Namespace, options: Any, ray_options: Any,
     modules = engine_kw.pop("lora_modules")
     try:
         serve_ray(options, ray_options, args.model, engine_kw, modules)
-    except Exception as e:  # a failed start is one clear line and exit 1
-        logging.getLogger("loraplex").debug("start-up failed", exc_info=True)
-        logging.getLogger("loraplex").error("loraplex serve --ray failed: %s: %s",
-                                            type(e).__name__, e)
-        return 1
+    except Exception as e:  # noqa: BLE001 - a failed start is one line and exit 1
+        return _start_failed("loraplex serve --ray", e)
     return 0
+
+
+def _start_failed(command: str, e: Exception) -> int:
+    """A failed start is one clear line (the traceback at DEBUG) and exit status 1."""
+    log = logging.getLogger("loraplex")
+    log.debug("start-up failed", exc_info=e)
+    log.error("%s failed: %s: %s", command, type(e).__name__, e)
+    return 1
 
 
 def check_model_arg(model: str | None) -> None:
