@@ -60,6 +60,8 @@ class LLMEngine:
         self.runner = ModelRunner(self.base.model, cfg, blocks, kernels)
         kernels.prepare_model(self.base.model, cfg.max_num_batched_tokens, cfg.max_num_seqs)
         self.base_shapes = BaseShapes.from_hf_config(self.base.hf_config, str(self.base.path))
+        self.lora_dtype = kernels.dtype  # the pools'; host copies are read in it on loader
+        # threads, so the copy onto the device only moves bytes
         self.lora = AdapterCache(self.lora_capacity.max_loras, cfg.max_cpu_loras,  # type: ignore[arg-type]
                                  RankPool(self.lora_capacity.num_units, kernels.rank_unit),
                                  read=self._read_registered,
@@ -265,7 +267,8 @@ class LLMEngine:
     def read_adapter(self, path: str | Path, name: str = "") -> LoRAWeights:
         """Read and validate a PEFT adapter dir for this base model (safe on any thread)."""
         start = time.perf_counter()
-        weights = read_peft_adapter(path, self.base_shapes, self.config.max_lora_rank, name)
+        weights = read_peft_adapter(path, self.base_shapes, self.config.max_lora_rank, name,
+                                    dtype=self.lora_dtype)
         self._observe_adapter_load("host", time.perf_counter() - start)
         return weights
 
@@ -274,7 +277,7 @@ class LLMEngine:
         while the files are unchanged)."""
         start = time.perf_counter()
         weights = read_peft_adapter(meta.path, self.base_shapes, self.config.max_lora_rank,
-                                    meta.name, meta=meta)
+                                    meta.name, meta=meta, dtype=self.lora_dtype)
         self._observe_adapter_load("host", time.perf_counter() - start)
         return weights
 
@@ -295,7 +298,7 @@ class LLMEngine:
         if self.is_base_model(name):
             raise InvalidRequestError(f"adapter name {name!r} is empty or the base model's")
         meta = weights.meta if weights is not None else inspect_peft_adapter(
-            path, self.base_shapes, self.config.max_lora_rank, name)
+            path, self.base_shapes, self.config.max_lora_rank, name, self.lora_dtype)
         return self.lora.register(name, meta, replace=replace, pin=pin, preloaded=preloaded,
                                   weights=weights)
 

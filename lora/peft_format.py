@@ -1,6 +1,6 @@
 """Inspect and read a PEFT LoRA adapter directory: its metadata from the config and the
-safetensors header alone (``inspect_peft_adapter``), its weights as float32 A / scaled-B
-tensors (``read_peft_adapter``, which inspects first).
+safetensors header alone (``inspect_peft_adapter``), its weights as A / scaled-B tensors
+in float32 or the engine's pool dtype (``read_peft_adapter``, which inspects first).
 
 A servable adapter directory holds ``adapter_config.json`` (peft_type LORA) and
 ``adapter_model.safetensors`` whose tensors are ``<prefix>.layers.<i>.self_attn|mlp.<module>
@@ -111,7 +111,7 @@ class AdapterMeta:
     rank: int  # the largest rank of any module
     ranks: dict[tuple[int, str], int]  # (layer, module) -> r, for the pairs in the file, sorted
     target_modules: list[str]  # sorted subset of the base's modules actually present
-    size_bytes: int  # bytes of A and B as read_peft_adapter holds them (float32)
+    size_bytes: int  # bytes of A and B as read_peft_adapter holds them (in ``dtype``)
     file_bytes: int  # bytes of adapter_model.safetensors
     dtypes: tuple[str, ...]  # safetensors dtypes of the stored weights, sorted: ("BF16",)
     lora_alpha: float
@@ -119,14 +119,15 @@ class AdapterMeta:
     base_model_name_or_path: str | None
     layout: TensorLayout = field(repr=False, compare=False)  # where the tensors lie
     config: ContentKey = field(repr=False, compare=False)  # of the adapter_config.json read
+    dtype: torch.dtype = torch.float32  # what read_peft_adapter holds A and B in
 
 
 @dataclass
 class LoRAWeights:
-    """An adapter read into host memory: its metadata and its float32 tensors."""
+    """An adapter read into host memory: its metadata and its tensors (in ``meta.dtype``)."""
 
     meta: AdapterMeta
-    # (layer_idx, "q_proj") -> (A [r, in] float32, B [out, r] float32, scaling multiplied in)
+    # (layer_idx, "q_proj") -> (A [r, in], B [out, r] with the scaling multiplied in)
     layers: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
 
     name = property(lambda self: self.meta.name)
@@ -140,9 +141,10 @@ class LoRAWeights:
 
 
 def inspect_peft_adapter(path: str | Path, base: BaseShapes, max_lora_rank: int,
-                         name: str = "") -> AdapterMeta:
+                         name: str = "", dtype: torch.dtype = torch.float32) -> AdapterMeta:
     """Check the PEFT LoRA dir at ``path`` for ``base`` without reading tensor data;
-    AdapterError says what is wrong. Parses go through ``peft_files.PARSED``."""
+    AdapterError says what is wrong. Parses go through ``peft_files.PARSED``. ``dtype``:
+    what the weights will be held in once read (the engine's pool dtype)."""
     adapter_dir = _adapter_dir(path)
     config_read = _config_key(adapter_dir)  # before parsing: a later change is one read_ sees
     config = lora_config(adapter_dir)
@@ -160,26 +162,30 @@ def inspect_peft_adapter(path: str | Path, base: BaseShapes, max_lora_rank: int,
     return AdapterMeta(
         name=name or adapter_dir.name, path=adapter_dir, rank=max(layout.ranks.values()),
         ranks=layout.ranks, target_modules=sorted({m for _, m in layout.ranks}),
-        size_bytes=layout.held_bytes, file_bytes=header.file_bytes,
+        size_bytes=layout.held_bytes(dtype), file_bytes=header.file_bytes,
         dtypes=tuple(sorted(set(layout.dtypes))), lora_alpha=float(config.lora_alpha),
         use_rslora=bool(config.use_rslora),
-        base_model_name_or_path=config.base_model_name_or_path, layout=layout, config=config_read)
+        base_model_name_or_path=config.base_model_name_or_path, layout=layout, config=config_read,
+        dtype=dtype)
 
 
 def read_peft_adapter(path: str | Path, base: BaseShapes, max_lora_rank: int,
-                      name: str = "", meta: AdapterMeta | None = None) -> LoRAWeights:
+                      name: str = "", meta: AdapterMeta | None = None,
+                      dtype: torch.dtype = torch.float32) -> LoRAWeights:
     """Read the PEFT LoRA dir at ``path`` for ``base``: inspect it, then load its tensors
-    (AdapterError says what is wrong). ``meta``, from ``inspect_peft_adapter`` of the same
-    ``path``, stands for the inspection while neither file has changed since."""
+    in ``dtype`` (AdapterError says what is wrong). ``meta``, from ``inspect_peft_adapter``
+    of the same ``path`` and ``dtype``, stands for the inspection while neither file has
+    changed since."""
     name = name or (meta.name if meta is not None else "")
-    if meta is None or meta.path != Path(path) or _config_key(meta.path) != meta.config:
-        meta = inspect_peft_adapter(path, base, max_lora_rank, name)
+    if meta is None or meta.path != Path(path) or meta.dtype != dtype \
+            or _config_key(meta.path) != meta.config:
+        meta = inspect_peft_adapter(path, base, max_lora_rank, name, dtype)
     elif name != meta.name:
         meta = dataclasses.replace(meta, name=name)
     try:
         layers = _load(meta)
     except StaleLayout:  # the weights changed since ``meta``: once more, from the top
-        meta = inspect_peft_adapter(path, base, max_lora_rank, name)
+        meta = inspect_peft_adapter(path, base, max_lora_rank, name, dtype)
         layers = _load(meta)
     return LoRAWeights(meta, layers)
 
@@ -187,7 +193,7 @@ def read_peft_adapter(path: str | Path, base: BaseShapes, max_lora_rank: int,
 def _load(meta: AdapterMeta) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
     weights_file = meta.path / WEIGHTS_NAME
     return meta.layout.load(weights_file, lambda: index_tensors(
-        list(safetensors_header(weights_file).tensors), weights_file))
+        list(safetensors_header(weights_file).tensors), weights_file), meta.dtype)
 
 
 def _config_key(adapter_dir: Path) -> ContentKey | None:

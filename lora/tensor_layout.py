@@ -1,12 +1,14 @@
 """TensorLayout: where an adapter's A and B tensors lie in its safetensors file, and how they
-become the float32 A and scaled B the engine holds.
+become the A and scaled B the engine holds (float32, or the dtype of the engine's pool).
 
 It is built from the header alone (``peft_format.inspect_peft_adapter``); ``load`` then costs
 about what the bytes cost: one read of the file's data section into a buffer of its own, one
 conversion to float32 when the file holds one dtype (the usual case; a file that mixes dtypes
 is converted tensor by tensor), A and B as views of that buffer, one sum to check that every
-value is finite (only a non-finite sum looks further, to name the tensor), and the B views
-multiplied by their scaling in place (one call).
+value is finite (only a non-finite sum looks further, to name the tensor), the B views
+multiplied by their scaling in place (one call), and, for another held dtype, one
+conversion of the buffer (the scaling is applied in float32 first, so the values held are
+float32's rounded once: what copying float32 into that pool would give).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from .peft_checks import AdapterError, Plan, TensorKeys, scaling
 from .peft_files import ITEMSIZE, ContentKey, SafetensorsHeader, content_key
 
 Pair = tuple[int, str]  # (layer, module)
-Layers = dict[Pair, tuple[torch.Tensor, torch.Tensor]]  # -> (A [r, in], B [out, r]), float32
+Layers = dict[Pair, tuple[torch.Tensor, torch.Tensor]]  # -> (A [r, in], B [out, r])
 
 _PAIRS: dict[Pair, Pair] = {}  # one tuple per (layer, module) seen, held by every layout
 TORCH_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
@@ -67,31 +69,42 @@ class TensorLayout:
             dtypes=tuple(per_tensor) if len(set(per_tensor)) > 1 else (per_tensor[0],),
             data_start=header.data_start, data_bytes=offset, header=header.key)
 
-    @property
-    def held_bytes(self) -> int:
-        """Bytes of A and B as ``load`` returns them (float32)."""
-        return 4 * sum(r * sum(self.dims[m]) for (_, m), r in self.ranks.items())
+    def held_bytes(self, dtype: torch.dtype = torch.float32) -> int:
+        """Bytes of A and B as ``load`` returns them in ``dtype``."""
+        itemsize = torch.empty(0, dtype=dtype).element_size()
+        return itemsize * sum(r * sum(self.dims[m]) for (_, m), r in self.ranks.items())
 
-    def load(self, path: Path, names: Callable[[], TensorKeys]) -> Layers:
-        """Read A and B (float32, B scaled) from the safetensors file ``path``; ``names``
-        gives the tensor names for an error message. StaleLayout if the file's header is no
-        longer the one this layout was built from."""
+    def load(self, path: Path, names: Callable[[], TensorKeys],
+             dtype: torch.dtype = torch.float32) -> Layers:
+        """Read A and B (B scaled in float32, both then held in ``dtype``) from the
+        safetensors file ``path``; ``names`` gives the tensor names for an error message.
+        StaleLayout if the file's header is no longer the one this layout was built from."""
         raw = self._read(path)  # [data_bytes] uint8, our own memory
         if len(self.dtypes) == 1:
             flat = raw.view(TORCH_DTYPES[self.dtypes[0]]).to(torch.float32)  # no copy if F32
             size = ITEMSIZE[self.dtypes[0]]
-            layers = {}
-            for (pair, r), a_at, b_at in zip(self.ranks.items(), self.a_at, self.b_at):
-                d_in, d_out = self.dims[pair[1]]
-                layers[pair] = (flat.as_strided((r, d_in), (d_in, 1), a_at // size),
-                                flat.as_strided((d_out, r), (r, 1), b_at // size))
+            layers = self._views(flat, size)
         else:
-            flat, layers = None, self._convert_each(raw)
+            flat, size, layers = None, 0, self._convert_each(raw)
         if not torch.isfinite(flat.sum() if flat is not None else  # one pass, no bool buffer
                               torch.stack([t.sum() for ab in layers.values() for t in ab]).sum()):
             self._name_nonfinite(layers, path, names)
         if any(s != 1.0 for s in self.scales):
             torch._foreach_mul_([b for _, b in layers.values()], list(self.scales))
+        if dtype == torch.float32:
+            return layers
+        if flat is not None:
+            return self._views(flat.to(dtype), size)  # element offsets are unchanged
+        return {pair: (a.to(dtype), b.to(dtype)) for pair, (a, b) in layers.items()}
+
+    def _views(self, flat: torch.Tensor, size: int) -> Layers:
+        """A and B as views of ``flat``, the data section as one tensor of a dtype whose
+        file item size is ``size`` (tensor offsets are in bytes of the file)."""
+        layers = {}
+        for (pair, r), a_at, b_at in zip(self.ranks.items(), self.a_at, self.b_at):
+            d_in, d_out = self.dims[pair[1]]
+            layers[pair] = (flat.as_strided((r, d_in), (d_in, 1), a_at // size),
+                            flat.as_strided((d_out, r), (r, 1), b_at // size))
         return layers
 
     def _read(self, path: Path) -> torch.Tensor:

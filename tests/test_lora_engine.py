@@ -231,3 +231,41 @@ def test_adapter_broken_on_disk_fails_only_its_requests(tiny_llama, adapters, tm
     assert outs[0].finish_reason == "error" and "fragile" in (outs[0].error or "")
     assert outs[1].finish_reason == "length"
     assert_clean(engine)
+
+
+@pytest.mark.parametrize("hot_load", [False, True])
+def test_host_copies_are_held_in_the_pool_dtype(tiny_llama, adapters, hot_load):
+    """A bfloat16 engine reads adapters into host memory in bfloat16 (half the bytes, as
+    ListAdapters' size_bytes says), and the rows it puts on the device are the bits that
+    copying the float32 read into the pool gives."""
+    from loraplex.lora.peft_format import read_peft_adapter
+
+    engine = LLMEngine(model=tiny_llama, dtype="bfloat16", max_lora_rank=64, max_model_len=128)
+    path = adapters["pattern"]
+    if hot_load:  # LoadAdapter's path: read and checked first, then registered
+        engine.add_adapter("p", path, weights=engine.read_adapter(path, "p"))
+    else:  # --lora-modules' path: registered from its header, read on first use
+        engine.add_adapter("p", path)
+    rid = engine.add_request([5, 6, 7], greedy(), adapter="p")
+    while engine.has_unfinished_requests():
+        engine.step()
+    full = read_peft_adapter(path, engine.base_shapes, 64)
+    held = engine.lora.names["p"].weights
+    assert engine.lora_dtype == torch.bfloat16 and held.meta.dtype == torch.bfloat16
+    [info] = engine.list_adapters()
+    assert info.size_bytes * 2 == full.size_bytes
+    assert info.size_bytes == sum(a.nbytes + b.nbytes for a, b in held.layers.values())
+    slot = engine.lora.slot_of(engine.lora.names["p"].adapter_id)
+    pooled = 0
+    for (idx, _), layer in engine.slot_buffers.layers.items():
+        for i, name in enumerate(layer.slices):
+            if (idx, name) not in full.layers:
+                continue
+            a, b = full.layers[(idx, name)]
+            r = a.shape[0]
+            assert int(layer.ranks[i, slot]) == r
+            assert torch.equal(layer.lora_a[i][slot, :r], a.to(torch.bfloat16))
+            assert torch.equal(layer.lora_b[i][slot, :, :r], b.to(torch.bfloat16))
+            pooled += 1
+    assert pooled == len(full.layers) and rid
+    assert_clean(engine)

@@ -140,6 +140,38 @@ def test_other_base_name_is_accepted_when_nothing_can_be_compared(
     read_peft_adapter(ad, llama, 8)
 
 
+def _store_as(kind: str) -> Callable[[dict[str, torch.Tensor]], None]:
+    """Rewrite every tensor in one dtype, or (``mixed``) A in bf16 and B in fp16."""
+    def edit(tensors: dict[str, torch.Tensor]) -> None:
+        for k, t in tensors.items():
+            dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(kind) or (
+                torch.bfloat16 if "lora_A" in k else torch.float16)
+            tensors[k] = t.to(dtype)
+    return edit
+
+
+@pytest.mark.parametrize("stored", ["float32", "bfloat16", "mixed"])
+@pytest.mark.parametrize("held", [torch.bfloat16, torch.float16])
+def test_held_in_the_pool_dtype_is_float32_rounded_once(ad: Path, llama: BaseShapes,
+                                                        stored: str, held: torch.dtype) -> None:
+    """Read in the engine's pool dtype, A and B (scaled in float32 first) are float32's
+    values rounded once: what copying the float32 read into that pool gives; half the
+    bytes, as size_bytes says. The file's dtypes, one or mixed, change nothing."""
+    edit_config(ad, lora_alpha=3)  # scaling 3/8: B is multiplied before the rounding
+    edit_tensors(ad, _store_as(stored))
+    full = read_peft_adapter(ad, llama, 8)
+    half = read_peft_adapter(ad, llama, 8, dtype=held, meta=full.meta)  # another dtype: re-inspected
+    assert half.meta.dtype == held and full.meta.dtype == torch.float32
+    assert half.size_bytes * 2 == full.size_bytes == sum(
+        a.nbytes + b.nbytes for a, b in full.layers.values())
+    assert half.size_bytes == sum(a.nbytes + b.nbytes for a, b in half.layers.values())
+    assert set(half.layers) == set(full.layers)
+    for pair, (a, b) in half.layers.items():
+        assert a.dtype == b.dtype == held
+        assert torch.equal(a, full.layers[pair][0].to(held))
+        assert torch.equal(b, full.layers[pair][1].to(held))
+
+
 def test_tensors_own_their_memory(ad: Path, llama: BaseShapes) -> None:
     """Rewriting the file in place (a replaced adapter) must not change loaded weights."""
     w = read_peft_adapter(ad, llama, 8)
