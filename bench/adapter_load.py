@@ -10,8 +10,9 @@ over adapters x rounds, page cache warm: every file is read once before timing):
 - ``open().read()``: the file's bytes into a Python ``bytes`` object;
 - ``load_file``: ``safetensors.torch.load_file``, the file's tensors as they are stored;
 - ``inspect_peft_adapter``: registration's checks, config and header only (``methods``);
-- ``read_peft_adapter``: the engine's disk -> host load (checked, float32, B scaled), with
-  and without the ``meta`` of registration.
+- ``read_peft_adapter``: the disk -> host load (checked, float32, B scaled), with and
+  without the ``meta`` of registration; and with ``dtype=bfloat16``, the engine's load for
+  a bf16 pool (scaled in float32, then held in bf16).
 
 Prints the ISA and dtype first, MB per adapter (the file, and float32 as held) and MB/s of
 file bytes. One torch thread unless ``--threads``: the loader thread runs beside the
@@ -94,6 +95,7 @@ def methods(base: BaseShapes, paths: list[Path]) -> dict[str, Callable[[Path], o
     cached parses both files; ``read_peft_adapter`` inspects (the parses cached, as after
     registration) and loads; given the registered ``meta`` it only loads."""
     metas = {p: inspect_peft_adapter(p, base, RANK) for p in paths}
+    bf16 = {p: inspect_peft_adapter(p, base, RANK, dtype=torch.bfloat16) for p in paths}
     return {
         "open().read()": raw_read,
         "load_file": lambda p: load_file(p / "adapter_model.safetensors"),
@@ -101,6 +103,8 @@ def methods(base: BaseShapes, paths: list[Path]) -> dict[str, Callable[[Path], o
         "inspect, parses cached": lambda p: inspect_peft_adapter(p, base, RANK),
         "read_peft_adapter": lambda p: read_peft_adapter(p, base, RANK),
         "read_peft_adapter(meta=)": lambda p: read_peft_adapter(p, base, RANK, meta=metas[p]),
+        "read_peft_adapter(meta=, bf16)": lambda p: read_peft_adapter(
+            p, base, RANK, meta=bf16[p], dtype=torch.bfloat16),
     }
 
 

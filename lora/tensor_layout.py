@@ -81,20 +81,21 @@ class TensorLayout:
         StaleLayout if the file's header is no longer the one this layout was built from."""
         raw = self._read(path)  # [data_bytes] uint8, our own memory
         if len(self.dtypes) == 1:
-            flat = raw.view(TORCH_DTYPES[self.dtypes[0]]).to(torch.float32)  # no copy if F32
+            stored = TORCH_DTYPES[self.dtypes[0]]
+            # scaled in the stored dtype when it is the one held (torch multiplies a half
+            # tensor in float32 and rounds once: the same bits), else in float32
+            flat = raw.view(stored).to(stored if stored == dtype else torch.float32)
             size = ITEMSIZE[self.dtypes[0]]
             layers = self._views(flat, size)
         else:
             flat, size, layers = None, 0, self._convert_each(raw)
-        if not torch.isfinite(flat.sum() if flat is not None else  # one pass, no bool buffer
+        if not torch.isfinite(flat.sum(dtype=torch.float32) if flat is not None else  # one pass
                               torch.stack([t.sum() for ab in layers.values() for t in ab]).sum()):
             self._name_nonfinite(layers, path, names)
         if any(s != 1.0 for s in self.scales):
             torch._foreach_mul_([b for _, b in layers.values()], list(self.scales))
-        if dtype == torch.float32:
-            return layers
         if flat is not None:
-            return self._views(flat.to(dtype), size)  # element offsets are unchanged
+            return layers if flat.dtype == dtype else self._views(flat.to(dtype), size)
         return {pair: (a.to(dtype), b.to(dtype)) for pair, (a, b) in layers.items()}
 
     def _views(self, flat: torch.Tensor, size: int) -> Layers:

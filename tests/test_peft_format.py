@@ -144,19 +144,21 @@ def _store_as(kind: str) -> Callable[[dict[str, torch.Tensor]], None]:
     """Rewrite every tensor in one dtype, or (``mixed``) A in bf16 and B in fp16."""
     def edit(tensors: dict[str, torch.Tensor]) -> None:
         for k, t in tensors.items():
-            dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(kind) or (
+            dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16,
+                     "float16": torch.float16}.get(kind) or (
                 torch.bfloat16 if "lora_A" in k else torch.float16)
             tensors[k] = t.to(dtype)
     return edit
 
 
-@pytest.mark.parametrize("stored", ["float32", "bfloat16", "mixed"])
+@pytest.mark.parametrize("stored", ["float32", "bfloat16", "float16", "mixed"])
 @pytest.mark.parametrize("held", [torch.bfloat16, torch.float16])
 def test_held_in_the_pool_dtype_is_float32_rounded_once(ad: Path, llama: BaseShapes,
                                                         stored: str, held: torch.dtype) -> None:
     """Read in the engine's pool dtype, A and B (scaled in float32 first) are float32's
-    values rounded once: what copying the float32 read into that pool gives; half the
-    bytes, as size_bytes says. The file's dtypes, one or mixed, change nothing."""
+    values rounded: what copying the float32 read into that pool gives; half the bytes, as
+    size_bytes says. The file's dtypes (the held one or another, one or mixed) change
+    nothing."""
     edit_config(ad, lora_alpha=3)  # scaling 3/8: B is multiplied before the rounding
     edit_tensors(ad, _store_as(stored))
     full = read_peft_adapter(ad, llama, 8)
