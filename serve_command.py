@@ -114,8 +114,8 @@ def _add_ray_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("Ray Serve scale-out (pip install loraplex[ray])")
     g.add_argument("--ray", action="store_true",
                    help="serve engine replicas on Ray Serve behind its gRPC proxy on --port "
-                   "(which listens on every interface: --host is not honoured; no TLS, no "
-                   "--http-port)")
+                   "(which listens on every interface: --host applies to --http-port only; "
+                   "no TLS)")
     g.add_argument("--ray-address", metavar="ADDRESS",
                    help="join this Ray cluster ('auto': the one `ray start` began here); "
                    "default: start a local one")
@@ -181,9 +181,6 @@ def _check_ray_only(args: argparse.Namespace) -> None:
 
 def _ray_options(args: argparse.Namespace) -> Any:
     """RayOptions from the flags (imports ray: only with --ray)."""
-    if args.http_port is not None:
-        raise ValueError("--http-port cannot be used with --ray: the OpenAI-compatible HTTP "
-                         "front is served by the single-process server only")
     try:
         from .server.ray.launch import RayOptions
     except ImportError as e:

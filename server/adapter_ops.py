@@ -1,7 +1,8 @@
 """Load, unload and list adapters: the admin operations, front-neutral. The gRPC
 AdapterAdmin servicer and HTTP's /v1/load_lora_adapter and /v1/unload_lora_adapter call
 these, so the name rules, the ``--adapter-root`` confinement and the engine calls are one
-code path."""
+code path. ``LocalAdapters`` is what the HTTP front calls on one server; a Ray replica gives
+it ``ClusterAdapters`` (server/ray/admin.py), which commits each change to every replica."""
 
 from __future__ import annotations
 
@@ -58,3 +59,17 @@ async def list_adapters(state: ServerState, while_draining: bool = False
                         ) -> list[AdapterInfo]:
     engine = state.require_engine(while_draining=while_draining)
     return await engine.run(lambda e: _lora_method(e, "list_adapters")())
+
+
+class LocalAdapters:
+    """load / unload on this process's engine: the admin operations of one server."""
+
+    def __init__(self, state: ServerState):
+        self.state = state
+
+    async def load(self, name: str, path: str, replace: bool = False, pin: bool = False
+                   ) -> AdapterInfo:
+        return await load_adapter(self.state, name, path, replace=replace, pin=pin)
+
+    async def unload(self, name: str) -> None:
+        await unload_adapter(self.state, name)

@@ -31,7 +31,6 @@ def test_ray_flags_exist() -> None:
     (["--ray", "--num-replicas", "2", "--max-replicas", "3"], "not both"),
     (["--ray", "--num-replicas", "0"], "--num-replicas 0 must be >= 1"),
     (["--ray", "--min-replicas", "3", "--max-replicas", "2"], "0 <= min <= max"),
-    (["--ray", "--http-port", "8001"], "--http-port cannot be used with --ray"),
 ])
 def test_bad_ray_flag_is_usage_error(capsys, tmp_path: Path, argv: list[str], words: str
                                      ) -> None:

@@ -1,6 +1,7 @@
 """GET /v1/models and POST /v1/load_lora_adapter, /v1/unload_lora_adapter: model cards
 for the base model and every adapter, and the admin operations of server/adapter_ops.py
-(the AdapterAdmin RPCs' code path: the same name rules, adapter roots and admin token)
+(``app.state.adapters``: the AdapterAdmin RPCs' code path, the same name rules, adapter
+roots and admin token)
 with vLLM's bodies: a plain-text success message, or an error body (400 / 404)."""
 
 from __future__ import annotations
@@ -49,12 +50,12 @@ async def list_models(request: Request) -> dict[str, Any]:
 @router.post("/v1/load_lora_adapter", dependencies=[Depends(require(Scope.ADMIN))])
 async def load_lora_adapter(body: LoadLoRAAdapterRequest, request: Request
                             ) -> PlainTextResponse:
-    await adapter_ops.load_adapter(server_state(request), body.lora_name, body.lora_path)
+    await request.app.state.adapters.load(body.lora_name, body.lora_path)
     return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 
 
 @router.post("/v1/unload_lora_adapter", dependencies=[Depends(require(Scope.ADMIN))])
 async def unload_lora_adapter(body: UnloadLoRAAdapterRequest, request: Request
                               ) -> PlainTextResponse:
-    await adapter_ops.unload_adapter(server_state(request), body.lora_name)
+    await request.app.state.adapters.unload(body.lora_name)
     return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")

@@ -12,7 +12,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from ...engine.errors import EngineDeadError
 from ..engine_snapshot import take_snapshot
 from ..server_info import version
-from ..state import Phase
+from ..state import Phase, ServerState
 from .auth import server_state
 from .errors import error_response
 
@@ -41,13 +41,17 @@ async def get_version() -> dict[str, str]:
 
 @router.get("/metrics")
 async def metrics(request: Request) -> Response:
-    """Prometheus text. The gauges are refreshed from a snapshot the engine thread takes
-    between steps; without a live engine the last values stay."""
-    state = server_state(request)
+    """Prometheus text (``app.state.exposition``: this server's, or every replica's)."""
+    return Response(await request.app.state.exposition(), media_type=CONTENT_TYPE_LATEST)
+
+
+async def local_exposition(state: ServerState) -> bytes:
+    """This server's metrics. The gauges are refreshed from a snapshot the engine thread
+    takes between steps; without a live engine the last values stay."""
     engine = state.engine
     if engine is not None and engine.alive:
         try:
             state.metrics.refresh(await engine.run(take_snapshot))
         except EngineDeadError:
             pass
-    return Response(state.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+    return state.metrics.exposition()

@@ -1,5 +1,6 @@
-"""ClusterAdminServicer: AdapterAdmin for a Ray Serve deployment. A call arrives at one
-replica; it runs server/adapter_ops.py there (the same name rules, ``--adapter-root``
+"""ClusterAdapters and ClusterAdminServicer: AdapterAdmin for a Ray Serve deployment (the
+HTTP front's load and unload use ClusterAdapters too). A call arrives at one replica; it runs
+server/adapter_ops.py there (the same name rules, ``--adapter-root``
 confinement and errors as one server), then commits the change to the cluster's
 AdapterRegistry and answers only once every live replica has applied it (registry.py states
 the guarantee). ListAdapters lists the registry's adapters, each with its tier on every
@@ -13,6 +14,7 @@ from typing import Any
 import grpc
 
 from ...engine.errors import AdapterExistsError
+from ...lora.cached_adapter import AdapterInfo
 from ...proto import loraplex_pb2 as pb
 from .. import adapter_ops, convert
 from ..adapter_admin import AdapterAdminServicer
@@ -25,36 +27,62 @@ APPLY_TIMEOUT_S = 120.0
 ReplicaTiers = dict[str, dict[str, tuple[str, int]]]
 
 
-class ClusterAdminServicer(AdapterAdminServicer):
-    def __init__(self, state: ServerState, follower: RegistryFollower,
-                 replica_tiers: Callable[[], Awaitable[ReplicaTiers]]):
-        super().__init__(state)
+class ClusterAdapters:
+    """load / unload for the cluster (what LoadAdapter, UnloadAdapter and HTTP's
+    /v1/load_lora_adapter, /v1/unload_lora_adapter call on a replica): applied here through
+    server/adapter_ops.py, then committed to the registry; each returns once every live
+    replica has applied the change."""
+
+    def __init__(self, state: ServerState, follower: RegistryFollower):
+        self.state = state
         self.follower = follower
         self.registry = follower.registry
-        self.replica_tiers = replica_tiers
 
-    @unary
-    async def LoadAdapter(self, request: pb.LoadAdapterRequest,
-                          context: grpc.aio.ServicerContext) -> pb.AdapterInfo:
-        info = await adapter_ops.load_adapter(self.state, request.name, request.path,
-                                              replace=request.replace, pin=request.pin)
-        change = await self.registry.register.remote(info.name, str(info.path),
-                                                     request.replace, request.pin)
+    async def load(self, name: str, path: str, replace: bool = False, pin: bool = False
+                   ) -> AdapterInfo:
+        info = await adapter_ops.load_adapter(self.state, name, path, replace=replace, pin=pin)
+        change = await self.registry.register.remote(info.name, str(info.path), replace, pin)
         if change.refused is not None:  # a concurrent load of the same name won
             await self.follower.resync(info.name)
             raise AdapterExistsError(change.refused)
         self.follower.mark_loaded(info.name, change.version)
         await self._wait_applied(change.version, f"adapter {info.name!r} is registered")
+        return info
+
+    async def unload(self, name: str) -> None:
+        await adapter_ops.unload_adapter(self.state, name)
+        self.follower.mark_removed(name)
+        change = await self.registry.unregister.remote(name)
+        if change.refused is None:  # else a concurrent unload already removed it
+            await self._wait_applied(change.version, f"adapter {name!r} is unloaded")
+
+    async def _wait_applied(self, version: int, done: str) -> None:
+        behind = await self.registry.wait_applied.remote(version, APPLY_TIMEOUT_S)
+        if behind:
+            raise ServiceError(grpc.StatusCode.UNAVAILABLE,
+                               f"{done}, but replicas {', '.join(behind)} have not applied it "
+                               f"within {APPLY_TIMEOUT_S:.0f}s; they will when they can")
+
+
+class ClusterAdminServicer(AdapterAdminServicer):
+    def __init__(self, state: ServerState, adapters: ClusterAdapters,
+                 replica_tiers: Callable[[], Awaitable[ReplicaTiers]]):
+        super().__init__(state)
+        self.adapters = adapters
+        self.registry = adapters.registry
+        self.replica_tiers = replica_tiers
+
+    @unary
+    async def LoadAdapter(self, request: pb.LoadAdapterRequest,
+                          context: grpc.aio.ServicerContext) -> pb.AdapterInfo:
+        info = await self.adapters.load(request.name, request.path, replace=request.replace,
+                                        pin=request.pin)
         return convert.adapter_info(info)
 
     @unary
     async def UnloadAdapter(self, request: pb.UnloadAdapterRequest,
                             context: grpc.aio.ServicerContext) -> pb.UnloadAdapterResponse:
-        await adapter_ops.unload_adapter(self.state, request.name)
-        self.follower.mark_removed(request.name)
-        change = await self.registry.unregister.remote(request.name)
-        if change.refused is None:  # else a concurrent unload already removed it
-            await self._wait_applied(change.version, f"adapter {request.name!r} is unloaded")
+        await self.adapters.unload(request.name)
         return pb.UnloadAdapterResponse(name=request.name)
 
     @unary
@@ -76,13 +104,6 @@ class ClusterAdminServicer(AdapterAdminServicer):
                 info.active_requests += active
             adapters.append(info)
         return pb.ListAdaptersResponse(adapters=adapters)
-
-    async def _wait_applied(self, version: int, done: str) -> None:
-        behind = await self.registry.wait_applied.remote(version, APPLY_TIMEOUT_S)
-        if behind:
-            raise ServiceError(grpc.StatusCode.UNAVAILABLE,
-                               f"{done}, but replicas {', '.join(behind)} have not applied it "
-                               f"within {APPLY_TIMEOUT_S:.0f}s; they will when they can")
 
 
 def _state_number(state: str) -> int:

@@ -7,7 +7,9 @@ admin.py, server_info.py), so request checks, conversions, admission and status 
 the single server's; ProxyContext (context.py) carries their ``abort`` onto Ray's context,
 and the token rule is server/auth.py's. Per replica:
 
-- ``loraplex-replica`` (the replica id) is a trailer of every Inference response;
+- ``loraplex-replica`` (the replica id) is a trailer of every Inference response (and a
+  header of every HTTP response: the OpenAI-compatible front, http_front.py, served through
+  Ray's HTTP proxy);
 - the adapter of an Inference call is reported to Ray's multiplexing
   (``@serve.multiplexed``, up to ``max_cpu_loras`` names per replica), so Ray routes the
   adapter's next requests to the replicas holding it. The engine's tiered cache stays the
@@ -39,13 +41,15 @@ from ...engine.llm_engine import LLMEngine
 from ...proto import loraplex_pb2 as pb
 from ..adapter_ops import list_adapters
 from ..app import LoraplexServer
+from ..http.probes import local_exposition
 from ..inference import InferenceServicer
 from ..options import ServerOptions
 from ..server_info import ServerInfoServicer
 from ..state import SERVICE_NAMES, Phase
-from .admin import ClusterAdminServicer, ReplicaTiers, local_tiers
+from .admin import ClusterAdapters, ClusterAdminServicer, ReplicaTiers, local_tiers
 from .context import REPLICA_TRAILER, ProxyContext, authorize
 from .follower import RegistryFollower
+from .http_front import merge_expositions, replica_app
 
 log = logging.getLogger(__name__)
 
@@ -88,9 +92,16 @@ class LoraplexReplica:
                                          config.lora_modules)
         await self.follower.join()  # every registered adapter, before any traffic
         self.inference = InferenceServicer(self.state)
-        self.admin = ClusterAdminServicer(self.state, self.follower, self._replica_tiers)
+        self.adapters = ClusterAdapters(self.state, self.follower)
+        self.admin = ClusterAdminServicer(self.state, self.adapters, self._replica_tiers)
         self.info = ServerInfoServicer(self.state)
         log.info("replica %s serving", self.replica_id)
+
+    def __serve_build_asgi_app__(self) -> Any:
+        """The HTTP front (Ray Serve calls it after __init__): server/http's app with the
+        cluster's adapter operations and metrics (http_front.py)."""
+        return replica_app(self.state, self.adapters, self.replica_id, self._report_adapter,
+                           self._cluster_exposition)
 
     # ---- Inference ----------------------------------------------------------------------
     async def Generate(self, request: pb.GenerateRequest, grpc_context: Any
@@ -237,6 +248,12 @@ class LoraplexReplica:
     async def local_stats(self) -> pb.GetStatsResponse:
         return await self.info.GetStats(pb.GetStatsRequest(), None)
 
+    async def local_metrics(self) -> tuple[str, bytes]:
+        return self.replica_id, await local_exposition(self.state)
+
+    async def _cluster_exposition(self) -> bytes:
+        return merge_expositions(sorted(await self._broadcast("local_metrics")))
+
     async def _replica_tiers(self) -> ReplicaTiers:
         return dict(await self._broadcast("local_tiers"))
 
@@ -257,8 +274,10 @@ class LoraplexReplica:
 
 def deployment_class(max_adapters_per_replica: int) -> type:
     """LoraplexReplica with its ``@serve.multiplexed`` method (the limit is fixed when the
-    class is made, as Ray reads it from the class)."""
+    class is made, as Ray reads it from the class), and the HTTP front as its ASGI ingress
+    (built per replica by ``__serve_build_asgi_app__``)."""
 
+    @serve.ingress()
     class LoraplexDeployment(LoraplexReplica):
         @serve.multiplexed(max_num_models_per_replica=max_adapters_per_replica)
         async def hold_adapter(self, name: str) -> str:

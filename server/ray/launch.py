@@ -4,12 +4,14 @@ SIGTERM / SIGINT.
 
 What Ray's proxy does not do, and what follows:
 
-- it listens on every interface (``gRPCOptions`` has no host): ``--host`` is not honoured;
+- it listens on every interface (``gRPCOptions`` has no host): ``--host`` applies to the
+  HTTP proxy only;
 - it has no TLS option: ``--ssl-*`` are refused; put a TLS-terminating proxy in front;
 - it drops the client's deadline (``grpc-timeout``): a deadline still ends the call, as the
   client cancels it when it passes, and the cancel reaches the engine;
-- Serve's HTTP proxy starts too: bound to 127.0.0.1 on ``http_port`` (a free port unless
-  given); loraplex serves nothing over it.
+- Serve's HTTP proxy serves the OpenAI-compatible front (server/http, on every replica) on
+  ``--host``:``--http-port``; without ``--http-port`` it still starts, bound to 127.0.0.1 on
+  a free port.
 """
 
 from __future__ import annotations
@@ -61,7 +63,6 @@ class RayOptions:
     replica_gpus: float | None = None
     num_cpus: int | None = None  # logical CPUs of a local cluster (default: the machine's)
     app_name: str = "loraplex"
-    http_port: int | None = None  # Serve's HTTP proxy (unused by loraplex)
     health_check_period_s: float = 2.0
 
     def __post_init__(self) -> None:
@@ -142,8 +143,8 @@ def _free_port() -> int:
 def deploy(options: ServerOptions, ray_options: RayOptions, model: str | None,
            engine_kwargs: dict[str, Any], lora_modules: dict[str, str]) -> Any:
     """Create the registry (seeded with ``lora_modules``) and run the deployment behind the
-    gRPC proxy on ``options.port``; returns once every replica is up (warmed up, holding
-    every adapter). Needs ``start_ray`` first."""
+    gRPC proxy on ``options.port`` (and the HTTP one on ``options.http_port``); returns once
+    every replica is up (warmed up, holding every adapter). Needs ``start_ray`` first."""
     if options.tls:
         raise ValueError("--ssl-* cannot be used with --ray: Ray Serve's gRPC proxy has no "
                          "TLS; terminate TLS in a proxy in front of it")
@@ -155,8 +156,10 @@ def deploy(options: ServerOptions, ray_options: RayOptions, model: str | None,
     ray.remote(AdapterRegistry).options(
         name=name, namespace=NAMESPACE, lifetime="detached", num_cpus=0,
         max_concurrency=1000).remote(lora_modules)
-    http_port = ray_options.http_port or _free_port()
-    serve.start(http_options=HTTPOptions(host="127.0.0.1", port=http_port),
+    http = (HTTPOptions(host=options.host, port=options.http_port)
+            if options.http_port is not None else
+            HTTPOptions(host="127.0.0.1", port=_free_port()))
+    serve.start(http_options=http,
                 grpc_options=gRPCOptions(port=options.port,
                                          grpc_servicer_functions=SERVICER_FUNCTIONS,
                                          enable_reflection=True))
@@ -210,7 +213,10 @@ def serve_ray(options: ServerOptions, ray_options: RayOptions, model: str | None
     try:
         deploy(options, ray_options, model, engine_kwargs, lora_modules)
         log.info("listening on 0.0.0.0:%d (Ray Serve gRPC proxy, every interface; --host "
-                 "is not honoured)", options.port)
+                 "is not honoured there)", options.port)
+        if options.http_port is not None:
+            log.info("OpenAI-compatible HTTP on %s:%d (Ray Serve HTTP proxy)", options.host,
+                     options.http_port)
         while not stop.wait(1.0):
             pass
     finally:

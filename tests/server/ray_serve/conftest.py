@@ -1,6 +1,7 @@
 """A real local Ray cluster (4 logical CPUs, no dashboard) and one deployment of two tiny-model
-replicas behind Ray Serve's gRPC proxy, shared by the module; start-up time and memory are
-printed in the test log (run pytest with -s to see them, or read the -ra summary)."""
+replicas behind Ray Serve's gRPC and HTTP proxies, shared by the package's modules (the HTTP
+tests run first, the fault tests last); start-up time and memory are printed in the test log
+(run pytest with -s to see them, or read the -ra summary)."""
 
 from __future__ import annotations
 
@@ -47,19 +48,21 @@ def ray_memory_gib() -> float:
 @dataclass
 class RayApp:
     target: str
+    http_url: str
     options: Any  # ServerOptions
     ray_options: Any  # RayOptions
     adapters: dict[str, str]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="package")
 def ray_app(tiny_llama: Path, tiny_adapters: Callable[[str], Path]) -> Iterator[RayApp]:
     import ray
     from loraplex.server.options import ServerOptions
     from loraplex.server.ray.launch import RayOptions, deploy, start_ray, teardown
 
     modules = {n: str(tiny_adapters(n)) for n in NAMES}
-    options = ServerOptions(port=_free_port(), admin_token=ADMIN, max_queue=MAX_QUEUE,
+    options = ServerOptions(port=_free_port(), http_port=_free_port(), admin_token=ADMIN,
+                            max_queue=MAX_QUEUE,
                             adapter_roots=[tiny_adapters("a0").parent], shutdown_grace_s=1.0)
     ray_options = RayOptions(num_replicas=2, replica_cpus=1, num_cpus=4,
                              health_check_period_s=1.0)
@@ -71,7 +74,8 @@ def ray_app(tiny_llama: Path, tiny_adapters: Callable[[str], Path]) -> Iterator[
         deploy(options, ray_options, str(tiny_llama), dict(ENGINE_KW), modules)
         print(f"[ray] serve.run of 2 replicas: {time.perf_counter() - start:.1f}s; Ray "
               f"processes now hold {ray_memory_gib():.2f} GiB")
-        yield RayApp(f"127.0.0.1:{options.port}", options, ray_options, modules)
+        yield RayApp(f"127.0.0.1:{options.port}", f"http://127.0.0.1:{options.http_port}",
+                     options, ray_options, modules)
     finally:
         teardown(ray_options)
         assert not ray.is_initialized()
