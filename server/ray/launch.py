@@ -17,6 +17,7 @@ What Ray's proxy does not do, and what follows:
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import socket
 import threading
@@ -41,6 +42,7 @@ NAMESPACE = "loraplex"
 # answers RESOURCE_EXHAUSTED beyond --max-queue (as one server does) and admin, health and
 # broadcast calls still get through to a full replica.
 ADMIN_HEADROOM = 8
+TEARDOWN_S = 15.0  # beyond the grace period, for Serve and Ray to stop
 SERVICER_FUNCTIONS = [
     "loraplex.proto.loraplex_pb2_grpc.add_InferenceServicer_to_server",
     "loraplex.proto.loraplex_pb2_grpc.add_AdapterAdminServicer_to_server",
@@ -220,4 +222,18 @@ def serve_ray(options: ServerOptions, ray_options: RayOptions, model: str | None
         while not stop.wait(1.0):
             pass
     finally:
-        teardown(ray_options)
+        _teardown_within(ray_options, options.shutdown_grace_s + TEARDOWN_S)
+
+
+def _teardown_within(ray_options: RayOptions, seconds: float) -> None:
+    """``teardown``, given up after ``seconds``: when the cluster's own processes got the
+    signal too (a supervisor that signals the whole process group or cgroup), Ray's calls
+    would wait on a dead controller forever."""
+    worker = threading.Thread(target=teardown, args=(ray_options,), daemon=True,
+                              name="loraplex-ray-teardown")
+    worker.start()
+    worker.join(seconds)
+    if worker.is_alive():
+        log.warning("Ray did not finish the teardown within %.0fs (were its processes "
+                    "stopped too?); exiting without it", seconds)
+        os._exit(1)

@@ -1,0 +1,84 @@
+"""``loraplex serve --ray`` as a user runs it: one process that starts a local Ray cluster,
+serves gRPC and OpenAI HTTP through Ray's proxies, and stops on SIGTERM: cleanly (exit 0,
+Ray's processes gone) when the signal reaches it alone, and within its grace period +
+``TEARDOWN_S`` when a supervisor signals the whole process group, Ray's own processes with
+it. Collected after tests/server/ray_serve, whose cluster is down by then."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from loraplex.client import Client
+
+from tests.conftest import make_adapter
+
+GRACE_S = 1.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("whole_group", [False, True], ids=["process", "process-group"])
+def test_serve_ray_process_serves_and_stops(tiny_llama: Path, tmp_path: Path,
+                                            whole_group: bool) -> None:
+    from loraplex.server.ray.launch import TEARDOWN_S
+
+    adapter = make_adapter(tiny_llama, tmp_path / "a", seed=3)
+    port, http_port = free_port(), free_port()
+    log = tmp_path / "serve.log"
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    with log.open("w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "loraplex.cli", "serve", "--ray", "--num-replicas", "1",
+             "--replica-cpus", "1", "--model", str(tiny_llama), "--lora-modules",
+             f"a={adapter}", "--port", str(port), "--http-port", str(http_port),
+             "--dtype", "float32", "--device", "cpu", "--max-model-len", "128",
+             "--shutdown-grace-period", str(GRACE_S)],
+            stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+    try:
+        with Client(f"127.0.0.1:{port}") as client:
+            client.wait_until_serving(180)
+            reply = client.generate(prompt_token_ids=[5, 6, 7], adapter="a", temperature=0.0,
+                                    max_new_tokens=4, ignore_eos=True)
+        r = httpx.post(f"http://127.0.0.1:{http_port}/v1/completions", timeout=60, json={
+            "model": "a", "prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0.0,
+            "ignore_eos": True})
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == reply.text
+        start = time.monotonic()
+        if whole_group:
+            os.killpg(proc.pid, signal.SIGTERM)
+        else:
+            proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=GRACE_S + TEARDOWN_S + 30)
+        took = time.monotonic() - start
+        print(f"\n[ray] serve --ray stopped by SIGTERM to the "
+              f"{'process group' if whole_group else 'process'}: exit {code} in {took:.1f}s")
+        if not whole_group:
+            assert code == 0, log.read_text()[-3000:]
+            deadline = time.monotonic() + 20
+            while group_alive(proc.pid):  # Ray's processes leave with it
+                assert time.monotonic() < deadline, "Ray's processes outlived the server"
+                time.sleep(0.5)
+    finally:
+        if proc.poll() is None or group_alive(proc.pid):
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
