@@ -6,7 +6,10 @@ random rank-8 adapters (bench/common.make_random_adapters):
 
 1. **Overhead.** The same workload (``loraplex bench``'s client: bench/serving.py) against the
    single-process server and against ``loraplex serve --ray --num-replicas 1`` (the replica
-   gets the machine's CPUs): throughput and TTFT p50, all requests at once and one at a time.
+   gets the machine's CPUs): throughput and TTFT p50, all requests at once and one at a time;
+   then, over each one's OpenAI-compatible HTTP front (``--http-port``: Ray's HTTP proxy for
+   the Ray server), the same number of streaming completions one at a time (TTFT to the
+   first SSE chunk with text, and the whole request).
 2. **Affinity.** ``--ray --num-replicas 2`` with ``--max-cpu-loras`` below the largest adapter
    count; at 1, 8 and 32 adapters, requests in random adapter order, 4 in flight. A request
    is a hit when its ``loraplex-replica`` trailer names the replica that served its adapter's
@@ -24,6 +27,7 @@ import datetime as dt
 import os
 import random
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -33,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+import httpx
 
 from ..client import MULTIPLEXED_MODEL_ID, AsyncClient, Client, generate_request
 from ..proto import loraplex_pb2_grpc as pb_grpc
@@ -63,13 +68,15 @@ class Server:
     proc: subprocess.Popen
     target: str
     log: Path
+    http_url: str
 
 
 def start_server(label: str, flags: list[str], adapters: dict[str, Path], wl: Workload,
                  threads: int, log_dir: Path) -> Server:
     """``loraplex serve`` with ``flags``, every adapter registered; returns once SERVING."""
-    port = free_port()
+    port, http_port = free_port(), free_port()
     cmd = [sys.executable, "-m", "loraplex.cli", "serve", "--port", str(port),
+           "--http-port", str(http_port),
            "--max-loras", str(wl.max_loras), "--max-cpu-loras", str(wl.max_cpu_loras),
            "--lora-modules", *(f"{n}={p}" for n, p in adapters.items()), *flags]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}  # Ray keeps a value already set
@@ -77,7 +84,7 @@ def start_server(label: str, flags: list[str], adapters: dict[str, Path], wl: Wo
     with log.open("w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
                                 start_new_session=True)
-    server = Server(label, proc, f"127.0.0.1:{port}", log)
+    server = Server(label, proc, f"127.0.0.1:{port}", log, f"http://127.0.0.1:{http_port}")
     start = time.perf_counter()
     with Client(server.target) as client:
         while True:
@@ -124,6 +131,29 @@ def overhead_row(label: str, run: dict) -> dict[str, float | str]:
             else f"{run['max_concurrency']} in flight",
             "tok_s": m["output_throughput"], "ttft_p50": m["ttft_ms"]["median"],
             "failed": m["failed"]}
+
+
+def http_one_at_a_time(url: str, names: Sequence[str], wl: Workload, seed: int = 0
+                       ) -> dict[str, float]:
+    """``num_requests`` streaming completions over the OpenAI HTTP front, one at a time:
+    the median ms to the first chunk with text (TTFT) and to the end (E2E)."""
+    rng = random.Random(seed)
+    ttft, e2e = [], []
+    with httpx.Client(base_url=url, timeout=120) as http:
+        for i in range(wl.num_requests):
+            body = {"model": names[i % len(names)], "max_tokens": wl.output_len,
+                    "prompt": [rng.randrange(100, 40000) for _ in range(wl.prompt_len)],
+                    "temperature": 0.0, "stream": True, "ignore_eos": True}
+            start, first = time.perf_counter(), None
+            with http.stream("POST", "/v1/completions", json=body) as r:
+                r.raise_for_status()
+                for line in r.iter_lines():
+                    if first is None and line.startswith("data: {") and '"text":""' not in \
+                            line.replace(" ", ""):
+                        first = time.perf_counter()
+            ttft.append(((first or time.perf_counter()) - start) * 1e3)
+            e2e.append((time.perf_counter() - start) * 1e3)
+    return {"ttft_p50": statistics.median(ttft), "e2e_p50": statistics.median(e2e)}
 
 
 # ---- affinity --------------------------------------------------------------------------
@@ -178,7 +208,7 @@ async def affinity_run(target: str, names: Sequence[str], wl: Workload, seed: in
 
 # ---- report ----------------------------------------------------------------------------
 def markdown(machine: str, command: str, rows: list[dict], affinity: list[tuple],
-             wl: Workload) -> str:
+             wl: Workload, http_rows: dict[str, dict[str, float]] | None = None) -> str:
     single = {r["run"]: r for r in rows if r["server"] == "single"}
     lines = [f"# Ray Serve overhead and adapter affinity ({dt.date.today()})", "",
              f"`{command}`", "", f"Machine: {machine}", "",
@@ -193,6 +223,18 @@ def markdown(machine: str, command: str, rows: list[dict], affinity: list[tuple]
         lines.append(f"| {r['server']} | {r['run']} | {r['tok_s']:.1f} | "
                      f"{r['tok_s'] / base['tok_s']:.2f}x | {r['ttft_p50']:.1f} | "
                      f"{r['ttft_p50'] - base['ttft_p50']:+.1f} | {r['failed']} |")
+    if http_rows:
+        base = http_rows["single"]
+        lines += ["", (f"## OpenAI HTTP: {wl.num_requests} streaming completions one at a "
+                  "time, same sizes"), "",
+                  "| server | TTFT p50 ms | vs single | E2E p50 ms | vs single |",
+                  "|---|---:|---:|---:|---:|"]
+        for label, h in http_rows.items():
+            lines.append(f"| {label} | {h['ttft_p50']:.1f} | "
+                         f"{h['ttft_p50'] - base['ttft_p50']:+.1f} | {h['e2e_p50']:.1f} | "
+                         f"{h['e2e_p50'] / base['e2e_p50']:.2f}x |")
+    if not affinity:
+        return "\n".join(lines) + "\n"
     lines += ["", (f"## Affinity: 2 replicas, {wl.affinity_concurrency} requests in flight, "
               f"{wl.affinity_output_len} output tokens"), "",
               ("A request counts when its adapter was served before; **first**: it lands on the "
@@ -226,6 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     cores = os.cpu_count() or 1
     log_dir = Path(tempfile.mkdtemp(prefix="loraplex-ray-bench-"))
     rows: list[dict] = []
+    http_rows: dict[str, dict[str, float]] = {}
     dtype = "?"
     servers = [("single", [], cores),
                ("ray 1 replica", ["--ray", "--num-replicas", "1", "--replica-cpus",
@@ -236,6 +279,8 @@ def main(argv: list[str] | None = None) -> int:
             with Client(server.target) as c:
                 dtype = c.server_info().dtype
             runs = asyncio.run(overhead_runs(server.target, names[:wl.overhead_adapters], wl))
+            http_rows[label] = http_one_at_a_time(server.http_url,
+                                                  names[:wl.overhead_adapters], wl)
         finally:
             stop_server(server)
         rows += [overhead_row(label, r) for r in runs]
@@ -255,7 +300,8 @@ def main(argv: list[str] | None = None) -> int:
     from ..kernels import backend_name
 
     machine = machine_line(backend_name(torch.device("cpu")), dtype)
-    text = markdown(machine, "python -m loraplex.bench.ray_overhead", rows, affinity, wl)
+    text = markdown(machine, "python -m loraplex.bench.ray_overhead", rows, affinity, wl,
+                    http_rows)
     print(text)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text)
