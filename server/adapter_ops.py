@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
 
@@ -59,6 +59,15 @@ async def list_adapters(state: ServerState, while_draining: bool = False
                         ) -> list[AdapterInfo]:
     engine = state.require_engine(while_draining=while_draining)
     return await engine.run(lambda e: _lora_method(e, "list_adapters")())
+
+
+class AdapterOps(Protocol):
+    """What HTTP's load and unload routes call: ``LocalAdapters`` or Ray's ``ClusterAdapters``."""
+
+    async def load(self, name: str, path: str, replace: bool = False, pin: bool = False
+                   ) -> AdapterInfo: ...
+
+    async def unload(self, name: str) -> None: ...
 
 
 class LocalAdapters:

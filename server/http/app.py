@@ -9,13 +9,13 @@ from collections.abc import Awaitable, Callable
 
 from fastapi import FastAPI
 
-from ..adapter_ops import LocalAdapters
+from ..adapter_ops import AdapterOps, LocalAdapters
 from ..server_info import version
 from ..state import ServerState
 from . import completions, errors, models, probes, tokens
 
 
-def build_app(state: ServerState, adapters: LocalAdapters | None = None,
+def build_app(state: ServerState, adapters: AdapterOps | None = None,
               exposition: Callable[[], Awaitable[bytes]] | None = None) -> FastAPI:
     """``adapters``: what /v1/load_lora_adapter and /v1/unload_lora_adapter call (``load``,
     ``unload``; default: this engine's); ``exposition``: the /metrics body (default: this
