@@ -18,7 +18,9 @@ and the token rule is server/auth.py's. Per replica:
   proxy keeps the code of the last message it received when the replica dies, so a client
   whose replica dies mid-stream gets the messages sent so far, then UNAVAILABLE (with
   Ray's "actor died" details and the ``loraplex-replica`` trailer), where the proxy alone
-  says INTERNAL. Errors the replica raises set their own code;
+  says INTERNAL. Errors the replica raises set their own code. (A proxy timeout,
+  RAY_SERVE_REQUEST_PROCESSING_TIMEOUT_S, which loraplex does not set, would read
+  UNAVAILABLE mid-stream too, not DEADLINE_EXCEEDED);
 - ``check_health`` fails once the engine thread died, so Ray replaces the replica
   (``fail_engine_loop``, a handle-only method, kills it for the fault tests);
 - ``Check`` answers SERVING when this replica serves and at least ``min_replicas``
