@@ -123,6 +123,7 @@ class LoraplexReplica:
             await authorize(ctx, _INFERENCE + "GenerateStream", self.options)
             await self._report_adapter(request.adapter)
             async for item in self.inference.GenerateStream(request, ctx):
+                # the code the proxy keeps if this replica dies after this message
                 grpc_context.set_code(grpc.StatusCode.OK if item.finished
                                       else grpc.StatusCode.UNAVAILABLE)
                 yield item
