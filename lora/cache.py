@@ -220,9 +220,6 @@ class AdapterCache:
         return self.by_id[adapter_id].slot  # type: ignore[return-value]
 
     # ---- reporting ----------------------------------------------------------------------
-    def info(self, a: CachedAdapter) -> AdapterInfo:
-        return a.info()
-
     def list(self) -> list[AdapterInfo]:
         return [a.info() for a in sorted(self.names.values(), key=lambda a: a.name)]
 

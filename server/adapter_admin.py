@@ -1,4 +1,6 @@
-"""AdapterAdmin service: hot load, unload and list adapters (server/adapter_ops.py)."""
+"""AdapterAdmin service: hot load, unload and list adapters (server/adapter_ops.py). Load
+and unload go through ``adapters`` (AdapterOps): this engine's by default, the cluster's on a
+Ray replica (server/ray/admin.py), as HTTP's load and unload routes do."""
 
 from __future__ import annotations
 
@@ -7,25 +9,27 @@ import grpc
 from ..proto import loraplex_pb2 as pb
 from ..proto import loraplex_pb2_grpc as pb_grpc
 from . import adapter_ops, convert
+from .adapter_ops import AdapterOps, LocalAdapters
 from .state import ServerState
 from .status import unary
 
 
 class AdapterAdminServicer(pb_grpc.AdapterAdminServicer):
-    def __init__(self, state: ServerState):
+    def __init__(self, state: ServerState, adapters: AdapterOps | None = None):
         self.state = state
+        self.adapters = adapters or LocalAdapters(state)
 
     @unary
     async def LoadAdapter(self, request: pb.LoadAdapterRequest,
                           context: grpc.aio.ServicerContext) -> pb.AdapterInfo:
-        info = await adapter_ops.load_adapter(self.state, request.name, request.path,
-                                              replace=request.replace, pin=request.pin)
+        info = await self.adapters.load(request.name, request.path, replace=request.replace,
+                                        pin=request.pin)
         return convert.adapter_info(info)
 
     @unary
     async def UnloadAdapter(self, request: pb.UnloadAdapterRequest,
                             context: grpc.aio.ServicerContext) -> pb.UnloadAdapterResponse:
-        await adapter_ops.unload_adapter(self.state, request.name)
+        await self.adapters.unload(request.name)
         return pb.UnloadAdapterResponse(name=request.name)
 
     @unary

@@ -147,7 +147,7 @@ def test_look_ahead_reads_within_the_readers_and_the_host_tier():
     cache, _, ids = make_cache(units=8, max_loras=4, max_cpu=3, ranks=names, reads=2,
                                gate=gate)
     for name in names:  # registration kept no weights: every adapter is on disk
-        assert cache.info(cache.names[name]).state == "ON_DISK"
+        assert cache.names[name].info().state == "ON_DISK"
     queue = [ids[f"a{i}"] for i in range(10)]
     cache.look_ahead(queue)
     loading = [n for n, a in cache.names.items() if a.loading is not None]

@@ -65,25 +65,14 @@ class ClusterAdapters:
 
 
 class ClusterAdminServicer(AdapterAdminServicer):
+    """The single server's LoadAdapter and UnloadAdapter, on ClusterAdapters; ListAdapters
+    from the registry, with every replica's tiers."""
+
     def __init__(self, state: ServerState, adapters: ClusterAdapters,
                  replica_tiers: Callable[[], Awaitable[ReplicaTiers]]):
-        super().__init__(state)
-        self.adapters = adapters
+        super().__init__(state, adapters)
         self.registry = adapters.registry
         self.replica_tiers = replica_tiers
-
-    @unary
-    async def LoadAdapter(self, request: pb.LoadAdapterRequest,
-                          context: grpc.aio.ServicerContext) -> pb.AdapterInfo:
-        info = await self.adapters.load(request.name, request.path, replace=request.replace,
-                                        pin=request.pin)
-        return convert.adapter_info(info)
-
-    @unary
-    async def UnloadAdapter(self, request: pb.UnloadAdapterRequest,
-                            context: grpc.aio.ServicerContext) -> pb.UnloadAdapterResponse:
-        await self.adapters.unload(request.name)
-        return pb.UnloadAdapterResponse(name=request.name)
 
     @unary
     async def ListAdapters(self, request: pb.ListAdaptersRequest,

@@ -18,6 +18,9 @@ import torch
 
 ADMIN = "adm"
 NAMES = ["a0", "a1", "a2", "a3"]
+PROMPTS = [[10, 20, 30], [40, 41, 42, 43, 44], [7, 8], [100, 101, 102, 103]]
+N = 10  # new tokens per request
+REPLICA = "loraplex-replica"  # the trailer (gRPC) and header (HTTP) naming the replica
 ENGINE_KW = {"dtype": "float32", "device": "cpu", "max_model_len": 256, "max_num_seqs": 32,
              "max_num_batched_tokens": 256, "max_loras": 2, "max_cpu_loras": 4}
 MAX_QUEUE = 12
@@ -106,3 +109,18 @@ def peft_reference(tiny_llama: Path, tiny_adapters: Callable[[str], Path]
         return cache[key]
 
     return get
+
+
+@pytest.fixture(scope="module")
+def client(ray_app: RayApp) -> Iterator[Any]:
+    """loraplex.client through Ray's gRPC proxy, with the admin token; SERVING first."""
+    from loraplex.client import Client
+
+    with Client(ray_app.target, admin_token=ADMIN) as c:
+        c.wait_until_serving(60)
+        yield c
+
+
+def replica_ids(client: Any) -> set[str]:
+    """Every replica the registry's adapters are held on (ListAdapters)."""
+    return {r.replica for info in client.list_adapters() for r in info.replicas}

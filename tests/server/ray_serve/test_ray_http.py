@@ -17,20 +17,10 @@ import pytest
 from loraplex.client import Client
 from prometheus_client.parser import text_string_to_metric_families
 
-ADMIN = "adm"
-NAMES = ["a0", "a1", "a2", "a3"]
-PROMPTS = [[10, 20, 30], [40, 41, 42, 43, 44], [7, 8], [100, 101, 102, 103]]
-N = 10
-HEADER = "loraplex-replica"
+from tests.server.ray_serve.conftest import ADMIN, NAMES, PROMPTS, N, replica_ids
+from tests.server.ray_serve.conftest import REPLICA as HEADER
+
 IGNORE_EOS = {"ignore_eos": True}
-
-
-@pytest.fixture(scope="module")
-def client(ray_app: Any):
-    with Client(ray_app.target, admin_token=ADMIN) as c:
-        c.wait_until_serving(60)
-        yield c
-
 
 @pytest.fixture(scope="module")
 def oai(ray_app: Any) -> openai.OpenAI:
@@ -164,7 +154,3 @@ def test_multiplexing_header_routes_to_the_holder(ray_app: Any, client: Client,
     print(f"\n[ray] HTTP affinity: {landed[holder]}/20 on the holder ({dict(landed)})")
     client.unload_adapter("webaff")
     assert landed[holder] >= 18, (holder, landed)
-
-
-def replica_ids(client: Client) -> set[str]:
-    return {r.replica for info in client.list_adapters() for r in info.replicas}

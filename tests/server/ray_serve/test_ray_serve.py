@@ -19,18 +19,8 @@ from loraplex.client import AsyncClient, Client
 from loraplex.proto import loraplex_pb2 as pb
 from loraplex.proto import loraplex_pb2_grpc as pb_grpc
 
-ADMIN = "adm"
-NAMES = ["a0", "a1", "a2", "a3"]
-PROMPTS = [[10, 20, 30], [40, 41, 42, 43, 44], [7, 8], [100, 101, 102, 103]]
-N = 10
-TRAILER = "loraplex-replica"
-
-
-@pytest.fixture(scope="module")
-def client(ray_app: Any):
-    with Client(ray_app.target, admin_token=ADMIN) as c:
-        c.wait_until_serving(60)
-        yield c
+from tests.server.ray_serve.conftest import NAMES, PROMPTS, N, replica_ids
+from tests.server.ray_serve.conftest import REPLICA as TRAILER
 
 
 def raw_generate(target: str, adapter: str, ids: list[int], n: int = N
@@ -52,10 +42,6 @@ def spread(target: str, adapter: str, ids: list[int], n: int = 24) -> list[tuple
     """``n`` concurrent raw_generate calls: Ray spreads them over the replicas."""
     with ThreadPoolExecutor(8) as pool:
         return list(pool.map(lambda _: raw_generate(target, adapter, ids), range(n)))
-
-
-def replica_ids(client: Client) -> set[str]:
-    return {r.replica for info in client.list_adapters() for r in info.replicas}
 
 
 # ---- serving ----------------------------------------------------------------------------
