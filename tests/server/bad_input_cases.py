@@ -1,0 +1,217 @@
+"""The bad-input tables of tests/server/test_bad_inputs.py, as data: ``Case(id, call, kwargs,
+code, fragment)`` for gRPC (``call`` is ``generate``, sent unary and streaming, ``load`` or
+``unload``; a ``load`` path written ``@name`` is the broken adapter dir ``name``,
+broken_adapters.py) and ``HttpCase(id, path, body, status, fragment)`` for the HTTP front of
+the same server."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from tests.server.broken_adapters import CONFIG, WEIGHTS
+
+ALIAS = "tiny-base"
+GOOD = "good"
+VOCAB = 384  # tests/conftest.py TINY_COMMON
+MAX_MODEL_LEN = 256  # tests/server/conftest.py ENGINE_KW
+
+
+@dataclass(frozen=True)
+class Case:
+    id: str
+    call: str  # generate | load | unload
+    kwargs: dict[str, Any] = field(hash=False)
+    code: str  # grpc.StatusCode name
+    fragment: str  # the message must contain it
+
+
+def gen(id: str, code: str, fragment: str, **kwargs: Any) -> Case:
+    kwargs.setdefault("prompt", "the cat")
+    return Case(id, "generate", kwargs, code, fragment)
+
+
+def load(id: str, code: str, fragment: str, name: str = "new", path: str = "@ok",
+         **kwargs: Any) -> Case:
+    return Case(id, "load", {"name": name, "path": path, **kwargs}, code, fragment)
+
+
+INVALID, NOT_FOUND = "INVALID_ARGUMENT", "NOT_FOUND"
+NAN, INF = math.nan, math.inf
+
+GENERATE_CASES = [
+    # SamplingParams, field by field
+    gen("temperature-negative", INVALID, "temperature", temperature=-0.5),
+    gen("temperature-nan", INVALID, "temperature", temperature=NAN),
+    gen("temperature-inf", INVALID, "temperature", temperature=INF),
+    gen("top_p-zero", INVALID, "top_p", top_p=0.0),
+    gen("top_p-negative", INVALID, "top_p", top_p=-0.1),
+    gen("top_p-above-one", INVALID, "top_p", top_p=1.5),
+    gen("top_p-nan", INVALID, "top_p", top_p=NAN),
+    gen("top_k-minus-two", INVALID, "top_k", top_k=-2),
+    gen("top_k-int32-min", INVALID, "top_k", top_k=-(2**31)),
+    gen("seed-2**63", INVALID, "seed", seed=2**63),
+    gen("seed-uint64-max", INVALID, "seed", seed=2**64 - 1),
+    gen("max_new_tokens-zero", INVALID, "max_new_tokens", max_new_tokens=0),
+    gen("max_new_tokens-uint32-max", INVALID, "does not fit", max_new_tokens=2**32 - 1),
+    gen("max_new_tokens-past-max_model_len", INVALID, "at most",
+        prompt_token_ids=[5] * 250, prompt=None, max_new_tokens=10),
+    gen("min_new_tokens-above-max_new_tokens", INVALID, "min_new_tokens", max_new_tokens=2,
+        min_new_tokens=5),
+    gen("min_new_tokens-huge-no-max", INVALID, "min_new_tokens", min_new_tokens=2**32 - 1),
+    gen("stop-empty-string", INVALID, "stop strings", stop=["ok", ""]),
+    gen("stop_token_ids-equal-vocab", INVALID, "stop_token_ids", stop_token_ids=[VOCAB],
+        min_new_tokens=1),
+    gen("stop_token_ids-uint32-max", INVALID, "stop_token_ids", stop_token_ids=[2**32 - 1],
+        min_new_tokens=2),
+    # prompts
+    gen("prompt-missing", INVALID, "no prompt", prompt=None),
+    gen("prompt-only-spaces", INVALID, "prompt is empty", prompt="   "),
+    gen("prompt-ids-over-max_model_len", INVALID, "max_model_len", prompt=None,
+        prompt_token_ids=[5] * MAX_MODEL_LEN),
+    gen("prompt-text-over-max_model_len", INVALID, "max_model_len", prompt="the " * 300),
+    gen("prompt-and-prompt_token_ids", INVALID, "exactly one", prompt_token_ids=[5, 6]),
+    gen("token-id-equal-vocab", INVALID, "out of range", prompt=None,
+        prompt_token_ids=[5, VOCAB]),
+    gen("token-id-uint32-max", INVALID, "out of range", prompt=None,
+        prompt_token_ids=[2**32 - 1]),
+    gen("chat-template-on-token-ids", INVALID, "apply_chat_template", prompt=None,
+        prompt_token_ids=[5], apply_chat_template=True),
+    gen("request_id-over-long", INVALID, "request_id", request_id="r" * 257),
+    gen("messages-and-prompt", INVALID, "exactly one",
+        messages=[{"role": "user", "content": "the cat"}]),
+    gen("messages-role-unknown", INVALID, "role", prompt=None,
+        messages=[{"role": "wizard", "content": "the cat"}]),
+    gen("messages-over-max_model_len", INVALID, "max_model_len", prompt=None,
+        messages=[{"role": "user", "content": "the " * 300}]),
+    # adapter names
+    gen("adapter-unknown", NOT_FOUND, "'nope'", adapter="nope"),
+    gen("adapter-over-long", NOT_FOUND, "unknown adapter", adapter="x" * 20000),
+    gen("adapter-control-chars", NOT_FOUND, "unknown adapter", adapter="a\x00b\n\x1b[2J"),
+    gen("adapter-unloaded-never-loaded-path", NOT_FOUND, "unknown adapter",
+        adapter="../../etc/passwd"),
+]
+
+LOAD_CASES = [
+    # names
+    load("name-empty", INVALID, "name is empty", name=""),
+    load("name-over-long", INVALID, "1 to 128 characters", name="n" * 129),
+    load("name-control-char", INVALID, "not allowed", name="bad\x07name"),
+    load("name-newline", INVALID, "not allowed", name="bad\nname"),
+    load("name-leading-dot", INVALID, "not allowed", name=".hidden"),
+    load("name-is-served-model-name", INVALID, "served model name", name=ALIAS),
+    load("name-duplicate", "ALREADY_EXISTS", "already exists", name=GOOD),
+    # paths
+    load("path-empty", INVALID, "path is empty", path=""),
+    load("path-missing", INVALID, "does not exist", path="@missing"),
+    load("path-dotdot-escape", "PERMISSION_DENIED", "outside the adapter roots",
+         path="@ok/../../outside"),
+    load("path-relative-escape", "PERMISSION_DENIED", "outside the adapter roots",
+         path="../../../../../../etc"),
+    load("path-symlink-out-of-root", "PERMISSION_DENIED", "outside the adapter roots",
+         path="@symlink-out"),
+    load("path-is-a-file", INVALID, "is a file", path=f"@ok/{CONFIG}"),
+    # contents
+    load("no-config", INVALID, f"{CONFIG} is missing", path="@no-config"),
+    load("config-without-weights", INVALID, f"{WEIGHTS} is missing", path="@no-weights"),
+    load("config-unparsable-json", INVALID, "not readable JSON", path="@bad-json"),
+    load("config-json-list", INVALID, "JSON object", path="@json-list"),
+    load("config-zero-bytes", INVALID, "is empty", path="@empty-config"),
+    load("config-not-lora", INVALID, "not a LoRA adapter", path="@prefix-tuning"),
+    load("config-dora", INVALID, "use_dora", path="@dora"),
+    load("config-bias", INVALID, "bias='all'", path="@bias"),
+    load("config-modules_to_save", INVALID, "modules_to_save", path="@modules-to-save"),
+    load("config-target-embed_tokens", INVALID, "cannot be wrapped", path="@embed-target"),
+    load("rank-over-limit", INVALID, "above max_lora_rank", path="@rank-32"),
+    load("another-base-model", INVALID, "differs from the served base", path="@other-base"),
+    load("wrong-shapes", INVALID, "has shape", path="@wrong-shape"),
+    load("pickle-bin-only", INVALID, "pickle", path="@pickle-only"),
+    load("truncated-safetensors", INVALID, "truncated or corrupt", path="@truncated"),
+    load("garbage-safetensors", INVALID, "truncated or corrupt", path="@garbage"),
+    load("weights-zero-bytes", INVALID, "is empty (0 bytes)", path="@empty-weights"),
+    load("nan-weights", INVALID, "NaN or Inf", path="@nan"),
+    load("inf-weights", INVALID, "NaN or Inf", path="@inf"),
+    load("integer-weights", INVALID, "floating point", path="@int-weights"),
+    load("lora_A-without-lora_B", INVALID, "no matching lora_B", path="@a-only"),
+    load("layer-out-of-range", INVALID, "the base model has 2 layers", path="@layer-9"),
+    load("non-lora-tensor", INVALID, "not a LoRA weight", path="@base-tensor"),
+    load("replace-with-broken-keeps-old", INVALID, "NaN or Inf", name=GOOD, path="@nan",
+         replace=True),
+]
+
+UNLOAD_CASES = [
+    Case("unload-empty-name", "unload", {"name": ""}, INVALID, "name is empty"),
+    Case("unload-unknown", "unload", {"name": "nope"}, NOT_FOUND, "unknown adapter 'nope'"),
+    Case("unload-control-chars", "unload", {"name": "a\x00b"}, NOT_FOUND, "unknown adapter"),
+]
+
+ALL_CASES = GENERATE_CASES + LOAD_CASES + UNLOAD_CASES
+
+
+# ---- the HTTP front -----------------------------------------------------------------------
+@dataclass(frozen=True)
+class HttpCase:
+    id: str
+    path: str
+    body: Any = field(hash=False)  # a dict is sent as JSON; bytes as they are
+    status: int = 400
+    fragment: str = ""  # the error message must contain it
+
+
+def completion(id: str, status: int, fragment: str, **fields: Any) -> HttpCase:
+    return HttpCase(id, "/v1/completions",
+                    {"model": GOOD, "prompt": "the cat", "max_tokens": 2, **fields},
+                    status, fragment)
+
+
+def chat(id: str, status: int, fragment: str, **fields: Any) -> HttpCase:
+    body = {"model": GOOD, "messages": [{"role": "user", "content": "the cat"}],
+            "max_tokens": 2, **fields}
+    return HttpCase(id, "/v1/chat/completions", body, status, fragment)
+
+
+HTTP_CASES = [
+    HttpCase("malformed-json", "/v1/completions", b'{"model": "good", "prompt": ', 400,
+             "not valid JSON"),
+    HttpCase("body-not-an-object", "/v1/completions", b"[1, 2]", 400, "body"),
+    completion("wrong-type-max_tokens", 400, "max_tokens", max_tokens="ten"),
+    completion("wrong-type-prompt", 400, "prompt", prompt=5),
+    completion("wrong-type-temperature", 400, "temperature", temperature="hot"),
+    completion("wrong-type-stream", 400, "stream", stream="yes"),
+    chat("wrong-type-messages", 400, "messages", messages="the cat"),
+    completion("n-2", 400, "n=2", n=2),
+    chat("chat-n-2", 400, "n=2", n=2),
+    completion("max_tokens-negative", 400, "max_tokens", max_tokens=-1),
+    completion("prompt-over-max_model_len", 400, "max_model_len", prompt="the " * 300),
+    completion("prompt-ids-over-max_model_len", 400, "max_model_len",
+               prompt=[5] * MAX_MODEL_LEN),
+    completion("stream-prompt-over-max_model_len", 400, "max_model_len",
+               prompt="the " * 300, stream=True),
+    chat("role-unknown", 400, "role", messages=[{"role": "wizard", "content": "hi"}]),
+    chat("content-part-unknown", 400, "content",
+         messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]),
+    completion("temperature-negative", 400, "temperature", temperature=-1.0),
+    completion("stream-temperature-negative", 400, "temperature", temperature=-1.0,
+               stream=True),
+    completion("token-id-equal-vocab", 400, "out of range", prompt=[5, VOCAB]),
+    completion("several-prompts", 400, "one prompt", prompt=["a", "b"]),
+    completion("unsupported-logprobs", 400, "logprobs", logprobs=2),
+    completion("stream_options-without-stream", 400, "stream_options",
+               stream_options={"include_usage": True}),
+    completion("model-unknown", 404, "'nope'", model="nope"),
+    chat("chat-model-unknown", 404, "'nope'", model="nope"),
+    HttpCase("load-name-not-allowed", "/v1/load_lora_adapter",
+             {"lora_name": ".hidden", "lora_path": "@ok"}, 400, "not allowed"),
+    HttpCase("load-duplicate", "/v1/load_lora_adapter",
+             {"lora_name": GOOD, "lora_path": "@ok"}, 400, "already exists"),
+    HttpCase("load-outside-root", "/v1/load_lora_adapter",
+             {"lora_name": "new", "lora_path": "../../../../../../etc"}, 403,
+             "outside the adapter roots"),
+    HttpCase("load-broken", "/v1/load_lora_adapter",
+             {"lora_name": "new", "lora_path": "@nan"}, 400, "NaN or Inf"),
+    HttpCase("load-missing-field", "/v1/load_lora_adapter", {"lora_name": "new"}, 400,
+             "lora_path"),
+    HttpCase("unload-unknown", "/v1/unload_lora_adapter", {"lora_name": "nope"}, 404,
+             "unknown adapter 'nope'"),
+]

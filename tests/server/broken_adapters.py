@@ -1,0 +1,70 @@
+"""BROKEN: the broken adapter directories of tests/server/test_bad_inputs.py, each made
+from a copy of a good PEFT adapter by one edit: ``BROKEN[name](dir, extra)`` breaks ``dir``
+in place (``extra["other_base"]``: a base model dir of another size)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from tests.adapter_dirs import edit_config, edit_tensors
+
+WEIGHTS = "adapter_model.safetensors"
+CONFIG = "adapter_config.json"
+
+
+def _first(tensors: dict[str, torch.Tensor], kind: str = "lora_A") -> str:
+    return min(k for k in tensors if kind in k)
+
+
+def _set(key_kind: str, value: Callable[[torch.Tensor], torch.Tensor]
+         ) -> Callable[[dict[str, torch.Tensor]], None]:
+    def edit(t: dict[str, torch.Tensor]) -> None:
+        k = _first(t, key_kind)
+        t[k] = value(t[k])
+    return edit
+
+
+def _poison(x: float) -> Callable[[torch.Tensor], torch.Tensor]:
+    def f(t: torch.Tensor) -> torch.Tensor:
+        t = t.clone()
+        t.view(-1)[3] = x
+        return t
+    return f
+
+
+def _rename_layer(t: dict[str, torch.Tensor]) -> None:
+    for k in [k for k in t if ".layers.0." in k]:
+        t[k.replace(".layers.0.", ".layers.9.")] = t.pop(k)
+
+
+BROKEN: dict[str, Callable[[Path, dict[str, Path]], None]] = {
+    "no-config": lambda d, x: (d / CONFIG).unlink(),
+    "no-weights": lambda d, x: (d / WEIGHTS).unlink(),
+    "bad-json": lambda d, x: (d / CONFIG).write_text('{"peft_type": "LORA", "r": 8,'),
+    "json-list": lambda d, x: (d / CONFIG).write_text("[1, 2, 3]"),
+    "empty-config": lambda d, x: (d / CONFIG).write_bytes(b""),
+    "prefix-tuning": lambda d, x: edit_config(d, peft_type="PREFIX_TUNING"),
+    "dora": lambda d, x: edit_config(d, use_dora=True),
+    "bias": lambda d, x: edit_config(d, bias="all"),
+    "modules-to-save": lambda d, x: edit_config(d, modules_to_save=["lm_head"]),
+    "embed-target": lambda d, x: edit_config(d, target_modules=["q_proj", "embed_tokens"]),
+    "other-base": lambda d, x: edit_config(d, base_model_name_or_path=str(x["other_base"])),
+    "wrong-shape": lambda d, x: edit_tensors(d, _set("lora_A", lambda a: a[:, :32].clone())),
+    "pickle-only": lambda d, x: (torch.save(load_file(d / WEIGHTS), d / "adapter_model.bin"),
+                                 (d / WEIGHTS).unlink()),
+    "truncated": lambda d, x: (d / WEIGHTS).write_bytes((d / WEIGHTS).read_bytes()[:3000]),
+    "garbage": lambda d, x: (d / WEIGHTS).write_bytes(b"\xff" * 64),
+    "empty-weights": lambda d, x: (d / WEIGHTS).write_bytes(b""),
+    "nan": lambda d, x: edit_tensors(d, _set("lora_B", _poison(math.nan))),
+    "inf": lambda d, x: edit_tensors(d, _set("lora_A", _poison(-math.inf))),
+    "int-weights": lambda d, x: edit_tensors(d, _set("lora_A", lambda a: a.to(torch.int32))),
+    "a-only": lambda d, x: edit_tensors(d, lambda t: t.pop(_first(t, "lora_B"))),
+    "layer-9": lambda d, x: edit_tensors(d, _rename_layer),
+    "base-tensor": lambda d, x: edit_tensors(
+        d, lambda t: t.__setitem__("base_model.model.model.norm.weight", torch.ones(64))),
+}
