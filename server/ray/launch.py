@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import socket
 import threading
 import time
@@ -34,6 +33,7 @@ from ...kernels import backend_name
 from ..options import ServerOptions
 from .deployment import ReplicaConfig, deployment_class
 from .registry import AdapterRegistry
+from .shutdown import Shutdown
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +43,7 @@ NAMESPACE = "loraplex"
 # broadcast calls still get through to a full replica.
 ADMIN_HEADROOM = 8
 TEARDOWN_S = 15.0  # beyond the grace period, for Serve and Ray to stop
+BACKSTOP_S = 5.0  # beyond both: the hard exit when even the teardown's watchdog is stuck
 SERVICER_FUNCTIONS = [
     "loraplex.proto.loraplex_pb2_grpc.add_InferenceServicer_to_server",
     "loraplex.proto.loraplex_pb2_grpc.add_AdapterAdminServicer_to_server",
@@ -205,24 +206,28 @@ def teardown(ray_options: RayOptions) -> None:
 def serve_ray(options: ServerOptions, ray_options: RayOptions, model: str | None,
               engine_kwargs: dict[str, Any], lora_modules: dict[str, str]) -> None:
     """Run until SIGTERM or SIGINT (handlers installed after ``ray.init``, which replaces
-    Python's), then tear down."""
+    Python's), then tear down. A signal that comes while the deployment is still starting
+    interrupts it; the process exits within the grace period + ``TEARDOWN_S`` either way."""
     took = start_ray(ray_options)
     log.info("Ray %s in %.1fs", "joined" if ray_options.address else "started", took)
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda s, _f: (log.info("%s: shutting down", signal.Signals(s).name),
-                                          stop.set()))
+    budget_s = options.shutdown_grace_s + TEARDOWN_S
+    shutdown = Shutdown(budget_s + BACKSTOP_S)
+    shutdown.install()
     try:
-        deploy(options, ray_options, model, engine_kwargs, lora_modules)
+        with shutdown.interruptible():
+            deploy(options, ray_options, model, engine_kwargs, lora_modules)
         log.info("listening on 0.0.0.0:%d (Ray Serve gRPC proxy, every interface; --host "
                  "is not honoured there)", options.port)
         if options.http_port is not None:
             log.info("OpenAI-compatible HTTP on %s:%d (Ray Serve HTTP proxy)", options.host,
                      options.http_port)
-        while not stop.wait(1.0):
-            pass
+        shutdown.wait()
+    except KeyboardInterrupt:
+        if not shutdown.requested:
+            raise
+        log.info("stopped while starting")
     finally:
-        _teardown_within(ray_options, options.shutdown_grace_s + TEARDOWN_S)
+        _teardown_within(ray_options, budget_s)
 
 
 def _teardown_within(ray_options: RayOptions, seconds: float) -> None:
