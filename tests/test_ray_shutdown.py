@@ -53,7 +53,7 @@ def test_a_signal_while_serving_requests_the_stop_and_a_second_one_is_ignored() 
         print("teardown done")
     """), deadline=30)
     assert code == 0 and "stop requested True" in out and "teardown done" in out, out
-    assert took < 5, took
+    assert took < 10, took  # no hang (not a timing target)
 
 
 def test_the_hard_deadline_ends_a_main_thread_that_never_returns() -> None:
