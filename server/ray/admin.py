@@ -8,10 +8,14 @@ replica (``AdapterInfo.replicas``)."""
 
 from __future__ import annotations
 
+import asyncio
+import time
+import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import grpc
+from ray.exceptions import ActorDiedError, RayActorError
 
 from ...engine.errors import AdapterExistsError
 from ...lora.cached_adapter import AdapterInfo
@@ -23,6 +27,7 @@ from ..status import ServiceError, unary
 from .follower import RegistryFollower
 
 APPLY_TIMEOUT_S = 120.0
+REGISTRY_RETRY_S = 10.0  # how long a registry call is retried while Ray restarts the actor
 # replica id -> {adapter name: (state name, active requests)}
 ReplicaTiers = dict[str, dict[str, tuple[str, int]]]
 
@@ -38,12 +43,29 @@ class ClusterAdapters:
         self.follower = follower
         self.registry = follower.registry
 
+    async def registry_call(self, method: str, *args: Any) -> Any:
+        """A call on the registry actor. While Ray restarts it (it resumes its state, see
+        registry.py) a call can fail without saying whether it ran: every call the
+        replicas make is safe to repeat, so it is repeated, for up to REGISTRY_RETRY_S;
+        then UNAVAILABLE."""
+        deadline = time.monotonic() + REGISTRY_RETRY_S
+        while True:
+            try:
+                return await getattr(self.registry, method).remote(*args)
+            except RayActorError as e:
+                if isinstance(e, ActorDiedError) or time.monotonic() > deadline:
+                    raise ServiceError(grpc.StatusCode.UNAVAILABLE,
+                                       f"the adapter registry is unavailable ({method}: "
+                                       f"{type(e).__name__}); retry the call") from e
+                await asyncio.sleep(0.2)
+
     async def load(self, name: str, path: str, replace: bool = False, pin: bool = False
                    ) -> AdapterInfo:
         info = await adapter_ops.load_adapter(self.state, name, path, replace=replace, pin=pin)
-        change = await self.registry.register.remote(info.name, str(info.path), replace, pin)
+        change = await self.registry_call("register", info.name, str(info.path), replace, pin,
+                                          uuid.uuid4().hex)
         if change.refused is not None:  # a concurrent load of the same name won
-            await self.follower.resync(info.name)
+            await self.follower.resync(info.name, await self.registry_call("snapshot"))
             raise AdapterExistsError(change.refused)
         self.follower.mark_loaded(info.name, change.version)
         await self._wait_applied(change.version, f"adapter {info.name!r} is registered")
@@ -52,12 +74,12 @@ class ClusterAdapters:
     async def unload(self, name: str) -> None:
         await adapter_ops.unload_adapter(self.state, name)
         self.follower.mark_removed(name)
-        change = await self.registry.unregister.remote(name)
+        change = await self.registry_call("unregister", name)
         if change.refused is None:  # else a concurrent unload already removed it
             await self._wait_applied(change.version, f"adapter {name!r} is unloaded")
 
     async def _wait_applied(self, version: int, done: str) -> None:
-        behind = await self.registry.wait_applied.remote(version, APPLY_TIMEOUT_S)
+        behind = await self.registry_call("wait_applied", version, APPLY_TIMEOUT_S)
         if behind:
             raise ServiceError(grpc.StatusCode.UNAVAILABLE,
                                f"{done}, but replicas {', '.join(behind)} have not applied it "
@@ -71,13 +93,13 @@ class ClusterAdminServicer(AdapterAdminServicer):
     def __init__(self, state: ServerState, adapters: ClusterAdapters,
                  replica_tiers: Callable[[], Awaitable[ReplicaTiers]]):
         super().__init__(state, adapters)
-        self.registry = adapters.registry
+        self.cluster = adapters
         self.replica_tiers = replica_tiers
 
     @unary
     async def ListAdapters(self, request: pb.ListAdaptersRequest,
                            context: grpc.aio.ServicerContext) -> pb.ListAdaptersResponse:
-        snapshot = await self.registry.snapshot.remote()
+        snapshot = await self.cluster.registry_call("snapshot")
         local = {i.name: i for i in await adapter_ops.list_adapters(self.state)}
         tiers = await self.replica_tiers()
         adapters = []

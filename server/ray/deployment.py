@@ -38,6 +38,7 @@ import grpc
 import ray
 from grpc_health.v1 import health_pb2
 from ray import serve
+from ray.exceptions import RayActorError
 
 from ...engine.llm_engine import LLMEngine
 from ...proto import loraplex_pb2 as pb
@@ -93,6 +94,7 @@ class LoraplexReplica:
         self.follower = RegistryFollower(registry, self.replica_id, self.state.engine,
                                          config.lora_modules)
         await self.follower.join()  # every registered adapter, before any traffic
+        self.joined = 1  # replicas in the registry, as last heard (Check)
         self.inference = InferenceServicer(self.state)
         self.adapters = ClusterAdapters(self.state, self.follower)
         self.admin = ClusterAdminServicer(self.state, self.adapters, self._replica_tiers)
@@ -208,8 +210,11 @@ class LoraplexReplica:
             grpc_context.set_code(grpc.StatusCode.NOT_FOUND)
             grpc_context.set_details(f"unknown service {request.service!r}")
             return health_pb2.HealthCheckResponse()
-        joined = await self.follower.registry.live_members.remote()
-        serving = self.state.phase is Phase.SERVING and len(joined) >= self.config.min_replicas
+        try:
+            self.joined = len(await self.follower.registry.live_members.remote())
+        except RayActorError:  # the registry restarting: its last answer stands
+            pass
+        serving = self.state.phase is Phase.SERVING and self.joined >= self.config.min_replicas
         status = health_pb2.HealthCheckResponse.SERVING if serving else \
             health_pb2.HealthCheckResponse.NOT_SERVING
         return health_pb2.HealthCheckResponse(status=status)

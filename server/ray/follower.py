@@ -15,6 +15,8 @@ import asyncio
 import logging
 from typing import Any
 
+from ray.exceptions import RayActorError
+
 from ...engine.async_engine import AsyncEngine
 from .registry import Entry, Snapshot
 
@@ -47,7 +49,11 @@ class RegistryFollower:
                                                             WATCH_TIMEOUT_S)
             except asyncio.CancelledError:
                 raise
-            except Exception:  # the registry restarting: retry
+            except RayActorError as e:  # the registry restarting: retry
+                log.warning("registry watch failed (%s); retrying", type(e).__name__)
+                await asyncio.sleep(1.0)
+                continue
+            except Exception:
                 log.exception("registry watch failed; retrying")
                 await asyncio.sleep(1.0)
                 continue
@@ -83,10 +89,10 @@ class RegistryFollower:
         if name in {a.name for a in await self.engine.run(lambda e: e.list_adapters())}:
             await self.engine.run(lambda e: e.remove_adapter(name))
 
-    async def resync(self, name: str) -> None:
-        """Make ``name`` here what the registry says, whatever this replica loaded."""
+    async def resync(self, name: str, snapshot: Snapshot) -> None:
+        """Make ``name`` here what ``snapshot`` says, whatever this replica loaded."""
         self.versions[name] = -1
-        await self.apply(await self.registry.snapshot.remote())
+        await self.apply(snapshot)
 
     def mark_loaded(self, name: str, version: int) -> None:
         """This replica itself loaded ``name`` at ``version`` (the admin call came here)."""

@@ -33,6 +33,7 @@ from ...kernels import backend_name
 from ..options import ServerOptions
 from .deployment import ReplicaConfig, deployment_class
 from .registry import AdapterRegistry
+from .registry_store import GcsStore
 from .shutdown import Shutdown
 
 log = logging.getLogger(__name__)
@@ -156,9 +157,10 @@ def deploy(options: ServerOptions, ray_options: RayOptions, model: str | None,
     _prebuild_kernels(device, gpus)
     name = registry_name(ray_options.app_name)
     _kill_registry(name)
+    # Ray restarts the registry if its process dies; it resumes from the store.
     ray.remote(AdapterRegistry).options(
         name=name, namespace=NAMESPACE, lifetime="detached", num_cpus=0,
-        max_concurrency=1000).remote(lora_modules)
+        max_concurrency=1000, max_restarts=-1).remote(lora_modules, store=GcsStore(name))
     http = (HTTPOptions(host=options.host, port=options.http_port)
             if options.http_port is not None else
             HTTPOptions(host="127.0.0.1", port=_free_port()))
@@ -185,10 +187,12 @@ def _max_cpu_loras(model: str | None, engine_kwargs: dict[str, Any]) -> int:
 
 
 def _kill_registry(name: str) -> None:
+    """Stop the registry for good and forget its saved state."""
     try:
         ray.kill(ray.get_actor(name, namespace=NAMESPACE))
     except ValueError:  # none yet
         pass
+    GcsStore(name).clear()
 
 
 def teardown(ray_options: RayOptions) -> None:

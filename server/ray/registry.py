@@ -21,15 +21,23 @@ Consistency (what LoadAdapter / UnloadAdapter through any replica guarantee):
   seconds. A dead replica stops calling, so a change made right after a replica dies waits
   at most ``lease_s`` for it before that member is dropped.
 
+Restarts: with a ``store``, every change and every member joining or leaving is saved
+before it is acknowledged, and a registry made again over the same store (Ray restarting
+the actor) resumes: the same version, adapters and members. A resumed member counts as
+having applied nothing until it watches again (its follower retries every second), so a
+change committed right after a restart still waits for every replica that was live.
+
 This module imports no ray: the class is a plain object (unit-testable); ``launch.py``
-makes it a named actor (``ray.remote(AdapterRegistry).options(name=...)``).
+makes it a named actor (``ray.remote(AdapterRegistry).options(name=...)``) over the GCS
+store of registry_store.py.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from typing import Any, Protocol
 
 DEFAULT_LEASE_S = 10.0
 
@@ -43,6 +51,7 @@ class Entry:
     pin: bool = False
     preloaded: bool = False  # given at launch (--lora-modules)
     version: int = 0
+    token: str = ""  # the register call that set it (a retried call is recognised)
 
 
 @dataclass(frozen=True)
@@ -59,6 +68,14 @@ class Change:
     refused: str | None = None
 
 
+class RegistryStore(Protocol):
+    """Where a registry keeps its state across restarts (a JSON-able dict)."""
+
+    def load(self) -> dict[str, Any] | None: ...
+
+    def save(self, state: dict[str, Any]) -> None: ...
+
+
 @dataclass
 class _Member:
     applied: int
@@ -68,13 +85,29 @@ class _Member:
 
 class AdapterRegistry:
     def __init__(self, preloaded: dict[str, str] | None = None,
-                 lease_s: float = DEFAULT_LEASE_S):
-        self.version = 0
-        self.entries = {name: Entry(name, path, preloaded=True)
-                        for name, path in (preloaded or {}).items()}
+                 lease_s: float = DEFAULT_LEASE_S, store: RegistryStore | None = None):
         self.lease_s = lease_s
-        self.members: dict[str, _Member] = {}
+        self.store = store
         self._changed: asyncio.Condition | None = None  # made on the actor's loop
+        self.members: dict[str, _Member] = {}
+        saved = store.load() if store is not None else None
+        self.resumed = saved is not None
+        if saved is not None:
+            self.version = int(saved["version"])
+            self.entries = {e["name"]: Entry(**e) for e in saved["entries"]}
+            now = time.monotonic()
+            self.members = {m: _Member(-1, now) for m in saved["members"]}
+        else:
+            self.version = 0
+            self.entries = {name: Entry(name, path, preloaded=True)
+                            for name, path in (preloaded or {}).items()}
+            self._save()
+
+    def _save(self) -> None:
+        if self.store is not None:
+            self.store.save({"version": self.version,
+                             "entries": [asdict(e) for e in self.entries.values()],
+                             "members": sorted(self.members)})
 
     def _cond(self) -> asyncio.Condition:
         if self._changed is None:
@@ -90,7 +123,10 @@ class AdapterRegistry:
     async def watch(self, member: str, applied: int, timeout: float = 2.0) -> Snapshot | None:
         """Acknowledge ``applied`` and wait for a newer version: the snapshot, or None
         after ``timeout`` seconds. ``applied=-1`` joins and returns the snapshot at once."""
-        m = self.members.setdefault(member, _Member(applied, time.monotonic()))
+        m = self.members.get(member)
+        if m is None:
+            m = self.members[member] = _Member(applied, time.monotonic())
+            self._save()
         m.applied, m.seen = applied, time.monotonic()
         m.watching += 1
         await self._notify()  # wake wait_applied
@@ -114,7 +150,8 @@ class AdapterRegistry:
             self.members[member].seen = time.monotonic()
 
     async def leave(self, member: str) -> None:
-        self.members.pop(member, None)
+        if self.members.pop(member, None) is not None:
+            self._save()
         await self._notify()
 
     def live_members(self) -> dict[str, int]:
@@ -124,6 +161,8 @@ class AdapterRegistry:
                 if not m.watching and now - m.seen > self.lease_s]
         for k in dead:
             del self.members[k]
+        if dead:
+            self._save()
         return {k: m.applied for k, m in self.members.items()}
 
     async def wait_applied(self, version: int, timeout: float = 60.0) -> list[str]:
@@ -147,19 +186,28 @@ class AdapterRegistry:
         return Snapshot(self.version, dict(self.entries))
 
     async def register(self, name: str, path: str, replace: bool = False,
-                       pin: bool = False) -> Change:
+                       pin: bool = False, token: str = "") -> Change:
+        """Register (or with ``replace`` swap) ``name``. A call repeated with the same
+        non-empty ``token`` (a retry after the actor restarted: the first may or may not
+        have run) answers what the first did."""
+        done = self.entries.get(name)
+        if token and done is not None and done.token == token:
+            return Change(done.version)
         if name in self.entries and not replace:
             return Change(self.version, f"adapter {name!r} already exists; pass replace to "
                                         "swap it")
         self.version += 1
-        self.entries[name] = Entry(name, path, pin, False, self.version)
+        self.entries[name] = Entry(name, path, pin, False, self.version, token)
+        self._save()
         await self._notify()
         return Change(self.version)
 
     async def unregister(self, name: str) -> Change:
+        """Remove ``name``; refused if it is not registered (so a retry is harmless)."""
         if name not in self.entries:
             return Change(self.version, f"adapter {name!r} is not registered")
         self.version += 1
         del self.entries[name]
+        self._save()
         await self._notify()
         return Change(self.version)
