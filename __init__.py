@@ -18,10 +18,10 @@ _EXPORTS = {
 __all__ = list(_EXPORTS)
 
 if TYPE_CHECKING:
-    from .engine.config import EngineConfig
-    from .engine.llm_engine import LLMEngine
-    from .engine.output_processor import RequestOutput
-    from .engine.sampling_params import SamplingParams
+    from .engine.config import EngineConfig as EngineConfig
+    from .engine.llm_engine import LLMEngine as LLMEngine
+    from .engine.output_processor import RequestOutput as RequestOutput
+    from .engine.sampling_params import SamplingParams as SamplingParams
 
 
 def __getattr__(name: str) -> Any:

@@ -10,14 +10,14 @@ import os
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-import json  # noqa: E402
-import shutil  # noqa: E402
-from collections.abc import Callable, Sequence  # noqa: E402
-from pathlib import Path  # noqa: E402
-from typing import TYPE_CHECKING  # noqa: E402
+import json
+import shutil
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
 if TYPE_CHECKING:
     from loraplex.lora.peft_format import BaseShapes
@@ -36,7 +36,7 @@ TINY_COMMON = dict(
     pad_token_id=0,
 )
 
-WORDS = (
+WORDS = (  # noqa: SIM905 - a paragraph of words reads better than a list
     "the a of to and in is was for on with as by at from that this it be are or an "
     "cat dog sql json paris france capital river model adapter token answer query table "
     "select where order group count sum avg user name city country one two three four five"

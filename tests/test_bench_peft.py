@@ -3,7 +3,6 @@ of it) on a tiny model: it runs, reports one figure per round, and run_all gets 
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 
 from loraplex.bench.lora_overhead import interleaved_rounds, peft_tps

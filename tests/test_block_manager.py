@@ -161,7 +161,7 @@ def test_without_the_guard_steady_traffic_would_starve_it():
 
 
 def test_requests_of_other_running_adapters_keep_flowing_while_one_starves():
-    sched, _, admitted = run_with_traffic(starvation_steps=4, steps=8)
+    _, _, admitted = run_with_traffic(starvation_steps=4, steps=8)
     late = [r for r in admitted if int(r.split("-")[1]) >= 5]  # admitted after starvation began
     assert late, "every running adapter was held back while adapter 3 starved"
 

@@ -6,7 +6,6 @@ import asyncio
 
 import pytest
 import torch
-
 from loraplex import EngineConfig, LLMEngine, SamplingParams
 from loraplex.engine.async_engine import AsyncEngine
 from loraplex.engine.errors import AdapterNotFoundError, InvalidRequestError

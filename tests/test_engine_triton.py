@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from loraplex import LLMEngine, SamplingParams
 from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
-from loraplex import LLMEngine, SamplingParams
 from tests.conftest import ALL_TARGETS, make_adapter
 
 NEW = 5

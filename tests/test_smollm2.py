@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
-
 from loraplex import LLMEngine, SamplingParams
 from loraplex.engine.models.embedded import ensure_default_model
+from transformers import AutoModelForCausalLM
 
 QUESTIONS = ["What is the capital of France?", "Name three colours."]
 
