@@ -92,8 +92,10 @@ def test_mixed_batch_exact(arch, kernels, family, monkeypatch):
     monkeypatch.setenv("LORAPLEX_KERNELS", kernels)
     model, adapters, refs = family(arch)
     engine = LLMEngine(model=model, dtype="float32", max_num_seqs=8, max_num_batched_tokens=24,
-                       max_model_len=112, num_kv_blocks=7, max_lora_rank=8, max_loras=4,
-                       lora_modules={k: str(v) for k, v in adapters.items()})
+                       max_model_len=112, num_kv_blocks=7, max_lora_rank=8, max_loras=4)
+    for name, path in adapters.items():  # read now: no disk read races the steps, so the
+        # schedule (and the preemption it forces) is the same on every run
+        engine.add_adapter(name, path, weights=engine.read_adapter(str(path), name))
     assert engine.base.kernels.name == kernels
     seqs, chunked = [], []
     real_add, real_run = engine.add_sequence, engine.runner.run
