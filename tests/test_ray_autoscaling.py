@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -17,25 +15,19 @@ import grpc
 import pytest
 from loraplex.client import Client
 from loraplex.proto import loraplex_pb2 as pb
-from loraplex.proto import loraplex_pb2_grpc as pb_grpc
 
 from tests.conftest import make_adapter
-from tests.test_ray_serve_process import free_port, kill_leftovers
-
-TRAILER = "loraplex-replica"
-
-
-def raw_generate(target: str, adapter: str, n: int) -> tuple[list[int], str]:
-    """One Generate without multiplexing metadata (Ray picks any replica): (ids, replica)."""
-    with grpc.insecure_channel(target) as channel:
-        reply, call = pb_grpc.InferenceStub(channel).Generate.with_call(pb.GenerateRequest(
-            adapter=adapter, prompt_token_ids=[5, 6, 7], params=pb.SamplingParams(
-                temperature=0.0, max_new_tokens=n, ignore_eos=True)), timeout=120)
-        return list(reply.token_ids), dict(call.trailing_metadata())[TRAILER]
+from tests.server.ray_serve.conftest import replica_ids
+from tests.server.ray_serve.test_ray_serve import raw_generate
+from tests.test_ray_serve_process import free_port, kill_leftovers, popen_serve_ray
 
 
-def replicas(client: Client) -> set[str]:
-    return {r.replica for info in client.list_adapters() for r in info.replicas}
+def generate(target: str, adapter: str, n: int) -> tuple[list[int], str]:
+    """test_ray_serve's raw_generate (no multiplexing metadata: Ray picks any replica) of a
+    fixed prompt, which must succeed: (token ids, replica)."""
+    reply, replica = raw_generate(target, adapter, [5, 6, 7], n)
+    assert not isinstance(reply, grpc.RpcError), reply
+    return list(reply.token_ids), replica
 
 
 @pytest.mark.slow
@@ -45,34 +37,28 @@ def test_a_replica_added_by_autoscaling_serves_every_adapter(tiny_llama: Path,
     hot = make_adapter(tiny_llama, tmp_path / "hot", seed=4)
     port = free_port()
     log = tmp_path / "serve.log"
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    with log.open("w") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "loraplex.cli", "serve", "--ray", "--min-replicas", "1",
-             "--max-replicas", "2", "--replica-cpus", "1", "--max-num-seqs", "2",
-             "--model", str(tiny_llama), "--lora-modules", f"a={launch}", "--port", str(port),
-             "--dtype", "float32", "--device", "cpu", "--max-model-len", "256",
-             "--shutdown-grace-period", "1"],
-            stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+    proc = popen_serve_ray(tiny_llama, launch, port, log, "--min-replicas", "1",
+                           "--max-replicas", "2", "--replica-cpus", "1", "--max-num-seqs", "2",
+                           "--max-model-len", "256")
     target = f"127.0.0.1:{port}"
     try:
         with Client(target) as client:
             client.wait_until_serving(180)
-            assert len(replicas(client)) == 1
+            assert len(replica_ids(client)) == 1
             client.load_adapter("hot", hot)  # before the second replica exists
-            expected = {name: raw_generate(target, name, 8)[0] for name in ("a", "hot")}
+            expected = {name: generate(target, name, 8)[0] for name in ("a", "hot")}
 
             stop = threading.Event()
 
             def load() -> None:  # 8 requests in flight; Serve's target is 2 per replica
                 while not stop.is_set():
-                    raw_generate(target, "a", 120)
+                    generate(target, "a", 120)
 
             workers = [threading.Thread(target=load, daemon=True) for _ in range(8)]
             for w in workers:
                 w.start()
             start = time.monotonic()
-            while len(replicas(client)) < 2:
+            while len(replica_ids(client)) < 2:
                 assert time.monotonic() - start < 150, log.read_text()[-3000:]
                 time.sleep(1.0)
             took = time.monotonic() - start
@@ -83,13 +69,13 @@ def test_a_replica_added_by_autoscaling_serves_every_adapter(tiny_llama: Path,
 
             tiers = {i.name: {r.replica: r.state for r in i.replicas}
                      for i in client.list_adapters()}
-            assert set(tiers["hot"]) == set(tiers["a"]) == replicas(client), tiers
+            assert set(tiers["hot"]) == set(tiers["a"]) == replica_ids(client), tiers
             unheld = {pb.AdapterInfo.FAILED, pb.AdapterInfo.STATE_UNSPECIFIED}
             assert not unheld & {s for held in tiers.values() for s in held.values()}, tiers
             seen: set[str] = set()
             for _ in range(40):  # without metadata Ray spreads them: both replicas answer
                 for name in ("hot", "a"):
-                    ids, replica = raw_generate(target, name, 8)
+                    ids, replica = generate(target, name, 8)
                     assert ids == expected[name], (name, replica)
                     seen.add(replica)
                 if len(seen) == 2:

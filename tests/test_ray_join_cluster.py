@@ -7,10 +7,7 @@ Marked slow (~1-2 min): ``pytest -m slow tests/test_ray_join_cluster.py``."""
 
 from __future__ import annotations
 
-import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -20,8 +17,9 @@ from loraplex.client import Client
 from loraplex.proto import loraplex_pb2 as pb
 
 from tests.conftest import make_adapter
-from tests.test_ray_autoscaling import raw_generate, replicas
-from tests.test_ray_serve_process import free_port, kill_leftovers
+from tests.server.ray_serve.conftest import replica_ids
+from tests.test_ray_autoscaling import generate
+from tests.test_ray_serve_process import free_port, kill_leftovers, popen_serve_ray
 
 
 @pytest.mark.slow
@@ -39,15 +37,9 @@ def test_serve_joins_a_two_node_cluster_and_leaves_it_running(tiny_llama: Path,
         hot = make_adapter(tiny_llama, tmp_path / "hot", seed=4)
         port = free_port()
         log = tmp_path / "serve.log"
-        env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-        with log.open("w") as out:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "loraplex.cli", "serve", "--ray", "--ray-address",
-                 cluster.address, "--num-replicas", "2", "--replica-cpus", "2",
-                 "--model", str(tiny_llama), "--lora-modules", f"a={launch}",
-                 "--port", str(port), "--dtype", "float32", "--device", "cpu",
-                 "--max-model-len", "128", "--shutdown-grace-period", "1"],
-                stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+        proc = popen_serve_ray(tiny_llama, launch, port, log, "--ray-address", cluster.address,
+                               "--num-replicas", "2", "--replica-cpus", "2",
+                               "--max-model-len", "128")
         target = f"127.0.0.1:{port}"
         try:
             with Client(target) as client:
@@ -55,7 +47,7 @@ def test_serve_joins_a_two_node_cluster_and_leaves_it_running(tiny_llama: Path,
                 # both replicas joined the registry; Serve lists the last one as running
                 # a moment later
                 deadline = time.monotonic() + 30
-                while len(replicas(client)) < 2:
+                while len(replica_ids(client)) < 2:
                     assert time.monotonic() < deadline, log.read_text()[-3000:]
                     time.sleep(0.5)
                 client.load_adapter("hot", hot)
@@ -65,7 +57,7 @@ def test_serve_joins_a_two_node_cluster_and_leaves_it_running(tiny_llama: Path,
                 for name in ("a", "hot"):  # held on both nodes' replicas
                     assert len(tiers[name]) == 2 and not unheld & set(tiers[name].values())
                     # Ray's proxy prefers the replica on its own node: one answers here
-                    ids, _ = raw_generate(target, name, 8)
+                    ids, _ = generate(target, name, 8)
                     assert len(ids) == 8
             proc.send_signal(signal.SIGTERM)
             assert proc.wait(60) == 0, log.read_text()[-3000:]

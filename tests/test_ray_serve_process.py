@@ -38,18 +38,26 @@ def group_alive(pgid: int) -> bool:
     return True
 
 
+def popen_serve_ray(tiny_llama: Path, adapter: Path, port: int, log: Path, *flags: str
+                    ) -> subprocess.Popen:
+    """``loraplex serve --ray`` as a child in its own session (so that its process group can
+    be signalled): the tiny model in float32 on CPU, launch adapter ``a``, gRPC on ``port``,
+    output to ``log``; ``flags`` say the replicas and the rest."""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    with log.open("w") as out:
+        return subprocess.Popen(
+            [sys.executable, "-m", "loraplex.cli", "serve", "--ray", "--model", str(tiny_llama),
+             "--lora-modules", f"a={adapter}", "--port", str(port), "--dtype", "float32",
+             "--device", "cpu", "--shutdown-grace-period", str(GRACE_S), *flags],
+            stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+
+
 def start_serve(tiny_llama: Path, tmp_path: Path, log: Path) -> tuple[subprocess.Popen, int, int]:
     adapter = make_adapter(tiny_llama, tmp_path / "a", seed=3)
     port, http_port = free_port(), free_port()
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    with log.open("w") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "loraplex.cli", "serve", "--ray", "--num-replicas", "1",
-             "--replica-cpus", "1", "--model", str(tiny_llama), "--lora-modules",
-             f"a={adapter}", "--port", str(port), "--http-port", str(http_port),
-             "--dtype", "float32", "--device", "cpu", "--max-model-len", "128",
-             "--shutdown-grace-period", str(GRACE_S)],
-            stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+    proc = popen_serve_ray(tiny_llama, adapter, port, log, "--num-replicas", "1",
+                           "--replica-cpus", "1", "--http-port", str(http_port),
+                           "--max-model-len", "128")
     return proc, port, http_port
 
 

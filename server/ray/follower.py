@@ -49,12 +49,11 @@ class RegistryFollower:
                                                             WATCH_TIMEOUT_S)
             except asyncio.CancelledError:
                 raise
-            except RayActorError as e:  # the registry restarting: retry
-                log.warning("registry watch failed (%s); retrying", type(e).__name__)
-                await asyncio.sleep(1.0)
-                continue
-            except Exception:
-                log.exception("registry watch failed; retrying")
+            except Exception as e:
+                if isinstance(e, RayActorError):  # the registry restarting: expected
+                    log.warning("registry watch failed (%s); retrying", type(e).__name__)
+                else:
+                    log.exception("registry watch failed; retrying")
                 await asyncio.sleep(1.0)
                 continue
             if snapshot is not None:
