@@ -36,23 +36,40 @@ class _Stream:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine):
-        self.engine = engine
+    def __init__(self, engine: LLMEngine | None):
+        self.engine = engine  # None only until ``build`` has built it
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         self._wake = threading.Event()
         self._stop = threading.Event()
+        self._go = threading.Event()  # start() was called
         self._thread = threading.Thread(target=self._loop, name="loraplex-engine", daemon=True)
         self.error: BaseException | None = None  # set when the loop died
         self.on_death: Callable[[BaseException], None] | None = None
 
     # ---- lifecycle ----------------------------------------------------------------------
+    @classmethod
+    async def build(cls, factory: Callable[[], LLMEngine]) -> AsyncEngine:
+        """Build the engine on the engine thread, whose loop then runs there from ``start``:
+        the thread that steps is the only one holding an OpenMP pool (kernels/intra_op.py).
+        Raises what ``factory`` raises."""
+        engine = cls(None)
+        built: Future = Future()
+        engine._thread = threading.Thread(target=engine._build_then_loop, args=(factory, built),
+                                          name="loraplex-engine", daemon=True)
+        engine._thread.start()
+        await asyncio.wrap_future(built)
+        return engine
+
     def start(self) -> None:
-        self._thread.start()
+        if not self._thread.is_alive():  # else ``build`` started it, waiting for _go
+            self._thread.start()
+        self._go.set()
 
     def shutdown(self, timeout: float = 10.0) -> None:
         self._stop.set()
         self._wake.set()
+        self._go.set()
         if self._thread.is_alive():
             self._thread.join(timeout)
 
@@ -118,6 +135,16 @@ class AsyncEngine:
             raise EngineDeadError("the engine is shutting down")
 
     # ---- engine thread ------------------------------------------------------------------
+    def _build_then_loop(self, factory: Callable[[], LLMEngine], built: Future) -> None:
+        try:
+            self.engine = factory()
+        except BaseException as e:  # noqa: BLE001 - handed to build's caller
+            built.set_exception(e)
+            return
+        built.set_result(None)
+        self._go.wait()
+        self._loop()
+
     def _loop(self) -> None:
         try:
             while not self._stop.is_set():

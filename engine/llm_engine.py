@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from ..kernels import intra_op
 from ..lora.cache import AdapterCache
 from ..lora.cached_adapter import AdapterInfo
 from ..lora.layers import attach_lora, rank_row_bytes
@@ -267,8 +268,9 @@ class LLMEngine:
     def read_adapter(self, path: str | Path, name: str = "") -> LoRAWeights:
         """Read and validate a PEFT adapter dir for this base model (safe on any thread)."""
         start = time.perf_counter()
-        weights = read_peft_adapter(path, self.base_shapes, self.config.max_lora_rank, name,
-                                    dtype=self.lora_dtype)
+        with intra_op.serial():  # callers' threads start no OpenMP pool (kernels/intra_op.py)
+            weights = read_peft_adapter(path, self.base_shapes, self.config.max_lora_rank,
+                                        name, dtype=self.lora_dtype)
         self._observe_adapter_load("host", time.perf_counter() - start)
         return weights
 

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from typing import Any
 
+from ..kernels.intra_op import serial_thread
 from .cached_adapter import CachedAdapter, eviction_order
 from .early_reads import EarlyReads
 
@@ -44,7 +45,8 @@ class HostTier:
         self._clock = clock
         self._evict_device = evict_device
         self._timing_lock = threading.Lock()  # several loader threads add to counts
-        self._loader = ThreadPoolExecutor(max_concurrent_reads,
+        # loader threads run torch ops serially: a pool of theirs would slow every step
+        self._loader = ThreadPoolExecutor(max_concurrent_reads, initializer=serial_thread,
                                           thread_name_prefix="loraplex-adapter-loader")
         self.early = EarlyReads(max_concurrent_reads)  # ``prefetch``'s, not yet adopted
 

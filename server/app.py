@@ -93,8 +93,11 @@ class LoraplexServer:
     async def load(self) -> None:
         """Build the engine (off the event loop), start its thread, warm up, then SERVING."""
         source = self._engine_source
-        engine = source if isinstance(source, LLMEngine) else await asyncio.to_thread(source)
-        async_engine = AsyncEngine(engine)
+        if isinstance(source, LLMEngine):
+            async_engine = AsyncEngine(source)
+        else:  # built on its own thread, which then steps it (kernels/intra_op.py)
+            async_engine = await AsyncEngine.build(source)
+        engine = async_engine.engine
         self.state.attach(async_engine)
         async_engine.start()
         if self.options.warmup:
