@@ -26,7 +26,8 @@ def _prefill_case(dtype: torch.dtype):
     """3 sequences: 1 new token after 40 cached, 30 new after 9 cached, 70 new (no cache)."""
     q_lens, lens = [1, 30, 70], [41, 39, 70]
     k_cache, v_cache, tables = make_paged_cache(lens, BLOCK, KV_HEADS, HEAD_DIM, dtype, seed=3)
-    q = torch.randn(sum(q_lens), KV_HEADS * GROUP, HEAD_DIM).to(dtype)
+    q = torch.randn(sum(q_lens), KV_HEADS * GROUP, HEAD_DIM,
+                    generator=torch.Generator().manual_seed(4)).to(dtype)
     qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
     return q, k_cache, v_cache, tables, qsl, torch.tensor(lens, dtype=torch.int32)
 
@@ -37,7 +38,9 @@ def _prefill_case(dtype: torch.dtype):
 def test_decode_matches_torch(name: str, dtype: torch.dtype, softcap: float, window: int):
     lens = [1, 7, 33, 50]
     k_cache, v_cache, tables = make_paged_cache(lens, BLOCK, KV_HEADS, HEAD_DIM, dtype, seed=1)
-    q = torch.randn(len(lens), KV_HEADS * GROUP, HEAD_DIM).to(dtype) * 3  # scores past caps
+    # seeded: unseeded inputs failed the bfloat16 tolerance by one rounding in ~2 % of runs
+    q = torch.randn(len(lens), KV_HEADS * GROUP, HEAD_DIM,
+                    generator=torch.Generator().manual_seed(2)).to(dtype) * 3  # past caps
     ctx = torch.tensor(lens, dtype=torch.int32)
     backend = select_backend(torch.device("cpu"), dtype, name)
     got = backend.paged_attention_decode(q, k_cache, v_cache, tables, ctx, 0.3, softcap, window)

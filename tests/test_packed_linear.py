@@ -187,3 +187,22 @@ def test_the_engine_warms_up_every_size_it_then_serves(monkeypatch: pytest.Monke
     prompts = [[5 + i] * (3 + 7 * i) for i in range(12)]  # prefill and decode of many sizes
     engine.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=9, ignore_eos=True))
     assert len(set(log.rows)) > 5 and set(log.rows) <= warmed
+
+
+@pytest.mark.skipif(not packing_available(torch.bfloat16),
+                    reason="bfloat16 linears are packed only where the CPU has native bf16")
+def test_bfloat16_linears_pack_in_onednns_layout_and_keep_their_outputs(tiny_models) -> None:
+    """bfloat16 linears (where native) are packed in oneDNN's layout, the only one with
+    bf16 kernels; their outputs are those of F.linear in bf16."""
+    assert packed_linear.layout_for(torch.bfloat16) == "onednn"
+    with pytest.raises(ValueError, match="float32 weights"):
+        PackedLinear(torch.randn(8, 8).bfloat16(), None, "panels")
+    for rows in [1, 7, 9, 32, 100, 513]:
+        linear = nn.Linear(96, 200, bias=rows % 2 == 1).to(torch.bfloat16)
+        x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows)).bfloat16()
+        packed = PackedLinear(linear.weight, linear.bias, "onednn")
+        torch.testing.assert_close(packed(x), linear(x), rtol=1e-2, atol=1e-2)
+    engine = LLMEngine(model=tiny_models("llama"), dtype="bfloat16", max_model_len=128)
+    bases = [m.base for m in engine.base.model.modules() if isinstance(m, LoRALinear)]
+    assert bases and all(isinstance(b, PackedLinear) and b.packed is not None for b in bases)
+    assert isinstance(engine.base.model.logits_head, PackedLinear)

@@ -1,5 +1,5 @@
 """Paged attention through the C++ kernels: decode (csrc/paged_decode.cpp) and prefill
-(csrc/paged_prefill.cpp, float32). Caches are dense [num_blocks, block_size, Hkv, D] rows
+(csrc/paged_prefill.cpp, float32 and bfloat16). Caches are dense [num_blocks, block_size, Hkv, D] rows
 sharing one layout; tables and lengths int32 (the engine's layout)."""
 
 from __future__ import annotations
@@ -7,6 +7,8 @@ from __future__ import annotations
 from types import ModuleType
 
 import torch
+
+TILED_DTYPES = (torch.float32, torch.bfloat16)  # the tiled prefill kernel's
 
 
 def paged_attention_decode(ext: ModuleType, q: torch.Tensor, k_cache: torch.Tensor,
@@ -27,13 +29,14 @@ def paged_attention_prefill(ext: ModuleType, q: torch.Tensor, k_cache: torch.Ten
                             window: int = 0) -> torch.Tensor:
     """The torch backend's paged_attention_prefill (soft-cap and window in both kernels).
 
-    float32: sequences with two or more new tokens run through the tiled prefill kernel, the
-    one-token ones of a mixed step through the decode kernel. Other dtypes: every token is
+    float32 and bfloat16: sequences with two or more new tokens run through the tiled
+    prefill kernel, the one-token ones of a mixed step through the decode kernel. float16:
+    every token is
     one decode over its sequence's blocks up to its own position (token t of a sequence
     with c cached and n new tokens sees c + t + 1 positions)."""
     starts = query_start_loc.long()
     q_lens = starts[1:] - starts[:-1]  # [S]
-    if q.dtype == torch.float32 and bool((q_lens > 1).any()):
+    if q.dtype in TILED_DTYPES and bool((q_lens > 1).any()):
         return _prefill_tiled(ext, q, k_cache, v_cache, block_tables, query_start_loc,
                               context_lens, scale, q_lens, softcap, window)
     seq_of_token = torch.repeat_interleave(torch.arange(len(q_lens)), q_lens)  # [T]

@@ -1,4 +1,5 @@
-"""PackedLinear: a CPU float32 linear whose weight is packed once, in one of two layouts:
+"""PackedLinear: a CPU linear whose weight is packed once, in one of two layouts (float32:
+either; bfloat16: oneDNN's, where the CPU has native bf16):
 
 - "panels": the panel GEMM of the CPU kernels (csrc/panel_gemm.cpp: 16-column panels, 6 x 16
   AVX2 register tiles). A row's result does not depend on its batch (the same FMA sequence
@@ -21,7 +22,7 @@ import torch
 from torch import nn
 
 from . import extension
-from .isa import cpu_isa
+from .isa import HALF_NATIVE, cpu_isa
 
 BATCH_HINT = 32  # the row count oneDNN tunes the packing for; any row count works
 CHUNK_ROWS = 512  # longer inputs run in chunks of this many rows
@@ -58,9 +59,18 @@ def padded_rows(rows: int) -> int:
 
 
 def packing_available(dtype: torch.dtype) -> bool:
-    """Packing serves float32 linears, where oneDNN's packed linear exists."""
-    return (dtype == torch.float32 and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+    """Packing serves float32 linears where oneDNN's packed linear exists, and bfloat16 ones
+    where the CPU also has native bf16 (elsewhere oneDNN emulates it, and the plain linear
+    is the one measured)."""
+    onednn = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn,
+                                                              "_linear_pointwise")
+    return onednn and (dtype == torch.float32 or (dtype == torch.bfloat16 and HALF_NATIVE))
+
+
+def layout_for(dtype: torch.dtype) -> str:
+    """The packed layout of ``dtype``'s linears: ``gemm_layout()`` for float32; oneDNN's
+    for bfloat16 (the panel GEMM is float32 only)."""
+    return gemm_layout() if dtype == torch.float32 else "onednn"
 
 
 # the resolved overload: cheaper per call than going through the op packet
@@ -80,6 +90,8 @@ class PackedLinear(nn.Module):
         self.bias = None if bias is None else bias.detach()
         self.panels = self.panel_bias = self.packed = None
         if layout == "panels":
+            if weight.dtype != torch.float32:
+                raise ValueError(f"the panel layout packs float32 weights, not {weight.dtype}")
             self.panels = extension.load().pack_panels(weight.detach())
             if self.bias is not None:  # padded to the panels' columns
                 columns = self.panels.shape[0] * self.panels.shape[2]
@@ -123,8 +135,8 @@ class PackedLinear(nn.Module):
             return
         sizes = {padded_rows(r) for r in range(1, min(max_rows, CHUNK_ROWS) + 1)}
         for rows in sorted(sizes):
-            _LINEAR(torch.zeros(rows, self.in_features), self.packed, self.bias,
-                    "none", [], "")
+            _LINEAR(torch.zeros(rows, self.in_features, dtype=self.packed.dtype), self.packed,
+                    self.bias, "none", [], "")
 
 
 def pack_model(model: nn.Module, layout: str) -> int:

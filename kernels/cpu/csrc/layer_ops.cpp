@@ -48,6 +48,28 @@ void scale_row(const scalar_t* x, const scalar_t* w, float inv, int64_t n, scala
   }
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+// One bfloat16 row of norm_rows in 8-wide vectors, rounding where the scalar form rounds.
+inline void norm_row_bf16(c10::BFloat16* row, const c10::BFloat16* add,
+                          const c10::BFloat16* w, int64_t n, float eps, c10::BFloat16* o) {
+  using T = c10::BFloat16;
+  __m256 squares = _mm256_setzero_ps();
+  for (int64_t i = 0; i < n; i += 8) {
+    __m256 x = load8(row + i);
+    if (add != nullptr) {
+      x = round8<T>(_mm256_add_ps(x, load8(add + i)));
+      store8(row + i, x);
+    }
+    squares = _mm256_fmadd_ps(x, x, squares);
+  }
+  const __m256 inv = _mm256_set1_ps(1.f / std::sqrt(hsum8(squares) / n + eps));
+  for (int64_t i = 0; i < n; i += 8) {
+    const __m256 normed = round8<T>(_mm256_mul_ps(load8(row + i), inv));
+    store8(o + i, _mm256_mul_ps(load8(w + i), normed));
+  }
+}
+#endif
+
 template <typename scalar_t>
 void norm_rows(const torch::Tensor& x, const torch::Tensor* add, const torch::Tensor& w,
                double eps, torch::Tensor& out) {
@@ -55,8 +77,18 @@ void norm_rows(const torch::Tensor& x, const torch::Tensor* add, const torch::Te
   at::parallel_for(0, x.size(0), grain_rows(n), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       scalar_t* row = x.data_ptr<scalar_t>() + r * x.stride(0);
-      if (add != nullptr) {  // the residual stream: row += add[r], rounded to the dtype
-        const scalar_t* a = add->data_ptr<scalar_t>() + r * add->stride(0);
+      const scalar_t* a = add != nullptr ? add->data_ptr<scalar_t>() + r * add->stride(0)
+                                         : nullptr;
+#if defined(__AVX2__) && defined(__FMA__)
+      if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+        if (n % 8 == 0) {
+          norm_row_bf16(row, a, w.data_ptr<scalar_t>(), n, static_cast<float>(eps),
+                        out.data_ptr<scalar_t>() + r * n);
+          continue;
+        }
+      }
+#endif
+      if (a != nullptr) {  // the residual stream: row += add[r], rounded to the dtype
 #pragma omp simd
         for (int64_t i = 0; i < n; ++i)
           row[i] = static_cast<scalar_t>(static_cast<float>(row[i]) + static_cast<float>(a[i]));
@@ -90,13 +122,24 @@ void rotate(scalar_t* x, int64_t heads, int64_t head_stride, const scalar_t* cos
   for (int64_t h = 0; h < heads; ++h) {
     scalar_t* a = x + h * head_stride;
     scalar_t* b = a + half;
+    int64_t i = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+    if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+      for (; i + 8 <= half; i += 8) {  // fp32 products, one rounding, as below
+        const __m256 lo = load8(a + i), hi = load8(b + i);
+        store8(a + i, _mm256_fmsub_ps(lo, load8(cos + i), _mm256_mul_ps(hi, load8(sin + i))));
+        store8(b + i, _mm256_fmadd_ps(hi, load8(cos + half + i),
+                                      _mm256_mul_ps(lo, load8(sin + half + i))));
+      }
+    }
+#endif
 #pragma omp simd
-    for (int64_t i = 0; i < half; ++i) {
-      const float lo = static_cast<float>(a[i]), hi = static_cast<float>(b[i]);
-      a[i] = static_cast<scalar_t>(lo * static_cast<float>(cos[i]) -
-                                   hi * static_cast<float>(sin[i]));
-      b[i] = static_cast<scalar_t>(hi * static_cast<float>(cos[half + i]) +
-                                   lo * static_cast<float>(sin[half + i]));
+    for (int64_t j = i; j < half; ++j) {
+      const float lo = static_cast<float>(a[j]), hi = static_cast<float>(b[j]);
+      a[j] = static_cast<scalar_t>(lo * static_cast<float>(cos[j]) -
+                                   hi * static_cast<float>(sin[j]));
+      b[j] = static_cast<scalar_t>(hi * static_cast<float>(cos[half + j]) +
+                                   lo * static_cast<float>(sin[half + j]));
     }
   }
 }
@@ -148,6 +191,14 @@ void silu_mul_rows(const torch::Tensor& gu, torch::Tensor& out) {
           const __m256 silu =
               _mm256_div_ps(x, _mm256_add_ps(one, exp256(_mm256_sub_ps(zero, x))));
           _mm256_storeu_ps(o + i, _mm256_mul_ps(silu, _mm256_loadu_ps(u + i)));
+        }
+      } else if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+        const __m256 one = _mm256_set1_ps(1.f), zero = _mm256_setzero_ps();
+        for (; i + 8 <= n; i += 8) {  // silu rounded to bfloat16, then the product
+          const __m256 x = load8(g + i);
+          const __m256 silu = round8<scalar_t>(
+              _mm256_div_ps(x, _mm256_add_ps(one, exp256(_mm256_sub_ps(zero, x)))));
+          store8(o + i, _mm256_mul_ps(silu, load8(u + i)));
         }
       }
 #endif

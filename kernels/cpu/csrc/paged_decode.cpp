@@ -39,11 +39,11 @@ void scores_of(const float* q, const ContextRows<scalar_t>& k, int64_t first, in
                int64_t dim, float* s) {
   int64_t p = 0;
 #if defined(__AVX2__) && defined(__FMA__)
-  if constexpr (std::is_same_v<scalar_t, float>) {
+  if constexpr (kVec8<scalar_t>) {
     if (dim % 8 == 0) {
       for (; p + 8 <= len; p += 8) {  // eight positions, one hadd tree for their sums
         __m256 acc[8];
-        const float* rows[8];
+        const scalar_t* rows[8];
         for (int j = 0; j < 8; ++j) {
           acc[j] = _mm256_setzero_ps();
           rows[j] = k.row(first + p + j);
@@ -51,7 +51,7 @@ void scores_of(const float* q, const ContextRows<scalar_t>& k, int64_t first, in
         for (int64_t d = 0; d < dim; d += 8) {
           const __m256 qv = _mm256_loadu_ps(q + d);
           for (int j = 0; j < 8; ++j)
-            acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(rows[j] + d), qv, acc[j]);
+            acc[j] = _mm256_fmadd_ps(load8(rows[j] + d), qv, acc[j]);
         }
         _mm256_storeu_ps(s + p, sum8(acc));
       }
@@ -90,15 +90,15 @@ inline float exp_normalise(float* s, int64_t len) {
 
 #if defined(__AVX2__) && defined(__FMA__)
 // acc[8W columns] += Σ_i w[i] v_{first + i}[8W columns]: W vector accumulators in registers.
-template <int W>
-void accumulate_columns(const float* w, const ContextRows<float>& v, int64_t first,
+template <int W, typename scalar_t>
+void accumulate_columns(const float* w, const ContextRows<scalar_t>& v, int64_t first,
                         int64_t len, int64_t d0, float* acc) {
   __m256 a[W];
   for (int j = 0; j < W; ++j) a[j] = _mm256_loadu_ps(acc + d0 + 8 * j);
   for (int64_t i = 0; i < len; ++i) {
     const __m256 wi = _mm256_set1_ps(w[i]);
-    const float* vi = v.row(first + i) + d0;
-    for (int j = 0; j < W; ++j) a[j] = _mm256_fmadd_ps(wi, _mm256_loadu_ps(vi + 8 * j), a[j]);
+    const scalar_t* vi = v.row(first + i) + d0;
+    for (int j = 0; j < W; ++j) a[j] = _mm256_fmadd_ps(wi, load8(vi + 8 * j), a[j]);
   }
   for (int j = 0; j < W; ++j) _mm256_storeu_ps(acc + d0 + 8 * j, a[j]);
 }
@@ -110,7 +110,7 @@ void weighted_accumulate(const float* w, const ContextRows<scalar_t>& v, int64_t
                          int64_t len, int64_t dim, float* acc) {
   int64_t d0 = 0;
 #if defined(__AVX2__) && defined(__FMA__)
-  if constexpr (std::is_same_v<scalar_t, float>) {
+  if constexpr (kVec8<scalar_t>) {
     for (; d0 + 64 <= dim; d0 += 64) accumulate_columns<8>(w, v, first, len, d0, acc);
     for (; d0 + 8 <= dim; d0 += 8) accumulate_columns<1>(w, v, first, len, d0, acc);
   }

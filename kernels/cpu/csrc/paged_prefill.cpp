@@ -1,4 +1,4 @@
-// CPU kernel of paged prefill attention (float32): tiles of query tokens against chunks of
+// CPU kernel of paged prefill attention (float32 or bfloat16 q and caches; fp32 math): tiles of query tokens against chunks of
 // kChunk cached positions with an online softmax (flash-attention order), reading K and V in
 // place through the block table. Built on first use by kernels/cpu/extension.py.
 //
@@ -161,7 +161,8 @@ struct Buffers {
 
 // The chunk's keys (transposed: kt[d][j]) and values (v[j][:]) for positions p0 + j, read
 // in place through the block table; positions past last_pos are zeros (and masked).
-void load_chunk(const float* k_base, const float* v_base, const int32_t* table, int64_t bs,
+template <typename scalar_t>
+void load_chunk(const scalar_t* k_base, const scalar_t* v_base, const int32_t* table, int64_t bs,
                 int64_t blk_stride, int64_t row_stride, int64_t p0, int64_t last_pos,
                 int64_t dim, Buffers& b) {
   for (int64_t j = 0; j < kChunk; ++j) {
@@ -173,29 +174,32 @@ void load_chunk(const float* k_base, const float* v_base, const int32_t* table, 
       continue;
     }
     const int64_t off = table[pos / bs] * blk_stride + (pos % bs) * row_stride;
-    const float* kj = k_base + off;
-    for (int64_t d = 0; d < dim; ++d) b.kt[d * kChunk + j] = kj[d];
-    std::copy(v_base + off, v_base + off + dim, vj);
+    const scalar_t* kj = k_base + off;
+    const scalar_t* vsrc = v_base + off;
+    for (int64_t d = 0; d < dim; ++d) b.kt[d * kChunk + j] = static_cast<float>(kj[d]);
+    for (int64_t d = 0; d < dim; ++d) vj[d] = static_cast<float>(vsrc[d]);
   }
 }
 
+template <typename scalar_t>
 void tile_attention(const Item& it, const torch::Tensor& q, const torch::Tensor& k_cache,
                     const torch::Tensor& v_cache, const int32_t* table, int64_t first_pos,
                     double scale, float softcap, int64_t window, Buffers& b,
                     torch::Tensor& out) {
   const int64_t num_heads = q.size(1), dim = q.size(2), group = num_heads / k_cache.size(2);
   const int64_t rows = (it.t1 - it.t0) * group, padded = (rows + kRows - 1) / kRows * kRows;
-  const float* q_p = q.data_ptr<float>();
+  const scalar_t* q_p = q.data_ptr<scalar_t>();
   std::fill(b.q, b.q + padded * dim, 0.f);  // pad rows: zero queries, results dropped
   for (int64_t r = 0; r < rows; ++r) {  // row r = (token t0 + r / group, head r % group)
-    const float* src = q_p + ((it.t0 + r / group) * num_heads + it.kv_head * group + r % group) * dim;
-    for (int64_t d = 0; d < dim; ++d) b.q[r * dim + d] = src[d] * static_cast<float>(scale);
+    const scalar_t* src = q_p + ((it.t0 + r / group) * num_heads + it.kv_head * group + r % group) * dim;
+    for (int64_t d = 0; d < dim; ++d)
+      b.q[r * dim + d] = static_cast<float>(src[d]) * static_cast<float>(scale);
   }
   std::fill(b.o, b.o + padded * dim, 0.f);
   std::fill(b.m, b.m + padded, kNegInf);
   std::fill(b.l, b.l + padded, 0.f);
-  const float* k_base = k_cache.data_ptr<float>() + it.kv_head * k_cache.stride(2);
-  const float* v_base = v_cache.data_ptr<float>() + it.kv_head * v_cache.stride(2);
+  const scalar_t* k_base = k_cache.data_ptr<scalar_t>() + it.kv_head * k_cache.stride(2);
+  const scalar_t* v_base = v_cache.data_ptr<scalar_t>() + it.kv_head * v_cache.stride(2);
   const int64_t last_pos = first_pos + it.t1 - 1;  // the tile's last token's position
   // the tile's first token's window starts the positions read (whole chunks from there)
   const int64_t lo = window > 0 ? std::max<int64_t>(0, first_pos + it.t0 - window + 1) : 0;
@@ -223,10 +227,10 @@ void tile_attention(const Item& it, const torch::Tensor& q, const torch::Tensor&
       accumulate_rows(s, b.v, dim, b.alpha + r0, b.o + r0 * dim);
     }
   }
-  float* out_p = out.data_ptr<float>();
+  scalar_t* out_p = out.data_ptr<scalar_t>();
   for (int64_t r = 0; r < rows; ++r) {
-    float* dst = out_p + ((it.t0 + r / group) * num_heads + it.kv_head * group + r % group) * dim;
-    for (int64_t d = 0; d < dim; ++d) dst[d] = b.o[r * dim + d] / b.l[r];
+    scalar_t* dst = out_p + ((it.t0 + r / group) * num_heads + it.kv_head * group + r % group) * dim;
+    for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<scalar_t>(b.o[r * dim + d] / b.l[r]);
   }
 }
 
@@ -264,8 +268,10 @@ torch::Tensor paged_attention_prefill(torch::Tensor q, torch::Tensor k_cache,
                                       torch::Tensor query_start_loc, torch::Tensor context_lens,
                                       double scale, double softcap, int64_t window) {
   TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu(), "CPU tensors only");
-  TORCH_CHECK(q.scalar_type() == torch::kFloat && k_cache.scalar_type() == torch::kFloat &&
-                  v_cache.scalar_type() == torch::kFloat, "float32 q and caches only");
+  TORCH_CHECK((q.scalar_type() == torch::kFloat || q.scalar_type() == torch::kBFloat16) &&
+                  k_cache.scalar_type() == q.scalar_type() &&
+                  v_cache.scalar_type() == q.scalar_type(),
+              "float32 or bfloat16 q and caches of one dtype only");
   TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "q must be a dense [T, Hq, D]");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.strides() == v_cache.strides() &&
                   k_cache.sizes() == v_cache.sizes() && k_cache.stride(3) == 1,
@@ -302,8 +308,13 @@ torch::Tensor paged_attention_prefill(torch::Tensor q, torch::Tensor k_cache,
     for (int64_t i = begin; i < end; ++i) {
       const Item& it = items[i];
       const int64_t first_pos = lens[it.seq] - (starts[it.seq + 1] - starts[it.seq]) - starts[it.seq];
-      tile_attention(it, q, k_cache, v_cache, tables + it.seq * max_blocks, first_pos, scale,
-                     static_cast<float>(softcap), window, buffers, out);
+      if (q.scalar_type() == torch::kFloat)
+        tile_attention<float>(it, q, k_cache, v_cache, tables + it.seq * max_blocks, first_pos,
+                              scale, static_cast<float>(softcap), window, buffers, out);
+      else
+        tile_attention<c10::BFloat16>(it, q, k_cache, v_cache, tables + it.seq * max_blocks,
+                                      first_pos, scale, static_cast<float>(softcap), window,
+                                      buffers, out);
     }
   });
   return out;

@@ -4,6 +4,8 @@
 
 #include <c10/util/BFloat16.h>
 
+#include <type_traits>
+
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 
@@ -29,6 +31,26 @@ inline void store8(c10::BFloat16* p, __m256 v) {
   const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(high),
                                           _mm256_extracti128_si256(high, 1));
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
+}
+
+// The dtypes with vector loads and stores here (float16 keeps the scalar paths).
+template <typename T>
+constexpr bool kVec8 = std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>;
+
+// v rounded to T's precision and widened back (as static_cast<float>(T(v)) per lane):
+// identity for float, bfloat16's round-to-nearest-even (NaN stays NaN) for bfloat16.
+template <typename T>
+inline __m256 round8(__m256 v) {
+  if constexpr (std::is_same_v<T, float>) {
+    return v;
+  } else {
+    const __m256i bits = _mm256_castps_si256(v);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+    __m256i rounded = _mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF)));
+    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    rounded = _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7FC00000), nan);
+    return _mm256_castsi256_ps(_mm256_and_si256(rounded, _mm256_set1_epi32(-65536)));
+  }
 }
 
 // The sum of a vector's eight lanes.
@@ -91,7 +113,9 @@ inline float exp_shift_sum(float* s, int64_t n, float m) {
 
 using loraplex_vec::exp256;
 using loraplex_vec::hsum8;
+using loraplex_vec::kVec8;
 using loraplex_vec::load8;
+using loraplex_vec::round8;
 using loraplex_vec::store8;
 using loraplex_vec::exp_shift_sum;
 using loraplex_vec::sum8;
