@@ -1,60 +1,101 @@
-"""The cost of multi-LoRA on the embedded SmolLM2, one run, the same requests:
+"""What multi-LoRA costs, measured in an order that cannot hide a state one run leaves behind.
 
-  (a) base model only, (b) one adapter for all, (c) 32 distinct adapters in the batch,
-  (d) HF PEFT mixed-adapter batched ``generate(adapter_names=...)``.
+    .venv/bin/python -m loraplex.bench.lora_overhead [--dtype auto] [--adapters 32]
+        [--rounds 3] [--peft-rounds 1] [--out bench/results/DATE-lora-overhead]
 
-    .venv/bin/python -m loraplex.bench.lora_overhead [--dtype float32] [--adapters 32]
+SmolLM2-135M, 32 requests x 64 prompt x 32 new tokens, greedy, random rank-8 adapters on
+all seven targets; output tokens/s of ``LLMEngine.generate`` (the median of ``--rounds``):
+(a) the base model, (b) one adapter for every request, (c) ``--adapters`` distinct
+adapters in the batch; and the baselines, HF ``generate`` on the base model and PEFT's
+mixed-adapter ``generate`` on the same requests.
 
-Random rank-8 adapters on all seven targets. (a), (b) and (c) run in one engine (prefix
-caching off, every adapter resident), (d) in one PeftModel loaded beside it; the four are
-interleaved a, b, c, d, a, b, c, ... for ``--rounds`` rounds (d in ``--peft-rounds`` of
-them, spread evenly: one is ~50-60 s here), so a slow spell of a shared machine hits all of
-them alike; each figure is the median over its rounds. Prints
-output tokens/s and the ratios (c)/(a) (target >= 0.85) and (c)/(d) (target >= 5).
+Every figure comes from a fresh process (the baselines too), and the engine runs twice:
+- order "base first": (a) before any adapter was ever read, then (c), (b), then (a) again;
+- order "adapters first": (c) first, then (b), then (a).
+So the base is measured clean (first, in its own process) and after adapters were served,
+and (c) both first and after the base. It prints the ratios against their targets and
+fails (exit 1) when the base after adapters runs below 0.95 of the base before them: that
+is a process-wide slowdown left behind by serving adapters (bench/results/
+2026-12-02-omp-pools.md). ``--out`` writes the figures as JSON and a Markdown table.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
+import subprocess
+import sys
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from .common import (
-    default_model_dir,
-    machine_line,
-    make_random_adapters,
-    random_prompts,
-    timed,
-)
+from .common import default_model_dir, machine_line, make_random_adapters, random_prompts
+
+ORDERS = {"base first": ["a", "c", "b", "a_after"], "adapters first": ["c", "b", "a_after"]}
+PHASE_NAMES = {"a": "(a) base", "b": "(b) one adapter", "c": "(c) distinct adapters",
+               "a_after": "(a) base, after adapters"}
+MIN_BASE_AFTER = 0.95  # base after adapters / base before: below this, exit 1
+TARGETS = {"c / base": 0.85, "base / HF": 2.0, "c / PEFT": 5.0}
 
 
-def loraplex_engine(model_dir: Path, adapters: dict[str, Path], prompts: list[list[int]],
-                    dtype: str) -> object:
-    """One engine for (a), (b) and (c): prefix caching off, every adapter resident."""
+# ---- children: one fresh process each -----------------------------------------------------
+def engine_phases(model_dir: Path, adapters: dict[str, Path], prompts: list[list[int]],
+                  dtype: str, order: list[str], rounds: int, new_tokens: int,
+                  max_model_len: int = 1024) -> dict:
+    """Output tok/s per phase, in ``order``. The engine registers the adapters but reads
+    none before the first phase that uses them; each phase starts with one untimed short
+    generate of its own requests (adapters made resident), then ``rounds`` timed ones."""
     from .. import LLMEngine, SamplingParams
 
-    engine = LLMEngine(model=model_dir, dtype=dtype, max_num_seqs=len(prompts),
-                       max_num_batched_tokens=512, max_model_len=1024, max_lora_rank=8,
-                       max_loras=len(adapters), max_cpu_loras=len(adapters),
-                       enable_prefix_caching=False,
-                       lora_modules={n: str(p) for n, p in adapters.items()})
+    n = len(prompts)
+    engine = LLMEngine(model=model_dir, dtype=dtype, max_num_seqs=n, max_num_batched_tokens=512,
+                       max_model_len=max_model_len, max_lora_rank=8, max_loras=len(adapters),
+                       max_cpu_loras=len(adapters), enable_prefix_caching=False,
+                       lora_modules={k: str(p) for k, p in adapters.items()})
+    names = list(adapters)
+    per_phase = {"a": [None] * n, "a_after": [None] * n, "b": [names[0]] * n, "c": names}
     warm = SamplingParams(temperature=0.0, max_new_tokens=2)
-    engine.generate([p[:8] for p in prompts], warm, adapters=list(adapters))  # all resident
-    return engine
-
-
-def engine_tps(engine: object, prompts: list[list[int]], names: list[str | None],
-               new_tokens: int) -> float:
-    """Output tok/s of one greedy ``generate`` of every prompt, prompt i for names[i]."""
-    from .. import SamplingParams
-
     params = SamplingParams(temperature=0.0, max_new_tokens=new_tokens, ignore_eos=True)
-    seconds, outs = timed(lambda: engine.generate(prompts, params, adapters=names))
-    return sum(len(o.token_ids) for o in outs) / seconds
+    tps: dict[str, list[float]] = {}
+    adapters_read_before: dict[str, int] = {}
+    for phase in order:
+        adapters_read_before[phase] = engine.stats()["adapters_in_host"]
+        engine.generate([p[:8] for p in prompts], warm, adapters=per_phase[phase])
+        tps[phase] = [_timed_tps(lambda names=per_phase[phase]: engine.generate(
+            prompts, params, adapters=names)) for _ in range(rounds)]
+    return {"tps": tps, "adapters_read_before": adapters_read_before,
+            "machine": machine_line(engine.base.kernels.name,
+                                    str(engine.base.dtype).removeprefix("torch."))}
+
+
+def _timed_tps(run: Callable[[], list]) -> float:
+    start = time.perf_counter()
+    outs = run()
+    return sum(len(o.token_ids) for o in outs) / (time.perf_counter() - start)
+
+
+def hf_tps(model_dir: Path, prompts: list[list[int]], dtype: str, rounds: int,
+           new_tokens: int) -> list[float]:
+    """HF ``generate`` on the base model: output tok/s per round (one untimed warm-up)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
+    ids = torch.tensor(prompts)
+    with torch.inference_mode():
+        model.generate(ids[:2], max_new_tokens=2, do_sample=False, pad_token_id=0)
+        return [_hf_round(model, ids, new_tokens) for _ in range(rounds)]
+
+
+def _hf_round(model: object, ids: torch.Tensor, new_tokens: int, **kwargs: object) -> float:
+    start = time.perf_counter()
+    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),  # type: ignore[attr-defined]
+                         max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                         pad_token_id=0, **kwargs)
+    return (out.shape[1] - ids.shape[1]) * ids.shape[0] / (time.perf_counter() - start)
 
 
 def load_peft(model_dir: Path, adapters: dict[str, Path], dtype: str) -> object:
@@ -70,90 +111,120 @@ def load_peft(model_dir: Path, adapters: dict[str, Path], dtype: str) -> object:
     return model.eval()
 
 
-def peft_generate_tps(model: object, prompts: list[list[int]], names: list[str],
-                      new_tokens: int) -> float:
-    """Output tok/s of one PEFT mixed-adapter batched greedy ``generate``."""
-    ids = torch.tensor(prompts)
-    with torch.inference_mode():
-        seconds, out = timed(lambda: model.generate(
-            input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-            min_new_tokens=new_tokens, do_sample=False, pad_token_id=0, adapter_names=names))
-    return (out.shape[1] - ids.shape[1]) * len(prompts) / seconds
-
-
 def peft_tps(model_dir: Path, adapters: dict[str, Path], prompts: list[list[int]],
              names: list[str], new_tokens: int, dtype: str, rounds: int) -> list[float]:
-    """Output tok/s of PEFT's mixed-adapter generate, once per round (one model load)."""
+    """Output tok/s of PEFT's mixed-adapter batched greedy generate, once per round."""
     model = load_peft(model_dir, adapters, dtype)
-    return [peft_generate_tps(model, prompts, names, new_tokens) for _ in range(rounds)]
+    ids = torch.tensor(prompts)
+    with torch.inference_mode():
+        return [_hf_round(model, ids, new_tokens, adapter_names=names) for _ in range(rounds)]
 
 
-def peft_round_indices(rounds: int, peft_rounds: int) -> list[int]:
-    """The rounds, spread evenly, in which PEFT's (d) runs (one is ~50-60 s here)."""
-    return [r for r in range(rounds)
-            if (r * peft_rounds) // rounds != ((r + 1) * peft_rounds) // rounds]
+# ---- the parent: children in order, then the verdict --------------------------------------
+def run_child(role: str, args: argparse.Namespace, dtype: str) -> dict:
+    cmd = [sys.executable, "-m", "loraplex.bench.lora_overhead", "--child", role,
+           "--dtype", dtype, "--adapters", str(args.adapters), "--rounds", str(args.rounds),
+           "--peft-rounds", str(args.peft_rounds), "--adapter-dir", str(args.adapter_dir),
+           "--prompt-len", str(args.prompt_len), "--new-tokens", str(args.new_tokens)]
+    run = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    result = [line for line in run.stdout.splitlines() if line.startswith("RESULT ")]
+    if run.returncode != 0 or not result:
+        raise RuntimeError(f"child {role!r} failed ({run.returncode}): {run.stderr[-2000:]}")
+    return json.loads(result[-1].removeprefix("RESULT "))
 
 
-def interleaved_rounds(runs: dict[str, Callable[[], float]], rounds: int,
-                       peft_name: str, peft_rounds: int) -> dict[str, list[float]]:
-    """Every run once per round, in order, so a slow spell of the machine hits all alike;
-    ``peft_name`` only in the rounds of peft_round_indices."""
-    tps: dict[str, list[float]] = {name: [] for name in runs}
-    with_peft = peft_round_indices(rounds, peft_rounds)
-    for r in range(rounds):
-        for name, run in runs.items():
-            if name != peft_name or r in with_peft:
-                tps[name].append(run())
-    return tps
+def child(role: str, args: argparse.Namespace) -> dict:
+    model_dir = default_model_dir()
+    adapters = make_random_adapters(model_dir, args.adapters, args.adapter_dir)
+    prompts = random_prompts(args.adapters, args.prompt_len, vocab=49152, seed=2)
+    if role == "hf":
+        return {"tps": hf_tps(model_dir, prompts, args.dtype, args.rounds, args.new_tokens)}
+    if role == "peft":
+        return {"tps": peft_tps(model_dir, adapters, prompts, list(adapters), args.new_tokens,
+                                args.dtype, args.peft_rounds)}
+    return engine_phases(model_dir, adapters, prompts, args.dtype, ORDERS[role], args.rounds,
+                         args.new_tokens)
 
 
-def main() -> None:
+def resolve_dtype(dtype: str) -> str:
+    """``auto``: what the engine's ``--dtype auto`` serves the embedded (bf16) model in."""
+    if dtype != "auto":
+        return dtype
+    from ..kernels import select_backend
+
+    backend = select_backend(torch.device("cpu"), torch.float32)
+    return str(backend.auto_dtype(torch.bfloat16, torch.device("cpu"))).removeprefix("torch.")
+
+
+def ratios(results: dict) -> dict[str, float]:
+    med = {key: statistics.median(v) for key, v in _figures(results).items()}
+    return {
+        "base after / base before": med["a_after@base first"] / med["a@base first"],
+        "base (adapters first) / base before": med["a_after@adapters first"] / med["a@base first"],
+        "c / base (base first)": med["c@base first"] / med["a@base first"],
+        "c / base (adapters first)": med["c@adapters first"] / med["a@base first"],
+        "base / HF": med["a@base first"] / med["hf"],
+        **({"c / PEFT": med["c@base first"] / med["peft"]} if "peft" in med else {}),
+    }
+
+
+def _figures(results: dict) -> dict[str, list[float]]:
+    figures = {f"{phase}@{order}": v for order in ORDERS
+               for phase, v in results[order]["tps"].items()}
+    figures["hf"] = results["hf"]["tps"]
+    if "peft" in results:
+        figures["peft"] = results["peft"]["tps"]
+    return figures
+
+
+def report(results: dict) -> list[str]:
+    lines = [results["base first"]["machine"], "output tok/s (median of rounds; rounds):"]
+    for key, values in _figures(results).items():
+        phase, _, order = key.partition("@")
+        label = PHASE_NAMES.get(phase, {"hf": "HF generate", "peft": "PEFT mixed generate"}
+                                .get(phase, phase)) + (f", order {order}" if order else "")
+        lines.append(f"  {label:48s} {statistics.median(values):7.1f}   "
+                     + " ".join(f"{v:.1f}" for v in values))
+    for name, value in ratios(results).items():
+        target = next((t for k, t in TARGETS.items() if name.startswith(k)),
+                      MIN_BASE_AFTER if name.startswith("base (") or "after" in name else None)
+        verdict = "" if target is None else f"  (target >= {target}: " \
+                  f"{'met' if value >= target else 'MISSED'})"
+        lines.append(f"{name:40s} {value:5.2f}{verdict}")
+    return lines
+
+
+def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     ap.add_argument("--adapters", type=int, default=32)
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--peft-rounds", type=int, default=1,
-                    help="PEFT generate runs (median; one is ~30-100 s here)")
+    ap.add_argument("--peft-rounds", type=int, default=1, help="0: skip PEFT")
     ap.add_argument("--adapter-dir", type=Path, default=Path(tempfile.gettempdir()) /
                     "loraplex-bench-adapters")
+    ap.add_argument("--out", type=Path, help="write OUT.json and OUT.md")
+    ap.add_argument("--child", choices=[*ORDERS, "hf", "peft"], help=argparse.SUPPRESS)
     args = ap.parse_args()
-    model_dir = default_model_dir()
-    n = args.adapters
-    adapters = make_random_adapters(model_dir, n, args.adapter_dir)
-    prompts = random_prompts(n, args.prompt_len, vocab=49152, seed=2)
-    names = list(adapters)
-    configs = {"(a) base only": [None] * n, "(b) one adapter": [names[0]] * n,
-               f"(c) {n} adapters": names}
-    engine = loraplex_engine(model_dir, adapters, prompts, args.dtype)
-    peft = load_peft(model_dir, adapters, args.dtype)
-    runs: dict[str, Callable[[], float]] = {
-        name: (lambda names=names: engine_tps(engine, prompts, names, args.new_tokens))
-        for name, names in configs.items()}
-    peft_name = f"(d) PEFT mixed, {n} adapters"
-    runs[peft_name] = lambda: peft_generate_tps(peft, prompts, names, args.new_tokens)
-    peft_rounds = min(args.peft_rounds, args.rounds)
-    rounds = interleaved_rounds(runs, args.rounds, peft_name, peft_rounds)
-    rows = {name: statistics.median(v) for name, v in rounds.items()}
-    print(machine_line(engine.base.kernels.name, str(engine.base.dtype).removeprefix("torch.")))
-    print(f"SmolLM2-135M {args.dtype}, {n} requests x {args.prompt_len} prompt x "
-          f"{args.new_tokens} new tokens, rank 8 on all 7 targets, "
-          f"{torch.get_num_threads()} threads, median of {args.rounds} interleaved rounds "
-          f"(PEFT: of {args.peft_rounds})")
-    for name, tps in rows.items():
-        per_round = " ".join(f"{v:.1f}" for v in rounds.get(name, []))
-        print(f"{name:32s} {tps:8.1f} output tok/s" + (f"   rounds: {per_round}"
-                                                       if per_round else ""))
-    a, c, d = (list(rows.values())[i] for i in (0, 2, 3))
-    print(f"(c)/(a) = {c / a:.2f}  (target >= 0.85)")
-    print(f"(c)/(d) = {c / d:.2f}  (target >= 5)")
-    c_runs = rounds[f"(c) {n} adapters"]
-    paired = [c_runs[r] / dv for r, dv in zip(peft_round_indices(args.rounds, peft_rounds),
-                                               rounds[peft_name])]
-    print("(c)/(d) in the rounds that ran both, one after the other: "
-          + " ".join(f"{v:.2f}" for v in paired))
+    if args.child:
+        print("RESULT " + json.dumps(child(args.child, args)))
+        return 0
+    dtype = resolve_dtype(args.dtype)
+    roles = ["hf", *ORDERS, *(["peft"] if args.peft_rounds else [])]
+    results = {role: run_child(role, args, dtype) for role in roles}
+    lines = report(results)
+    print("\n".join(lines))
+    if args.out is not None:
+        args.out.with_suffix(".json").write_text(json.dumps(results, indent=1))
+        args.out.with_suffix(".md").write_text("```\n" + "\n".join(lines) + "\n```\n")
+    after = ratios(results)["base after / base before"]
+    if after < MIN_BASE_AFTER:
+        print(f"FAILED: the base model runs at {after:.2f} of its speed after adapters were "
+              f"served (< {MIN_BASE_AFTER}): something process-wide slowed down", file=sys.stderr)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

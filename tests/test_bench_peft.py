@@ -1,11 +1,13 @@
-"""The PEFT baseline of the benchmarks (bench/lora_overhead.py's peft_tps and run_all's use
-of it) on a tiny model: it runs, reports one figure per round, and run_all gets one."""
+"""The baselines and orders of the benchmarks on a tiny model: bench/lora_overhead.py's
+peft_tps (and run_all's use of it) reports one figure per round; its engine phases measure
+the base before any adapter is read; its verdict compares the base after adapters with the
+base before them."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from loraplex.bench.lora_overhead import interleaved_rounds, peft_tps
+from loraplex.bench.lora_overhead import ORDERS, engine_phases, peft_tps, ratios, report
 from loraplex.bench.run_all import _peft
 from loraplex.bench.serving import RunOptions, RunSpec
 from loraplex.bench.workload import Request
@@ -27,13 +29,33 @@ def test_peft_baseline_runs_per_round_and_in_run_all(tiny_llama: Path, tmp_path:
     assert row["output_throughput"] > 0 and row["distinct_adapters"] == 2
 
 
-def test_lora_overhead_interleaves_every_run_and_spreads_peft() -> None:
-    """(a), (b), (c) and PEFT's (d) alternate within each round, so a slow spell of the
-    machine hits all of them; PEFT runs in only ``peft_rounds`` rounds, spread out."""
-    order: list[str] = []
-    runs = {name: (lambda name=name: order.append(name) or float(len(order)))
-            for name in ["a", "b", "c", "d"]}
-    tps = interleaved_rounds(runs, rounds=5, peft_name="d", peft_rounds=2)
-    assert "".join(order) == "abc" "abc" "abcd" "abc" "abcd"
-    assert {k: len(v) for k, v in tps.items()} == {"a": 5, "b": 5, "c": 5, "d": 2}
-    assert tps["d"] == [10.0, 17.0]  # each figure is its own run's
+def test_lora_overhead_measures_the_base_before_any_adapter_is_read(
+        tiny_llama: Path, tmp_path: Path) -> None:
+    adapters = {f"a{i}": make_adapter(tiny_llama, tmp_path / f"a{i}", seed=i) for i in range(3)}
+    prompts = [[5 + i, 6, 7, 8] for i in range(3)]
+    out = engine_phases(tiny_llama, adapters, prompts, "float32", ORDERS["base first"],
+                        rounds=2, new_tokens=3, max_model_len=64)
+    assert list(out["tps"]) == ["a", "c", "b", "a_after"]
+    assert all(len(v) == 2 and min(v) > 0 for v in out["tps"].values())
+    assert out["adapters_read_before"]["a"] == 0  # the base ran before any adapter was read
+    assert out["adapters_read_before"]["a_after"] == 3
+    first = engine_phases(tiny_llama, adapters, prompts, "float32", ORDERS["adapters first"],
+                          rounds=1, new_tokens=3, max_model_len=64)
+    assert list(first["tps"]) == ["c", "b", "a_after"]
+    assert first["adapters_read_before"]["c"] == 0
+
+
+def test_lora_overhead_ratios_take_the_fresh_base_as_the_reference() -> None:
+    results = {
+        "base first": {"machine": "m", "tps": {"a": [100.0, 90.0, 110.0], "c": [85.0],
+                                                "b": [95.0], "a_after": [80.0]}},
+        "adapters first": {"tps": {"c": [70.0], "b": [90.0], "a_after": [99.0]}},
+        "hf": {"tps": [50.0]}, "peft": {"tps": [17.0]},
+    }
+    r = ratios(results)
+    assert r["base after / base before"] == 0.8  # the median base before: 100
+    assert r["base (adapters first) / base before"] == 0.99
+    assert r["c / base (base first)"] == 0.85 and r["c / base (adapters first)"] == 0.7
+    assert r["base / HF"] == 2.0 and r["c / PEFT"] == 5.0
+    text = "\n".join(report(results))
+    assert "base after / base before" in text and "0.80  (target >= 0.95: MISSED)" in text

@@ -1,0 +1,135 @@
+"""The server against its own engine: does serving over gRPC keep the engine's speed, and
+the CPU busy?
+
+    .venv/bin/python -m loraplex.bench.server_vs_engine [--dtype auto] [--adapters 0,8]
+
+For each adapter count n (0: the base model; n > 0: request i uses adapter i mod n, random
+rank-8 adapters on all seven targets), 32 requests x 64 prompt x 32 new tokens (EOS
+ignored), greedy:
+- offline: ``LLMEngine.generate`` of all 32 at once, in a fresh process;
+- server: a ``loraplex serve`` process (``--max-num-seqs 32``) and 32 concurrent
+  ``GenerateStream`` calls from this process, all sent at once.
+Each is the median of ``--rounds`` after one warm-up round. Prints output tok/s, the ratio
+server / offline (target >= 0.9) and how busy the machine's CPUs were during the server's
+rounds (/proc/stat, every process: the server, its client and anything else; target >=
+95 %).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from .common import default_model_dir, machine_line, make_random_adapters, random_prompts
+from .server_process import served
+
+REQUESTS, PROMPT_LEN, NEW_TOKENS = 32, 64, 32
+
+
+def cpu_times() -> tuple[int, int]:
+    """(busy, total) jiffies of every CPU since boot."""
+    with open("/proc/stat") as f:
+        values = [int(v) for v in f.readline().split()[1:]]
+    idle = values[3] + values[4]  # idle + iowait
+    return sum(values) - idle, sum(values)
+
+
+def names_for(adapters: dict[str, Path]) -> list[str | None]:
+    names = list(adapters)
+    return [names[i % len(names)] if names else None for i in range(REQUESTS)]
+
+
+def offline_tps(dtype: str, adapters: dict[str, Path], rounds: int) -> list[float]:
+    from .. import LLMEngine, SamplingParams
+
+    prompts = random_prompts(REQUESTS, PROMPT_LEN, vocab=49152, seed=2)
+    engine = LLMEngine(model=default_model_dir(), dtype=dtype, max_num_seqs=REQUESTS,
+                       max_lora_rank=8, lora_modules={k: str(p) for k, p in adapters.items()})
+    params = SamplingParams(temperature=0.0, max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    names = names_for(adapters)
+    engine.generate(prompts, params, adapters=names)  # warm-up
+    tps = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        outs = engine.generate(prompts, params, adapters=names)
+        tps.append(sum(len(o.token_ids) for o in outs) / (time.perf_counter() - start))
+    return tps
+
+
+async def _server_round(target: str, names: list[str | None]) -> tuple[float, float]:
+    """(output tok/s, CPU busy fraction) of 32 concurrent streams."""
+    from ..client import AsyncClient
+
+    prompts = random_prompts(REQUESTS, PROMPT_LEN, vocab=49152, seed=2)
+    async with AsyncClient(target) as client:
+        async def one(prompt: list[int], adapter: str | None) -> int:
+            tokens = 0
+            async for chunk in client.generate_stream(
+                    prompt_token_ids=prompt, adapter=adapter or "", temperature=0.0,
+                    max_new_tokens=NEW_TOKENS, ignore_eos=True):
+                tokens += len(chunk.token_ids)
+            return tokens
+
+        busy0, total0 = cpu_times()
+        start = time.perf_counter()
+        counts = await asyncio.gather(*(one(p, a) for p, a in zip(prompts, names)))
+        seconds = time.perf_counter() - start
+        busy1, total1 = cpu_times()
+    return sum(counts) / seconds, (busy1 - busy0) / max(1, total1 - total0)
+
+
+def server_tps(dtype: str, adapters: dict[str, Path], rounds: int,
+               log: Path) -> tuple[list[float], list[float]]:
+    flags = ["--dtype", dtype, "--max-num-seqs", str(REQUESTS), "--max-lora-rank", "8"]
+    names = names_for(adapters)
+    with served(default_model_dir(), adapters, log, flags) as target:
+        asyncio.run(_server_round(target, names))  # warm-up
+        results = [asyncio.run(_server_round(target, names)) for _ in range(rounds)]
+    return [r[0] for r in results], [r[1] for r in results]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    ap.add_argument("--adapters", default="0,8", help="adapter counts, comma-separated")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--adapter-dir", type=Path, default=Path(tempfile.gettempdir()) /
+                    "loraplex-bench-adapters")
+    ap.add_argument("--offline-child", type=int, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    model_dir = default_model_dir()
+    if args.offline_child is not None:
+        adapters = make_random_adapters(model_dir, args.offline_child, args.adapter_dir) \
+            if args.offline_child else {}
+        print("RESULT " + json.dumps(offline_tps(args.dtype, adapters, args.rounds)))
+        return
+    from .lora_overhead import resolve_dtype
+
+    dtype = resolve_dtype(args.dtype)
+    print(machine_line("cpu", dtype) + f"; {REQUESTS} requests x {PROMPT_LEN} prompt x "
+          f"{NEW_TOKENS} new tokens, median of {args.rounds}")
+    for n in (int(v) for v in args.adapters.split(",")):
+        adapters = make_random_adapters(model_dir, n, args.adapter_dir) if n else {}
+        run = subprocess.run([sys.executable, "-m", "loraplex.bench.server_vs_engine",
+                              "--offline-child", str(n), "--dtype", dtype, "--rounds",
+                              str(args.rounds), "--adapter-dir", str(args.adapter_dir)],
+                             capture_output=True, text=True, check=True)
+        offline = json.loads(run.stdout.split("RESULT ")[-1])
+        with tempfile.NamedTemporaryFile(suffix=".log") as log:
+            served_tps, busy = server_tps(dtype, adapters, args.rounds, Path(log.name))
+        off, srv = statistics.median(offline), statistics.median(served_tps)
+        print(f"{n or 'no'} adapters: offline {off:.1f} tok/s ({' '.join(f'{v:.1f}' for v in offline)}), "
+              f"server {srv:.1f} ({' '.join(f'{v:.1f}' for v in served_tps)}): "
+              f"server/offline {srv / off:.2f} (target >= 0.9), CPU busy "
+              f"{100 * statistics.median(busy):.0f} % (target >= 95 %)")
+
+
+if __name__ == "__main__":
+    main()
