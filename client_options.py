@@ -23,11 +23,12 @@ class ServerConnection:
                                  help="sent on Inference and ServerInfo (env LORAPLEX_API_TOKEN)")
     admin_token: str | None = flag(None, group=CONNECTION, env="LORAPLEX_ADMIN_TOKEN",
                                    help="sent on AdapterAdmin (env LORAPLEX_ADMIN_TOKEN)")
-    ssl_ca_certs: Path | None = flag(None, group=CONNECTION,
+    ssl_ca_certs: Path | None = flag(None, group=CONNECTION,  # noqa: RUF009
                                      help="CA of the server certificate (TLS on)")
-    ssl_certfile: Path | None = flag(None, group=CONNECTION,
+    ssl_certfile: Path | None = flag(None, group=CONNECTION,  # noqa: RUF009
                                      help="client certificate (mutual TLS)")
-    ssl_keyfile: Path | None = flag(None, group=CONNECTION, help="client key (mutual TLS)")
+    ssl_keyfile: Path | None = flag(None, group=CONNECTION,  # noqa: RUF009
+                                    help="client key (mutual TLS)")
     timeout: float | None = flag(None, group=CONNECTION, help="deadline per call, seconds")
 
     def client(self) -> Client:

@@ -31,7 +31,7 @@ class ServeConfig:
 
     engine: EngineConfig = field(default_factory=EngineConfig)
     server: ServerOptions = field(default_factory=ServerOptions)
-    ray: RayOptions | None = flag(
+    ray: RayOptions | None = flag(  # noqa: RUF009
         None, group=RAY,
         help="serve engine replicas on Ray Serve behind its gRPC proxy on --port (which "
         "listens on every interface: --host applies to --http-port only; no TLS)")

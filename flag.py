@@ -38,7 +38,7 @@ class Flag:
         return f"--{self.name}"
 
 
-def flag(default: Any = MISSING, *, help: str, group: str,  # noqa: A002 - argparse's word
+def flag(default: Any = MISSING, *, help: str, group: str,
          default_factory: Callable[[], Any] | Any = MISSING, **how: Any) -> Any:
     """A dataclass field that is also a flag (``how``: Flag's other fields)."""
     return dataclasses.field(default=default, default_factory=default_factory,

@@ -10,7 +10,7 @@ ResolvedConfig; nothing is written back here.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from ..flag import flag
 
@@ -68,7 +68,7 @@ class EngineConfig:
         "of what is left after weights and a minimum KV cache")
     max_adapter_reads: int = flag(  # loader threads
         4, group=LORA, help="adapter reads from disk at once, ahead of the queue")
-    lora_modules: dict[str, str] = flag(
+    lora_modules: dict[str, str] = flag(  # noqa: RUF009
         default_factory=dict, group=MODEL, kind="lora_module", metavar="NAME=PATH",
         help='adapters loaded at start: name=path or \'{"name": ..., "path": ..., '
         '"base_model_name": ...}\'')

@@ -36,9 +36,12 @@ class ServerOptions:
     adapter_roots: tuple[Path, ...] = flag(  # LoadAdapter paths must be inside; resolved
         (), group=NETWORK, name="adapter-root", metavar="DIR",
         help="LoadAdapter paths must lie under one of these (repeatable)")
-    ssl_certfile: Path | None = flag(None, group=NETWORK, help="server certificate (TLS on)")
-    ssl_keyfile: Path | None = flag(None, group=NETWORK, help="its private key")
-    ssl_ca_certs: Path | None = flag(  # set: clients must present a cert signed by it (mTLS)
+    # flag() makes a dataclasses.field, which ruff's RUF009 does not know
+    ssl_certfile: Path | None = flag(  # noqa: RUF009
+        None, group=NETWORK, help="server certificate (TLS on)")
+    ssl_keyfile: Path | None = flag(None, group=NETWORK,  # noqa: RUF009
+                                    help="its private key")
+    ssl_ca_certs: Path | None = flag(  # noqa: RUF009  (set: clients need a cert it signed)
         None, group=NETWORK, help="require client certs it signed (mTLS)")
     shutdown_grace_s: float = flag(  # in-flight calls may finish within this
         DEFAULT_GRACE_S, group=NETWORK, name="shutdown-grace-period", metavar="SECONDS",
