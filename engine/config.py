@@ -129,6 +129,6 @@ class EngineConfig:
             return self.max_cpu_loras
         return 2 * (self.max_num_seqs if self.max_loras == "auto" else int(self.max_loras))
 
-    def fields(self) -> dict[str, object]:
-        """The fields as ``LLMEngine(**fields)`` takes them."""
+    def kwargs(self) -> dict[str, object]:
+        """Every field by name, as ``LLMEngine(**kwargs)`` takes them."""
         return {name: getattr(self, name) for name in self.__dataclass_fields__}

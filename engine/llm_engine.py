@@ -88,7 +88,7 @@ class LLMEngine:
 
     @classmethod
     def from_config(cls, config: EngineConfig, progress: bool = False) -> LLMEngine:
-        return cls(progress=progress, **config.fields())
+        return cls(progress=progress, **config.kwargs())
 
     # ---- requests -----------------------------------------------------------------------
     @property
