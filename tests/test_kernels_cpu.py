@@ -208,3 +208,16 @@ def test_sampler_greedy_uses_the_kernel(kernels, monkeypatch: pytest.MonkeyPatch
     logits = torch.randn(3, 300)
     assert backend.argmax_rows(logits).tolist() == logits.argmax(-1).tolist()
     assert calls == [1]
+
+
+def test_build_is_keyed_by_content_not_by_checkout(tmp_path) -> None:
+    """Two checkouts with identical sources share one cached build; a changed source gets
+    an entry of its own (no checkout rebuilds over another's)."""
+    files = extension.SOURCES + extension.HEADERS
+    copies = []
+    for f in files:
+        copies.append(tmp_path / f.name)
+        copies[-1].write_bytes(f.read_bytes())
+    assert extension.build_name(copies) == extension.build_name(files)
+    copies[0].write_bytes(copies[0].read_bytes() + b"\n// changed\n")
+    assert extension.build_name(copies) != extension.build_name(files)

@@ -47,15 +47,21 @@ def _build() -> ModuleType:
 
     log.info("CPU kernels: loading the cached build, or compiling csrc/ (minutes, once per "
              "machine)")
-    digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES + HEADERS)).hexdigest()
-    # -march=native code must not be picked up by another kind of CPU sharing the cache, and
-    # two checkouts with different sources must not rebuild over each other's cache entry
-    isa = torch.backends.cpu.get_cpu_capability().lower()
-    name = f"loraplex_cpu_kernels_{isa}_{digest[:12]}"
-    return load_extension(name=name, sources=[str(p) for p in SOURCES],
+    return load_extension(name=build_name(SOURCES + HEADERS), sources=[str(p) for p in SOURCES],
                           extra_cflags=["-O3", "-march=native", "-fopenmp"],
-                          extra_ldflags=["-fopenmp"], extra_include_paths=[str(CSRC)],
-                          verbose=False)
+                          extra_ldflags=["-fopenmp"], verbose=False)
+
+
+def build_name(files: list[Path]) -> str:
+    """The cache entry's name: keyed by what the build depends on and nothing else, the
+    files' content, the ISA (-march=native code must not be picked up by another kind of
+    CPU) and torch's version. No build flag names a checkout's path (the headers are found
+    beside the sources), so checkouts with identical sources share one build and different
+    sources never rebuild over each other's entry."""
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in files)).hexdigest()
+    isa = torch.backends.cpu.get_cpu_capability().lower()
+    version = torch.__version__.split("+")[0].replace(".", "_")
+    return f"loraplex_cpu_kernels_{isa}_torch{version}_{digest[:12]}"
 
 
 def load() -> ModuleType:
