@@ -1,50 +1,42 @@
 """``loraplex serve | generate | adapters | bench``: parse flags, hand off to server/, client, engine.
 
 Each subcommand is one ``add_<name>(subparsers)`` function that registers its flags and sets
-``handler`` and ``command_parser`` defaults; ``SUBCOMMANDS`` lists them (a new subcommand such as ``bench`` adds its own
-function there; ``serve``'s lives in serve_command.py). Flag names follow vLLM's so that
-users' habits carry over.
+``handler`` and ``command_parser`` defaults; ``SUBCOMMANDS`` lists them (a new subcommand
+adds its own function there; ``serve``'s lives in serve_command.py). Every flag that is a
+setting comes from the config tree (config.py, through config_flags.py): a command adds the
+sections it has and builds its config from the parsed flags; only a request's own flags
+(the prompt, its sampling) are written here. Flag names follow vLLM's so that users' habits
+carry over. Nothing below this layer parses flags (tests/test_layering.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
-from .serve_command import add_serve, check_model_arg, lora_module
+from .client_options import ServerConnection
+from .config import GenerateConfig
+from .config_flags import add_flags, from_args
+from .engine.config import EngineConfig
+from .serve_command import add_serve, check_model_arg
 
 Handler = Callable[[argparse.Namespace, argparse.ArgumentParser], int]
 
 
 # ---- client commands ---------------------------------------------------------------------
-def _add_client_flags(p: argparse.ArgumentParser, server_required: bool = True) -> None:
-    g = p.add_argument_group("server connection")
-    g.add_argument("--server", metavar="HOST:PORT", required=server_required,
-                   help="a running loraplex server")
-    g.add_argument("--api-token", default=os.environ.get("LORAPLEX_API_TOKEN"))
-    g.add_argument("--admin-token", default=os.environ.get("LORAPLEX_ADMIN_TOKEN"))
-    g.add_argument("--ssl-ca-certs", type=Path, help="CA of the server certificate (TLS on)")
-    g.add_argument("--ssl-certfile", type=Path, help="client certificate (mutual TLS)")
-    g.add_argument("--ssl-keyfile", type=Path, help="client key (mutual TLS)")
-    g.add_argument("--timeout", type=float, help="deadline per call, seconds")
-
-
 def _client(args: argparse.Namespace) -> Any:
-    from .client import Client
-
-    return Client(args.server, api_token=args.api_token, admin_token=args.admin_token,
-                  root_certificates=args.ssl_ca_certs, certificate_chain=args.ssl_certfile,
-                  private_key=args.ssl_keyfile, timeout=args.timeout)
+    return from_args(ServerConnection, args).client()
 
 
 def add_generate(sub: argparse._SubParsersAction) -> None:
+    """GenerateConfig's flags (the engine's, as on ``serve``, and the connection's), and the
+    request's own: the prompt and how it is sampled."""
     p = sub.add_parser("generate", help="generate from a prompt, streaming tokens to stdout "
-                       "(through --server, or in-process on --model)")
+                       "(through --server, or in-process on an engine built from the engine "
+                       "flags, as serve's)")
     p.add_argument("prompt")
     p.add_argument("--adapter", default="", help='adapter name ("" = the base model)')
     p.add_argument("--max-new-tokens", type=int,
@@ -52,17 +44,10 @@ def add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float)
     p.add_argument("--top-k", type=int)
-    p.add_argument("--seed", type=int)
+    p.add_argument("--seed", type=int, help="the request's sampling seed")
     p.add_argument("--no-chat-template", action="store_true",
                    help="send the prompt as is, not as a user message in the chat template")
-    _add_client_flags(p, server_required=False)
-    local = p.add_argument_group("in-process (without --server)")
-    local.add_argument("--model", help="local model dir (default: the embedded model)")
-    local.add_argument("--lora-modules", nargs="+", action="extend", type=lora_module,
-                       default=[], metavar="NAME=PATH")
-    local.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    local.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"],
-                       default="auto")
+    add_flags(p, GenerateConfig)
     p.set_defaults(handler=run_generate, command_parser=p)
 
 
@@ -71,13 +56,25 @@ def _sampling(args: argparse.Namespace) -> dict[str, Any]:
                 "seed": args.seed, "max_new_tokens": args.max_new_tokens}
 
 
+def generate_config(args: argparse.Namespace) -> GenerateConfig:
+    """The one GenerateConfig of a ``generate`` command line (ValueError: a usage error)."""
+    from .server.lora_modules import lora_modules_dict
+
+    check_model_arg(args.model)
+    return from_args(GenerateConfig, args, lora_modules=lora_modules_dict(args.lora_modules))
+
+
 def run_generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    if args.server is None:
-        return _generate_local(args, parser)
+    try:
+        config = generate_config(args)
+    except ValueError as e:
+        parser.error(str(e))
+    if config.connection.server is None:
+        return _generate_local(args, config.engine, parser)
     import grpc
 
     printed = False
-    with _client(args) as client:
+    with config.connection.client() as client:
         try:
             for chunk in client.generate_stream(
                     args.prompt, adapter=args.adapter,
@@ -92,18 +89,15 @@ def run_generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
     return 0
 
 
-def _generate_local(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+def _generate_local(args: argparse.Namespace, config: EngineConfig,
+                    parser: argparse.ArgumentParser) -> int:
     """The engine in this process: one request, stepped until done, printed as it grows."""
     from .engine.llm_engine import LLMEngine
     from .engine.sampling_params import SamplingParams
     from .server.chat import chat_prompt_ids
-    from .server.lora_modules import lora_modules_dict
 
     try:
-        modules = lora_modules_dict(args.lora_modules)
-        check_model_arg(args.model)
-        engine = LLMEngine(args.model, dtype=args.dtype, device=args.device, max_num_seqs=1,
-                           lora_modules=modules)
+        engine = LLMEngine.from_config(config)
         prompt = args.prompt if args.no_chat_template else \
             chat_prompt_ids(engine.tokenizer, args.prompt)
         engine.add_request(prompt, SamplingParams(**_sampling(args)), args.adapter or None)
@@ -129,7 +123,7 @@ def add_adapters(sub: argparse._SubParsersAction) -> None:
     unload = verbs.add_parser("unload", help="unload NAME (in-flight requests finish)")
     unload.add_argument("name")
     for verb in (ls, load, unload):
-        _add_client_flags(verb)
+        add_flags(verb, ServerConnection, required={"server"})
         verb.set_defaults(handler=run_adapters, command_parser=verb)
 
 
@@ -174,7 +168,7 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="serving benchmark against a running server (vLLM-style "
                        "metrics, S-LoRA workloads)")
     add_bench_arguments(p)
-    _add_client_flags(p)
+    add_flags(p, ServerConnection, required={"server"})
     p.set_defaults(handler=run_bench, command_parser=p)
 
 

@@ -1,5 +1,6 @@
 """BaseModel: the served base model with everything read from its directory (config,
-weights, tokenizer, generation defaults), resolved against the EngineConfig."""
+weights, tokenizer, generation defaults), resolved against the EngineConfig (which is left
+as given: the resolved values are the BaseModel's, and ResolvedConfig's)."""
 
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ class BaseModel:
     kernels: KernelBackend
     eos_token_ids: frozenset[int]
     sampling_defaults: dict  # fields of generation_config.json that SamplingParams has
+    max_model_len: int  # the model's limit, or the smaller max_model_len asked for
 
 
 def resolve_model_dir(model: str | None) -> Path:
@@ -84,15 +86,15 @@ def _max_model_len(cfg: EngineConfig, config: PretrainedConfig) -> int:
 def load_base_model(cfg: EngineConfig, progress: bool = False) -> BaseModel:
     path = resolve_model_dir(cfg.model)
     config = load_config(path)
-    cfg.max_model_len = _max_model_len(cfg, config)
+    max_model_len = _max_model_len(cfg, config)
     device = resolve_device(cfg.device)
     backend_cls = backend_class(backend_name(device))  # the one choice of kernels
     dtype = resolve_dtype(config, cfg.dtype, device, backend_cls)
     kernels = backend_cls(device, dtype)
-    model = load_model(path, config, kernels, cfg.max_model_len, progress)
+    model = load_model(path, config, kernels, max_model_len, progress)
     tokenizer = _load_tokenizer(path)
     defaults, eos = _generation_defaults(path)
     for source in (config.eos_token_id, getattr(tokenizer, "eos_token_id", None)):
         eos |= set(source if isinstance(source, list) else [source] if source is not None else [])
     return BaseModel(path, config, model, tokenizer, dtype, device, kernels, frozenset(eos),
-                     defaults)
+                     defaults, max_model_len)

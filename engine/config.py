@@ -1,12 +1,25 @@
-"""EngineConfig: every knob of the engine, validated once in ``__post_init__``."""
+"""EngineConfig: every knob of the engine, frozen, validated once in ``__post_init__``.
+
+Each field that is a flag declares it here (loraplex.flag): ``loraplex serve``, ``serve --ray``
+and ``generate --model`` derive their engine flags from these fields, so the flags' names,
+defaults and help are the same on every command and the same as ``LLMEngine(model,
+**fields)``'s. What is only known once the model loads (``max_model_len`` from the model,
+the dtype, the LoRA capacity, ``max_cpu_loras``' default) is in engine/resolved_config.py's
+ResolvedConfig; nothing is written back here.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+
+from ..flag import flag
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 DEFAULT_CPU_KV_BYTES = 1 << 30  # 1 GiB, further capped by what max_num_seqs × max_model_len needs
+MODEL = "model"
+CAPACITY = "capacity"
+LORA = "LoRA adapters"
 
 
 def _check_range(name: str, value: float, low: float, high: float | None = None) -> None:
@@ -15,32 +28,53 @@ def _check_range(name: str, value: float, low: float, high: float | None = None)
         raise ValueError(f"{name}={value!r} is out of range: must be {allowed}")
 
 
-@dataclass
+@dataclass(frozen=True)
 class EngineConfig:
     """Engine settings. ``model`` is a local Hugging Face directory, or None for the embedded
     default model. Field names follow vLLM's so users' habits carry over."""
 
-    model: str | None = None
-    dtype: str = "auto"
-    device: str = "auto"
-    max_num_seqs: int = 32
-    max_num_batched_tokens: int = 512
-    max_model_len: int | None = None  # None: the model's max_position_embeddings
-    block_size: int = 16
-    kv_cache_memory: int | None = None  # bytes; None: a fraction of free memory (CUDA) or a default
-    gpu_memory_utilization: float = 0.92
+    model: str | None = flag(
+        None, group=MODEL, help="local Hugging Face model dir (default: the embedded "
+        "SmolLM2-135M-Instruct; `serve` then also loads the demo adapters)")
+    dtype: str = flag("auto", group=MODEL, choices=DTYPES,
+                      help="auto: the kernels' choice for the checkpoint's dtype")
+    device: str = flag("auto", group=MODEL, choices=DEVICES,
+                       help="auto: cuda when there is one, else cpu")
+    max_num_seqs: int = flag(32, group=CAPACITY, help="requests running in a step")
+    max_num_batched_tokens: int = flag(512, group=CAPACITY, help="token budget per step")
+    max_model_len: int | None = flag(None, group=CAPACITY,  # None: max_position_embeddings
+                                     help="prompt + output tokens (default: the model's limit)")
+    block_size: int = flag(16, group=CAPACITY, help="tokens per KV block (a power of two)")
+    kv_cache_memory: int | None = flag(  # None: a fraction of free memory (CUDA) or a default
+        None, group=CAPACITY, kind="bytes", metavar="BYTES",
+        help="KV-cache size (e.g. 4GiB); default: --gpu-memory-utilization")
+    gpu_memory_utilization: float = flag(
+        0.92, group=CAPACITY, help="fraction of device memory for weights + KV cache (CUDA only)")
     num_kv_blocks: int | None = None  # overrides the memory budget (tests force preemption with it)
     enable_prefix_caching: bool = True
     seed: int = 0
     # LoRA
-    max_loras: int | str = "auto"  # "auto": sized from lora_memory (engine/lora_capacity.py)
-    max_lora_rank: int = 16
-    max_cpu_loras: int | None = None  # None: 2 × max_loras (auto: 2 × max_num_seqs)
-    lora_memory: int | None = None  # bytes of the device rank-row pool with max_loras "auto"
-    max_adapter_reads: int = 4  # adapter reads from disk at once (loader threads)
-    lora_modules: dict[str, str] = field(default_factory=dict)
+    max_loras: int | str = flag(  # "auto": sized from lora_memory (engine/lora_capacity.py)
+        "auto", group=LORA, kind="max_loras", metavar="auto|N",
+        help="adapters on the device at once: 'auto' (as many as --lora-memory holds, at most "
+        "--max-num-seqs) or N (vLLM's meaning)")
+    max_lora_rank: int = flag(64, group=LORA, help="the largest adapter rank served")
+    max_cpu_loras: int | None = flag(  # None: ResolvedConfig's 2 × max_loras (or max_num_seqs)
+        None, group=LORA,
+        help="adapters in host memory (default: 2×max-loras; 2×max-num-seqs with auto)")
+    lora_memory: int | None = flag(  # bytes of the device rank-row pool with max_loras "auto"
+        None, group=LORA, kind="bytes", metavar="BYTES",
+        help="device memory for adapters with --max-loras auto (e.g. 512MiB); default: 10%% "
+        "of what is left after weights and a minimum KV cache")
+    max_adapter_reads: int = flag(  # loader threads
+        4, group=LORA, help="adapter reads from disk at once, ahead of the queue")
+    lora_modules: dict[str, str] = flag(  # noqa: RUF009
+        default_factory=dict, group=MODEL, kind="lora_module", metavar="NAME=PATH",
+        help='adapters loaded at start: name=path or \'{"name": ..., "path": ..., '
+        '"base_model_name": ...}\'')
     adapter_starvation_steps: int = 16  # a passed-over adapter gets the next free slot after this
-    served_model_name: str | None = None
+    served_model_name: str | None = flag(
+        None, group=MODEL, help="alias requests may use for the base model")
     debug_checks: bool = False  # assert the adapter pool's and KV blocks' books every step
 
     def __post_init__(self) -> None:
@@ -65,22 +99,36 @@ class EngineConfig:
             _check_range("num_kv_blocks", self.num_kv_blocks, 1)
         self._check_loras()
         _check_range("adapter_starvation_steps", self.adapter_starvation_steps, 1)
+        # the caller's dict is copied: a later change to it does not reach the engine
+        object.__setattr__(self, "lora_modules", dict(self.lora_modules))
 
     def _check_loras(self) -> None:
-        auto = self.max_loras == "auto"
-        if not auto:
+        if self.max_loras != "auto":
             if isinstance(self.max_loras, str) and not self.max_loras.isdigit():
                 raise ValueError(f"max_loras={self.max_loras!r} must be 'auto' or an integer")
-            self.max_loras = int(self.max_loras)
+            # the one normalisation: "8" (a flag's text) and 8 are the same setting
+            object.__setattr__(self, "max_loras", int(self.max_loras))
             _check_range("max_loras", self.max_loras, 1)
         _check_range("max_lora_rank", self.max_lora_rank, 1)
         if self.lora_memory is not None:
             _check_range("lora_memory", self.lora_memory, 1)
         _check_range("max_adapter_reads", self.max_adapter_reads, 1)
-        if self.max_cpu_loras is None:
-            self.max_cpu_loras = 2 * (self.max_num_seqs if auto else self.max_loras)
-        _check_range("max_cpu_loras", self.max_cpu_loras, 1)
-        if not auto and self.max_cpu_loras < self.max_loras:
+        if self.max_cpu_loras is not None:
+            _check_range("max_cpu_loras", self.max_cpu_loras, 1)
+        if self.max_loras != "auto" and self.host_loras < self.max_loras:
             raise ValueError(
-                f"max_cpu_loras={self.max_cpu_loras} must be >= max_loras={self.max_loras}"
+                f"max_cpu_loras={self.host_loras} must be >= max_loras={self.max_loras}"
             )
+
+    @property
+    def host_loras(self) -> int:
+        """Adapters the host tier holds: ``max_cpu_loras``, else 2 × ``max_loras`` (2 ×
+        ``max_num_seqs`` with auto). Derived from the fields alone, so the Ray launcher reads
+        it before any model loads; ResolvedConfig.max_cpu_loras is this value."""
+        if self.max_cpu_loras is not None:
+            return self.max_cpu_loras
+        return 2 * (self.max_num_seqs if self.max_loras == "auto" else int(self.max_loras))
+
+    def kwargs(self) -> dict[str, object]:
+        """Every field by name, as ``LLMEngine(**kwargs)`` takes them."""
+        return {name: getattr(self, name) for name in self.__dataclass_fields__}

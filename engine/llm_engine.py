@@ -9,7 +9,6 @@ from collections.abc import Callable, Iterable
 from collections.abc import Sequence as Seq
 from pathlib import Path
 
-import torch
 from tqdm import tqdm
 
 from ..kernels import intra_op
@@ -25,14 +24,14 @@ from ..lora.peft_format import (
 )
 from ..lora.rank_pool import RankPool
 from ..lora.slots import SlotBuffers
-from . import lora_capacity
 from .base_model import BaseModel, load_base_model
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .errors import AdapterNotFoundError, InvalidRequestError
 from .lora_capacity import LoRACapacity
-from .model_runner import ModelRunner, kv_bytes_per_block, num_kv_blocks
+from .model_runner import ModelRunner, num_kv_blocks
 from .output_processor import OutputProcessor, RequestOutput
+from .resolved_config import resolve_config
 from .sampling_params import SamplingParams
 from .scheduler import ScheduledBatch, Scheduler
 from .sequence import Sequence
@@ -43,6 +42,8 @@ Prompt = str | list[int]
 
 
 class LLMEngine:
+    """``LLMEngine(model, **EngineConfig fields)``, or ``LLMEngine.from_config(config)``."""
+
     def __init__(self, model: str | Path | None = None, progress: bool = False, **kwargs):
         self.config = cfg = EngineConfig(model=None if model is None else str(model), **kwargs)
         # (tier, seconds) per adapter load: "host" = disk -> host memory, "device" = host ->
@@ -50,20 +51,23 @@ class LLMEngine:
         self.adapter_load_observers: list[Callable[[str, float], None]] = []
         self.base: BaseModel = load_base_model(cfg, progress)
         self.tokenizer = self.base.tokenizer
-        self.max_model_len: int = cfg.max_model_len  # type: ignore[assignment]  # set by loader
         kernels = self.base.kernels
         targets = list(self.base.model.lora_targets())
-        self.lora_capacity = self._lora_capacity(targets)
+        self.resolved = resolve_config(cfg, self.base, rank_row_bytes(targets, self.base.dtype))
+        self.max_model_len: int = self.resolved.max_model_len
+        self.lora_capacity: LoRACapacity = self.resolved.lora
         self.slot_buffers = SlotBuffers(attach_lora(targets, self.lora_capacity.num_units,
                                                     cfg.max_lora_rank, kernels))
-        blocks = num_kv_blocks(cfg, self.base.hf_config, self.base.dtype, self.base.device)
+        # after the pools: on CUDA the KV cache takes what they left
+        blocks = num_kv_blocks(cfg, self.base.hf_config, self.base.dtype, self.base.device,
+                               self.max_model_len)
         self.block_manager = BlockManager(blocks, cfg.block_size, cfg.enable_prefix_caching)
         self.runner = ModelRunner(self.base.model, cfg, blocks, kernels)
         kernels.prepare_model(self.base.model, cfg.max_num_batched_tokens, cfg.max_num_seqs)
         self.base_shapes = BaseShapes.from_hf_config(self.base.hf_config, str(self.base.path))
         self.lora_dtype = kernels.dtype  # the pools'; host copies are read in it on loader
         # threads, so the copy onto the device only moves bytes
-        self.lora = AdapterCache(self.lora_capacity.max_loras, cfg.max_cpu_loras,  # type: ignore[arg-type]
+        self.lora = AdapterCache(self.lora_capacity.max_loras, self.resolved.max_cpu_loras,
                                  RankPool(self.lora_capacity.num_units, kernels.rank_unit),
                                  read=self._read_registered,
                                  load_slot=self._load_slot, clear_slot=self.slot_buffers.clear,
@@ -82,17 +86,9 @@ class LLMEngine:
                  self.base.device, kernels.name, blocks, cfg.block_size, self.max_model_len,
                  self.lora_capacity.reason)
 
-    def _lora_capacity(self, targets: list) -> LoRACapacity:
-        """Resolve max_loras (``auto`` or N) into slots and pool units for this model."""
-        cfg, base = self.config, self.base
-        row_bytes = rank_row_bytes(targets, base.dtype)
-        left = lora_capacity.available_memory(base.device)
-        if base.device.type == "cuda":
-            total = torch.cuda.mem_get_info(base.device)[1]
-            left -= int(total * (1 - cfg.gpu_memory_utilization))
-        per_block = kv_bytes_per_block(base.hf_config, cfg.block_size, base.dtype)
-        min_kv = -(-self.max_model_len // cfg.block_size) * per_block
-        return lora_capacity.resolve(cfg, row_bytes, base.kernels.rank_unit, left, min_kv)
+    @classmethod
+    def from_config(cls, config: EngineConfig, progress: bool = False) -> LLMEngine:
+        return cls(progress=progress, **config.kwargs())
 
     # ---- requests -----------------------------------------------------------------------
     @property

@@ -63,7 +63,7 @@ def resolve(cfg: EngineConfig, bytes_per_rank_row: int, rank_unit: int,
         return LoRACapacity(n, n * units_per_max, rank_unit, bytes_per_rank_row,
                             f"--max-loras {n}: {n} adapters of up to rank "
                             f"{cfg.max_lora_rank}")
-    cap = min(cfg.max_num_seqs, cfg.max_cpu_loras)  # type: ignore[type-var]
+    cap = min(cfg.max_num_seqs, cfg.host_loras)
     if cfg.lora_memory is not None:
         budget, source = cfg.lora_memory, f"--lora-memory {_mib(cfg.lora_memory)}"
     else:
@@ -77,7 +77,7 @@ def resolve(cfg: EngineConfig, bytes_per_rank_row: int, rank_unit: int,
             f"the LoRA memory budget ({source}: {_mib(budget)}) holds no adapter of "
             f"max_lora_rank {cfg.max_lora_rank} ({_mib(units_per_max * unit_bytes)}); give "
             f"--lora-memory, a smaller --max-lora-rank, or --max-loras N")
-    bound = "max_num_seqs" if cfg.max_num_seqs <= cfg.max_cpu_loras else "max_cpu_loras"
+    bound = "max_num_seqs" if cfg.max_num_seqs <= cfg.host_loras else "max_cpu_loras"
     rows = units * rank_unit
     holds = f"{rows // cfg.max_lora_rank} adapters of rank {cfg.max_lora_rank}"
     if cfg.max_lora_rank > 8:

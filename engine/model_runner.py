@@ -38,7 +38,7 @@ def kv_bytes_per_block(config: PretrainedConfig, block_size: int, dtype: torch.d
 
 
 def num_kv_blocks(cfg: EngineConfig, config: PretrainedConfig, dtype: torch.dtype,
-                  device: torch.device) -> int:
+                  device: torch.device, max_model_len: int) -> int:
     """Blocks that fit the KV budget: ``num_kv_blocks``, else ``kv_cache_memory`` bytes, else
     a fraction of free CUDA memory, else (CPU) enough for every sequence at full length,
     capped at DEFAULT_CPU_KV_BYTES."""
@@ -51,7 +51,7 @@ def num_kv_blocks(cfg: EngineConfig, config: PretrainedConfig, dtype: torch.dtyp
         free, total = torch.cuda.mem_get_info(device)
         budget = int(total * cfg.gpu_memory_utilization) - (total - free)
     else:
-        blocks_per_seq = -(-cfg.max_model_len // cfg.block_size)
+        blocks_per_seq = -(-max_model_len // cfg.block_size)
         budget = min(DEFAULT_CPU_KV_BYTES, cfg.max_num_seqs * blocks_per_seq * per_block)
     blocks = budget // per_block
     if blocks < 1:

@@ -2,9 +2,13 @@
 recompute, and adapter admission (the adapter cache decides what fits on the device).
 Pure Python.
 
+Each step gives the running sequences their tokens first (preempting the newest when KV
+blocks run out); then, unless that preempted one, it admits waiting requests.
+
 Admission under a binding adapter cap:
-- each step first tells the cache the waiting queue (``look_ahead``: reads and device
-  loads start before a request reaches the head, eviction knows each adapter's next use);
+- before admitting, the step tells the cache the waiting queue (``look_ahead``: reads and
+  device loads start before a request reaches the head, eviction knows each adapter's next
+  use);
 - waiting requests whose adapter is on the device (or that need none) are admitted first,
   in arrival order, then the others, in arrival order;
 - fairness: a waiting request whose adapter is in host memory counts a step each time a

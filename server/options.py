@@ -1,30 +1,54 @@
-"""ServerOptions: everything about serving that is not the engine, validated once."""
+"""ServerOptions: everything about serving that is not the engine, frozen, validated once;
+the fields that are ``loraplex serve`` flags declare them (loraplex.flag)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
+
+from ..flag import flag
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 50051
 DEFAULT_MAX_QUEUE = 1024
 DEFAULT_GRACE_S = 20.0
+NETWORK = "network and security"
 
 
-@dataclass
+@dataclass(frozen=True)
 class ServerOptions:
-    host: str = DEFAULT_HOST
-    port: int = DEFAULT_PORT  # 0: pick a free port (tests)
-    http_port: int | None = None  # the OpenAI-compatible HTTP front; None: off, 0: any free
-    max_queue: int = DEFAULT_MAX_QUEUE  # requests in flight (waiting + running)
-    api_token: str | None = None  # guards Inference and ServerInfo when set
-    admin_token: str | None = None  # guards AdapterAdmin when set (also accepted for the rest)
-    adapter_roots: list[Path] = field(default_factory=list)  # LoadAdapter paths must be inside
-    ssl_certfile: Path | None = None
-    ssl_keyfile: Path | None = None
-    ssl_ca_certs: Path | None = None  # set: clients must present a cert signed by it (mTLS)
-    shutdown_grace_s: float = DEFAULT_GRACE_S  # in-flight calls may finish within this
-    served_model_name: str | None = None  # alias of the base model besides ""
+    host: str = flag(DEFAULT_HOST, group=NETWORK, help="address of the gRPC and HTTP fronts")
+    port: int = flag(DEFAULT_PORT, group=NETWORK,  # 0: pick a free port (tests)
+                     help="gRPC port")
+    http_port: int | None = flag(  # None: off, 0: any free port
+        None, group=NETWORK, metavar="PORT",
+        help="also serve vLLM's OpenAI-compatible HTTP API and /metrics on PORT (same "
+        "process, engine, tokens and TLS; off unless given)")
+    max_queue: int = flag(  # requests in flight (waiting + running)
+        DEFAULT_MAX_QUEUE, group="capacity",
+        help="requests in flight (waiting + running); RESOURCE_EXHAUSTED beyond")
+    api_token: str | None = flag(  # guards Inference and ServerInfo when set
+        None, group=NETWORK, env="LORAPLEX_API_TOKEN",
+        help="require it on Inference/ServerInfo (env LORAPLEX_API_TOKEN)")
+    admin_token: str | None = flag(  # guards AdapterAdmin when set (also accepted for the rest)
+        None, group=NETWORK, env="LORAPLEX_ADMIN_TOKEN",
+        help="require it on AdapterAdmin (env LORAPLEX_ADMIN_TOKEN)")
+    adapter_roots: tuple[Path, ...] = flag(  # LoadAdapter paths must be inside; resolved
+        (), group=NETWORK, name="adapter-root", metavar="DIR",
+        help="LoadAdapter paths must lie under one of these (repeatable)")
+    # flag() makes a dataclasses.field, which ruff's RUF009 does not know
+    ssl_certfile: Path | None = flag(  # noqa: RUF009
+        None, group=NETWORK, help="server certificate (TLS on)")
+    ssl_keyfile: Path | None = flag(None, group=NETWORK,  # noqa: RUF009
+                                    help="its private key")
+    ssl_ca_certs: Path | None = flag(  # noqa: RUF009  (set: clients need a cert it signed)
+        None, group=NETWORK, help="require client certs it signed (mTLS)")
+    shutdown_grace_s: float = flag(  # in-flight calls may finish within this
+        DEFAULT_GRACE_S, group=NETWORK, name="shutdown-grace-period", metavar="SECONDS",
+        help="on SIGTERM, in-flight requests may finish within")
+    # alias of the base model besides "": the engine's --served-model-name (config.py's
+    # ServeConfig passes it on), not a flag of its own
+    served_model_name: str | None = None
     warmup: bool = True  # one tiny generate before SERVING
 
     def __post_init__(self) -> None:
@@ -47,7 +71,9 @@ class ServerOptions:
             path = getattr(self, name)
             if path is not None and not Path(path).is_file():
                 raise ValueError(f"{name}={path} is not a readable file")
-        self.adapter_roots = [Path(r).expanduser().resolve() for r in self.adapter_roots]
+        # the one normalisation: roots as absolute paths, symlinks resolved
+        roots = tuple(Path(r).expanduser().resolve() for r in self.adapter_roots)
+        object.__setattr__(self, "adapter_roots", roots)
         for root in self.adapter_roots:
             if not root.is_dir():
                 raise ValueError(f"adapter root {root} is not a directory")

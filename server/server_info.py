@@ -36,7 +36,7 @@ def describe(engine: LLMEngine, options: ServerOptions) -> dict[str, Any]:
         "max_loras": engine.lora_capacity.max_loras, "max_loras_setting": str(cfg.max_loras),
         "lora_memory": engine.lora_capacity.pool_bytes,
         "lora_capacity": engine.lora_capacity.reason,
-        "max_lora_rank": cfg.max_lora_rank, "max_cpu_loras": cfg.max_cpu_loras or 0,
+        "max_lora_rank": cfg.max_lora_rank, "max_cpu_loras": engine.resolved.max_cpu_loras,
         "kv_cache_memory": cfg.kv_cache_memory or 0,
         "gpu_memory_utilization": cfg.gpu_memory_utilization,
         "vocab_size": engine.base.hf_config.vocab_size,

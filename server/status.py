@@ -1,4 +1,4 @@
-"""One gRPC status per error: the mapping of DESIGN.md ("Status codes"), in one place.
+"""One gRPC status per error: the mapping of docs/contracts.md ("Status codes"), in one place.
 
 Servicer methods raise; the ``unary`` / ``streaming`` decorators turn what they raise into
 ``context.abort(code, message)``. Messages say what was wrong and what is allowed.

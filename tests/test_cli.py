@@ -111,7 +111,7 @@ def test_byte_size() -> None:
 
 
 def test_every_contract_flag_exists() -> None:
-    """DESIGN.md's serve flags (vLLM names) and issue 5's."""
+    """docs/contracts.md's serve flags (vLLM names) and issue 5's."""
     text = build_parser().parse_args(["serve"]).command_parser.format_help()
     for flag in ("--model", "--lora-modules", "--max-loras", "--max-lora-rank",
                  "--max-cpu-loras", "--max-num-seqs", "--max-num-batched-tokens",

@@ -1,6 +1,6 @@
-"""The package's layers: imports point one way (errors, kernels ← lora ← engine ← server),
-no module imports itself back through others, the backends stand apart, and the engine runs
-with kernels/cpu deleted."""
+"""The package's layers: imports point one way (errors, flag, kernels ← lora ← engine ←
+server), no module imports itself back through others, nothing below cli.py parses flags,
+the backends stand apart, and the engine runs with kernels/cpu deleted."""
 
 from __future__ import annotations
 
@@ -18,7 +18,14 @@ from transformers import AutoModelForCausalLM
 
 ROOT = Path(__file__).resolve().parents[1]  # the repository root is the package `loraplex`
 PACKAGES = ["kernels", "lora", "engine", "server", "proto", "bench"]
-LAYERS = {"errors": 0, "kernels": 1, "lora": 2, "engine": 3, "server": 4}
+LAYERS = {"errors": 0, "flag": 0, "kernels": 1, "lora": 2, "engine": 3, "server": 4}
+# The modules that may parse flags: the command line (cli.py and the modules it owns), and
+# the tools that are their own entry points (python -m loraplex.bench.*, the client's
+# health probe, the stubs' generator). The layers and the config tree never do: their
+# settings are dataclass fields, and config_flags.py derives the flags from them.
+FLAG_PARSERS = {"loraplex.cli", "loraplex.config_flags", "loraplex.serve_command",
+                "loraplex.client", "loraplex.proto.generate"}
+CONFIG_TREE = {"loraplex.flag", "loraplex.config", "loraplex.client_options"}
 
 
 def module_files() -> dict[str, Path]:
@@ -88,6 +95,31 @@ def test_no_import_cycles(graph: dict[str, set[str]]) -> None:
     for module in sorted(graph):
         if module not in state:
             visit(module, [module])
+
+
+def parses_flags(path: Path) -> list[str]:
+    """What in the file parses a command line: an argparse/optparse/getopt import, sys.argv."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+            [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+        found += [n for n in names if n.split(".")[0] in ("argparse", "optparse", "getopt")]
+        if isinstance(node, ast.Attribute) and node.attr == "argv" and \
+                isinstance(node.value, ast.Name) and node.value.id == "sys":
+            found.append("sys.argv")
+    return found
+
+
+def test_nothing_below_cli_parses_flags() -> None:
+    """The config rule: flags are parsed on top (cli.py, config_flags.py, serve_command.py)
+    or by a tool's own entry point, never by the layers or the config tree."""
+    parsing = {m: found for m, path in module_files().items() if (found := parses_flags(path))}
+    below = {m: f for m, f in parsing.items() if layer(m) is not None or m in CONFIG_TREE}
+    assert not below, f"parses flags below cli.py: {below}"
+    stray = {m: f for m, f in parsing.items()
+             if m not in FLAG_PARSERS and not m.startswith("loraplex.bench.")}
+    assert not stray, f"parses flags outside cli.py and the tools: {stray}"
+    assert {"loraplex.cli", "loraplex.config_flags"} <= set(parsing)  # the rule sees them
 
 
 def test_backends_stand_apart(graph: dict[str, set[str]]) -> None:

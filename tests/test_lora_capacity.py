@@ -57,8 +57,8 @@ def test_bad_settings_are_refused(kwargs, match):
 
 
 def test_auto_is_the_default_and_the_host_tier_follows_it():
-    cfg = EngineConfig(max_num_seqs=16)
-    assert cfg.max_loras == "auto" and cfg.max_cpu_loras == 32
+    cfg = EngineConfig(max_num_seqs=16)  # the config stays as given; the host tier's size
+    assert cfg.max_loras == "auto" and cfg.max_cpu_loras is None and cfg.host_loras == 32
     assert EngineConfig(max_loras="6").max_loras == 6
 
 

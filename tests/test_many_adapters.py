@@ -129,7 +129,7 @@ def test_thousand_adapters_exact_and_books_balance(tiny_llama, many_adapters, al
     assert engine.lora.slots_in_use == 0 and not engine.requests
     assert all(a.active == 0 and a.running == 0 for a in engine.lora.by_id.values())
     engine.check()
-    assert engine.lora.host_count <= engine.config.max_cpu_loras
+    assert engine.lora.host_count <= engine.resolved.max_cpu_loras  # the default resolved
     longest = 1 + NEW  # one prefill chunk, then NEW decode steps
     assert engine.lora.pool.num_units == 3 * MAX_RANK or caps["max_loras"] == 4
     bound = engine.config.adapter_starvation_steps + longest

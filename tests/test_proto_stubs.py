@@ -32,7 +32,7 @@ def test_grpc_stub_imports_relatively() -> None:
 
 
 def test_contract_names() -> None:
-    """DESIGN.md's service, RPC and field names: renaming any breaks clients."""
+    """docs/contracts.md's service, RPC and field names: renaming any breaks clients."""
     from loraplex.proto import loraplex_pb2 as pb
 
     services = pb.DESCRIPTOR.services_by_name

@@ -1,6 +1,7 @@
 """Errors as OpenAI's body, ``{"error": {"message", "type", "param", "code"}}``, with the HTTP
-status of each gRPC code (DESIGN.md "Status codes", mapped once here): every route raises
-what the gRPC servicers raise, and ``server/status.py``'s ``status_of`` picks the code."""
+status of each gRPC code (docs/contracts.md "Status codes", mapped once here): every route
+raises what the gRPC servicers raise, and ``server/status.py``'s ``status_of`` picks the
+code."""
 
 from __future__ import annotations
 

@@ -1,2 +1,4 @@
 """loraplex on Ray Serve (``loraplex serve --ray``): engine replicas behind Ray Serve's gRPC
-proxy. Importing this package imports ray; the single-process server never does."""
+proxy. Its modules import ray, except options.py (RayOptions: the flags every parser has);
+importing the package itself imports nothing, and the single-process server never imports
+ray."""

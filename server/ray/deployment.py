@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -40,6 +40,7 @@ from grpc_health.v1 import health_pb2
 from ray import serve
 from ray.exceptions import RayActorError
 
+from ...engine.config import EngineConfig
 from ...engine.llm_engine import LLMEngine
 from ...proto import loraplex_pb2 as pb
 from ..adapter_ops import list_adapters
@@ -66,17 +67,20 @@ class StreamAborted(Exception):
     """A stream ends with the status code set on its context (see GenerateStream)."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class ReplicaConfig:
-    """What every replica is built from (pickled to the replicas)."""
+    """What every replica is built from (pickled to the replicas): the one EngineConfig the
+    command built, its ``lora_modules`` the adapters the registry starts with."""
 
-    model: str | None
-    engine_kwargs: dict[str, Any]
+    engine: EngineConfig
     options: ServerOptions
     registry_name: str
     namespace: str
     min_replicas: int = 1  # health is SERVING once this many replicas have joined
-    lora_modules: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def lora_modules(self) -> dict[str, str]:
+        return self.engine.lora_modules
 
 
 class LoraplexReplica:
@@ -86,8 +90,8 @@ class LoraplexReplica:
         self.config = config
         self.options = config.options
         self.replica_id = serve.get_replica_context().replica_id.unique_id
-        self.server = LoraplexServer(config.options, lambda: LLMEngine(
-            config.model, **{**config.engine_kwargs, "lora_modules": config.lora_modules}))
+        self.server = LoraplexServer(config.options,
+                                     lambda: LLMEngine.from_config(config.engine))
         await self.server.load()  # build, start the engine thread, warm up: SERVING
         self.state = self.server.state
         registry = ray.get_actor(config.registry_name, namespace=config.namespace)

@@ -21,7 +21,6 @@ import os
 import socket
 import threading
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import ray
@@ -29,9 +28,11 @@ import torch
 from ray import serve
 from ray.serve.config import HTTPOptions, gRPCOptions
 
+from ...engine.config import EngineConfig
 from ...kernels import backend_name
 from ..options import ServerOptions
 from .deployment import ReplicaConfig, deployment_class
+from .options import RayOptions
 from .registry import AdapterRegistry
 from .registry_store import GcsStore
 from .shutdown import Shutdown
@@ -51,62 +52,6 @@ SERVICER_FUNCTIONS = [
     "loraplex.proto.loraplex_pb2_grpc.add_ServerInfoServicer_to_server",
     "grpc_health.v1.health_pb2_grpc.add_HealthServicer_to_server",
 ]
-
-
-@dataclass
-class RayOptions:
-    """How many replicas, where, with what resources. Either ``num_replicas`` or the
-    autoscaling bounds ``min_replicas``/``max_replicas``; ``replica_gpus`` None means one
-    GPU per replica on CUDA, none on CPU."""
-
-    address: str | None = None  # None: start a local cluster
-    num_replicas: int | None = None
-    min_replicas: int | None = None
-    max_replicas: int | None = None
-    replica_cpus: float = 1.0
-    replica_gpus: float | None = None
-    num_cpus: int | None = None  # logical CPUs of a local cluster (default: the machine's)
-    app_name: str = "loraplex"
-    health_check_period_s: float = 2.0
-
-    def __post_init__(self) -> None:
-        autoscale = self.min_replicas is not None or self.max_replicas is not None
-        if self.num_replicas is not None and autoscale:
-            raise ValueError("give --num-replicas or --min-replicas/--max-replicas, not both")
-        if autoscale:
-            self.min_replicas = 1 if self.min_replicas is None else self.min_replicas
-            self.max_replicas = self.max_replicas or max(self.min_replicas, 1)
-            if not 0 <= self.min_replicas <= self.max_replicas or self.max_replicas < 1:
-                raise ValueError(f"--min-replicas {self.min_replicas} and --max-replicas "
-                                 f"{self.max_replicas} need 0 <= min <= max and max >= 1")
-        elif self.num_replicas is None:
-            self.num_replicas = 1
-        if self.num_replicas is not None and self.num_replicas < 1:
-            raise ValueError(f"--num-replicas {self.num_replicas} must be >= 1")
-        if self.replica_cpus < 0 or (self.replica_gpus or 0) < 0:
-            raise ValueError("--replica-cpus and --replica-gpus must be >= 0")
-
-    @property
-    def serving_replicas(self) -> int:
-        """How many replicas must have joined before health says SERVING."""
-        return self.num_replicas if self.num_replicas is not None else \
-            max(self.min_replicas or 0, 1)
-
-    def deployment_options(self, max_ongoing: int, target_ongoing: int, gpus: float
-                           ) -> dict[str, Any]:
-        opts: dict[str, Any] = {
-            "ray_actor_options": {"num_cpus": self.replica_cpus, "num_gpus": gpus},
-            "max_ongoing_requests": max_ongoing,
-            "health_check_period_s": self.health_check_period_s,
-            "health_check_timeout_s": 30.0,
-        }
-        if self.num_replicas is not None:
-            opts["num_replicas"] = self.num_replicas
-        else:
-            opts["autoscaling_config"] = {
-                "min_replicas": self.min_replicas, "max_replicas": self.max_replicas,
-                "target_ongoing_requests": target_ongoing}
-        return opts
 
 
 def registry_name(app_name: str) -> str:
@@ -144,23 +89,29 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def deploy(options: ServerOptions, ray_options: RayOptions, model: str | None,
-           engine_kwargs: dict[str, Any], lora_modules: dict[str, str]) -> Any:
-    """Create the registry (seeded with ``lora_modules``) and run the deployment behind the
-    gRPC proxy on ``options.port`` (and the HTTP one on ``options.http_port``); returns once
-    every replica is up (warmed up, holding every adapter). Needs ``start_ray`` first."""
+def replica_config(options: ServerOptions, ray_options: RayOptions, engine: EngineConfig
+                   ) -> ReplicaConfig:
+    """What every replica is built from: the command's one EngineConfig, as it was given."""
+    return ReplicaConfig(engine, options, registry_name(ray_options.app_name), NAMESPACE,
+                         ray_options.serving_replicas)
+
+
+def deploy(options: ServerOptions, ray_options: RayOptions, engine: EngineConfig) -> Any:
+    """Create the registry (seeded with ``engine.lora_modules``) and run the deployment behind
+    the gRPC proxy on ``options.port`` (and the HTTP one on ``options.http_port``); returns
+    once every replica is up (warmed up, holding every adapter). Needs ``start_ray`` first."""
     if options.tls:
         raise ValueError("--ssl-* cannot be used with --ray: Ray Serve's gRPC proxy has no "
                          "TLS; terminate TLS in a proxy in front of it")
-    device = str(engine_kwargs.get("device", "auto"))
-    gpus = _replica_gpus(ray_options, device)
-    _prebuild_kernels(device, gpus)
-    name = registry_name(ray_options.app_name)
+    gpus = _replica_gpus(ray_options, engine.device)
+    _prebuild_kernels(engine.device, gpus)
+    config = replica_config(options, ray_options, engine)
+    name = config.registry_name
     _kill_registry(name)
     # Ray restarts the registry if its process dies; it resumes from the store.
     ray.remote(AdapterRegistry).options(
         name=name, namespace=NAMESPACE, lifetime="detached", num_cpus=0,
-        max_concurrency=1000, max_restarts=-1).remote(lora_modules, store=GcsStore(name))
+        max_concurrency=1000, max_restarts=-1).remote(config.lora_modules, store=GcsStore(name))
     http = (HTTPOptions(host=options.host, port=options.http_port)
             if options.http_port is not None else
             HTTPOptions(host="127.0.0.1", port=_free_port()))
@@ -168,22 +119,12 @@ def deploy(options: ServerOptions, ray_options: RayOptions, model: str | None,
                 grpc_options=gRPCOptions(port=options.port,
                                          grpc_servicer_functions=SERVICER_FUNCTIONS,
                                          enable_reflection=True))
-    config = ReplicaConfig(model, {k: v for k, v in engine_kwargs.items()
-                                   if k != "lora_modules"},
-                           options, name, NAMESPACE, ray_options.serving_replicas,
-                           dict(lora_modules))
-    cls = deployment_class(_max_cpu_loras(model, engine_kwargs))
+    # a replica reports holding up to its host tier's size of adapters to Ray's routing
+    cls = deployment_class(engine.host_loras)
     deployment = serve.deployment(cls, name="LoraplexDeployment").options(
         **ray_options.deployment_options(options.max_queue + ADMIN_HEADROOM,
-                                         int(engine_kwargs.get("max_num_seqs") or 32), gpus))
+                                         engine.max_num_seqs, gpus))
     return serve.run(deployment.bind(config), name=ray_options.app_name)
-
-
-def _max_cpu_loras(model: str | None, engine_kwargs: dict[str, Any]) -> int:
-    """Adapters a replica reports holding to Ray's routing: its host tier's size."""
-    from ...engine.config import EngineConfig
-
-    return int(EngineConfig(model=model, **engine_kwargs).max_cpu_loras or 1)
 
 
 def _kill_registry(name: str) -> None:
@@ -207,8 +148,7 @@ def teardown(ray_options: RayOptions) -> None:
             ray.shutdown()
 
 
-def serve_ray(options: ServerOptions, ray_options: RayOptions, model: str | None,
-              engine_kwargs: dict[str, Any], lora_modules: dict[str, str]) -> None:
+def serve_ray(options: ServerOptions, ray_options: RayOptions, engine: EngineConfig) -> None:
     """Run until SIGTERM or SIGINT (handlers installed after ``ray.init``, which replaces
     Python's), then tear down. A signal that comes while the deployment is still starting
     interrupts it; the process exits within the grace period + ``TEARDOWN_S`` either way."""
@@ -219,7 +159,7 @@ def serve_ray(options: ServerOptions, ray_options: RayOptions, model: str | None
     shutdown.install()
     try:
         with shutdown.interruptible():
-            deploy(options, ray_options, model, engine_kwargs, lora_modules)
+            deploy(options, ray_options, engine)
         log.info("listening on 0.0.0.0:%d (Ray Serve gRPC proxy, every interface; --host "
                  "is not honoured there)", options.port)
         if options.http_port is not None:

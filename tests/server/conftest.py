@@ -66,8 +66,10 @@ def slow_steps(engine: LLMEngine, seconds: float) -> Iterator[None]:
         del engine.step
 
 
+# max_lora_rank 16 (the engine's default is 64, as serve's): the bad-input cases load a
+# rank-32 adapter to see it refused
 ENGINE_KW = {"dtype": "float32", "device": "cpu", "max_model_len": 256, "max_num_seqs": 32,
-                 "max_num_batched_tokens": 256}
+             "max_num_batched_tokens": 256, "max_lora_rank": 16}
 
 
 def tiny_engine(model_dir: Path, **overrides: Any) -> LLMEngine:

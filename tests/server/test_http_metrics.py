@@ -5,6 +5,7 @@ fronts, vllm:lora_requests_info naming the adapter of a running request, and
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -160,8 +161,8 @@ def test_adapter_loads_are_timed_by_tier(server: Any, tiny_adapters: Callable[[s
 
 def test_max_queue_counts_both_fronts(server: Any, oai: openai.OpenAI) -> None:
     state = server.server.state
-    limit = state.options.max_queue
-    state.options.max_queue = 1
+    options = state.options  # frozen: the state is given options with one place instead
+    state.options = dataclasses.replace(options, max_queue=1)
     try:
         with running_stream(server, "b"):  # the one place, taken over HTTP
             with server.client() as client, pytest.raises(grpc.RpcError) as info:
@@ -172,5 +173,5 @@ def test_max_queue_counts_both_fronts(server: Any, oai: openai.OpenAI) -> None:
             assert rate.value.response.headers["retry-after"] == "1"
             assert "--max-queue 1" in rate.value.message
     finally:
-        state.options.max_queue = limit
+        state.options = options
     wait_until(lambda: state.in_flight == 0, what="the stream's place freed")

@@ -60,6 +60,7 @@ class RayApp:
 @pytest.fixture(scope="package")
 def ray_app(tiny_llama: Path, tiny_adapters: Callable[[str], Path]) -> Iterator[RayApp]:
     import ray
+    from loraplex.engine.config import EngineConfig
     from loraplex.server.options import ServerOptions
     from loraplex.server.ray.launch import RayOptions, deploy, start_ray, teardown
 
@@ -74,7 +75,8 @@ def ray_app(tiny_llama: Path, tiny_adapters: Callable[[str], Path]) -> Iterator[
           f"{ray_memory_gib():.2f} GiB")
     start = time.perf_counter()
     try:
-        deploy(options, ray_options, str(tiny_llama), dict(ENGINE_KW), modules)
+        deploy(options, ray_options,
+               EngineConfig(model=str(tiny_llama), lora_modules=modules, **ENGINE_KW))
         print(f"[ray] serve.run of 2 replicas: {time.perf_counter() - start:.1f}s; Ray "
               f"processes now hold {ray_memory_gib():.2f} GiB")
         yield RayApp(f"127.0.0.1:{options.port}", f"http://127.0.0.1:{options.http_port}",
