@@ -171,8 +171,18 @@ class AsyncEngine:
             command()
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        """One hand-off per event loop per step, not one per output: the loop's thread wakes
+        once a step, and the GIL changes hands once, however many requests run."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is not None:
-                stream.put(out)
+                by_loop.setdefault(stream.loop, []).append((stream.queue, out))
+        for loop, items in by_loop.items():
+            loop.call_soon_threadsafe(_deliver, items)
+
+
+def _deliver(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+    for queue_, out in items:
+        queue_.put_nowait(out)
 
