@@ -94,10 +94,70 @@ int64_t expand_block_t_vec(const scalar_t* bt, int64_t ld, const float* h, int64
   return n;  // columns done; the caller finishes the rest
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+// Sixteen bfloat16 values widened to floats (exact: a bfloat16 is a float's high half).
+inline __m512 load16(const c10::BFloat16* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(
+      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+
+// expand_block_t_vec for bfloat16 on AVX-512: 32 columns a step in 16-wide vectors; o
+// rounded once on store to nearest even (as c10 rounds).
+template <int CNT>
+int64_t expand_block_t_512(const c10::BFloat16* bt, int64_t ld, const float* h, int64_t r,
+                           int64_t width, c10::BFloat16* const* o) {
+  int64_t n = 0;
+  for (; n + 32 <= width; n += 32) {
+    __m512 acc[CNT][2];
+    for (int q = 0; q < CNT; ++q) acc[q][0] = acc[q][1] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < r; ++k) {
+      const __m512 b0 = load16(bt + k * ld + n);
+      const __m512 b1 = load16(bt + k * ld + n + 16);
+      for (int q = 0; q < CNT; ++q) {
+        const __m512 hq = _mm512_set1_ps(h[q * r + k]);
+        acc[q][0] = _mm512_fmadd_ps(hq, b0, acc[q][0]);
+        acc[q][1] = _mm512_fmadd_ps(hq, b1, acc[q][1]);
+      }
+    }
+    for (int q = 0; q < CNT; ++q)
+      for (int half = 0; half < 2; ++half) {
+        c10::BFloat16* dst = o[q] + n + 16 * half;
+        const __m512 sum = _mm512_add_ps(load16(dst), acc[q][half]);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst),
+                            reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(sum)));
+      }
+  }
+  return n;
+}
+#endif
+
 template <typename scalar_t>
 void expand_block_t(const scalar_t* bt, int64_t ld, const float* h, int64_t r, int64_t cnt,
                     int64_t width, scalar_t* const* o) {
   int64_t n = 0;
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+    switch (cnt) {
+      case 1: n = expand_block_t_512<1>(bt, ld, h, r, width, o); break;
+      case 2: n = expand_block_t_512<2>(bt, ld, h, r, width, o); break;
+      case 3: n = expand_block_t_512<3>(bt, ld, h, r, width, o); break;
+      default: n = expand_block_t_512<4>(bt, ld, h, r, width, o); break;
+    }
+    // the rest (width not a multiple of 32) below, from column n on
+    if (n < width) {
+      c10::BFloat16* rest[kBlock];
+      for (int64_t q = 0; q < cnt; ++q) rest[q] = o[q] + n;
+      int64_t m = 0;
+      switch (cnt) {
+        case 1: m = expand_block_t_vec<scalar_t, 1>(bt + n, ld, h, r, width - n, rest); break;
+        case 2: m = expand_block_t_vec<scalar_t, 2>(bt + n, ld, h, r, width - n, rest); break;
+        case 3: m = expand_block_t_vec<scalar_t, 3>(bt + n, ld, h, r, width - n, rest); break;
+        default: m = expand_block_t_vec<scalar_t, 4>(bt + n, ld, h, r, width - n, rest); break;
+      }
+      n += m;
+    }
+  } else
+#endif
   if constexpr (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, c10::BFloat16>) {
     switch (cnt) {
       case 1: n = expand_block_t_vec<scalar_t, 1>(bt, ld, h, r, width, o); break;
@@ -168,6 +228,28 @@ void shrink_block(const scalar_t* a, int64_t lda, int64_t in, const float* x, in
   }
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+// shrink_block for bfloat16 A and x (x's own rows, in % 32 == 0): h[q * r + k] = a_k · x_q
+// by VDPBF16PS, 32 products a step, each exact in fp32 and summed in fp32 (the same sums
+// as the fp32 form, in another order).
+inline void shrink_block_bf16_512(const c10::BFloat16* a, int64_t lda, int64_t in,
+                                  const c10::BFloat16* const* x, int64_t cnt, int64_t r,
+                                  float* h) {
+  for (int64_t k = 0; k < r; ++k) {
+    const c10::BFloat16* a_k = a + k * lda;
+    __m512 s[kBlock];
+    for (int64_t q = 0; q < cnt; ++q) s[q] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < in; c += 32) {
+      const __m512bh av = reinterpret_cast<__m512bh>(_mm512_loadu_si512(a_k + c));
+      for (int64_t q = 0; q < cnt; ++q)
+        s[q] = _mm512_dpbf16_ps(
+            s[q], av, reinterpret_cast<__m512bh>(_mm512_loadu_si512(x[q] + c)));
+    }
+    for (int64_t q = 0; q < cnt; ++q) h[q * r + k] = _mm512_reduce_add_ps(s[q]);
+  }
+}
+#endif
+
 template <typename scalar_t>
 void add_lora_rows(torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& rows,
                    const torch::Tensor& row_slots, const std::vector<torch::Tensor>& lora_a,
@@ -215,14 +297,28 @@ void add_lora_rows(torch::Tensor& out, const torch::Tensor& x, const torch::Tens
       const int64_t j0 = block_start[blk], cnt = block_start[blk + 1] - j0;
       const int64_t s = slot_p[j0], r = rank_p[i * units + s];
       if (r == 0) continue;
-      if (x_block != blk) {  // the block's x rows in fp32, once per block
-        for (int64_t q = 0; q < cnt; ++q)
-          for (int64_t c = 0; c < in; ++c)
-            xf[q * in + c] = static_cast<float>(x_p[row_p[j0 + q] * ld_x + c]);
-        x_block = blk;
-      }
       if (r * kBlock > (int64_t)h.size()) h.resize(r * kBlock);
-      shrink_block(a_p[i] + s * a_slot_stride[i], lda[i], in, xf.data(), cnt, r, h.data());
+      bool shrunk = false;
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+      if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+        if (in % 32 == 0) {
+          const scalar_t* xs[kBlock];
+          for (int64_t q = 0; q < cnt; ++q) xs[q] = x_p + row_p[j0 + q] * ld_x;
+          shrink_block_bf16_512(a_p[i] + s * a_slot_stride[i], lda[i], in, xs, cnt, r,
+                                h.data());
+          shrunk = true;
+        }
+      }
+#endif
+      if (!shrunk) {
+        if (x_block != blk) {  // the block's x rows in fp32, once per block
+          for (int64_t q = 0; q < cnt; ++q)
+            for (int64_t c = 0; c < in; ++c)
+              xf[q * in + c] = static_cast<float>(x_p[row_p[j0 + q] * ld_x + c]);
+          x_block = blk;
+        }
+        shrink_block(a_p[i] + s * a_slot_stride[i], lda[i], in, xf.data(), cnt, r, h.data());
+      }
       const scalar_t* b = b_p[i] + s * b_slot_stride[i];
       if (r_major[i]) {
         scalar_t* outs[kBlock];
