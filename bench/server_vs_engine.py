@@ -9,7 +9,8 @@ ignored), greedy:
 - offline: ``LLMEngine.generate`` of all 32 at once, in a fresh process;
 - server: a ``loraplex serve`` process (``--max-num-seqs 32``) and 32 concurrent
   ``GenerateStream`` calls from this process, all sent at once.
-Each is the median of ``--rounds`` after one warm-up round. Prints output tok/s, the ratio
+Each is the median of ``--rounds`` after one warm-up round, every round with new prompts
+(no prefix-cache hits). Prints output tok/s, the ratio
 server / offline (target >= 0.9) and how busy the machine's CPUs were during the server's
 rounds (/proc/stat, every process: the server, its client and anything else; target >=
 95 %).
@@ -49,25 +50,30 @@ def names_for(adapters: dict[str, Path]) -> list[str | None]:
 def offline_tps(dtype: str, adapters: dict[str, Path], rounds: int) -> list[float]:
     from .. import LLMEngine, SamplingParams
 
-    prompts = random_prompts(REQUESTS, PROMPT_LEN, vocab=49152, seed=2)
     engine = LLMEngine(model=default_model_dir(), dtype=dtype, max_num_seqs=REQUESTS,
                        max_lora_rank=8, lora_modules={k: str(p) for k, p in adapters.items()})
     params = SamplingParams(temperature=0.0, max_new_tokens=NEW_TOKENS, ignore_eos=True)
     names = names_for(adapters)
-    engine.generate(prompts, params, adapters=names)  # warm-up
+    engine.generate(round_prompts(0), params, adapters=names)  # warm-up
     tps = []
-    for _ in range(rounds):
+    for r in range(1, rounds + 1):
+        prompts = round_prompts(r)
         start = time.perf_counter()
         outs = engine.generate(prompts, params, adapters=names)
         tps.append(sum(len(o.token_ids) for o in outs) / (time.perf_counter() - start))
     return tps
 
 
-async def _server_round(target: str, names: list[str | None]) -> tuple[float, float]:
-    """(output tok/s, CPU busy fraction) of 32 concurrent streams."""
+def round_prompts(r: int) -> list[list[int]]:
+    """Round r's prompts: new ones every round, so that no round hits the prefix cache."""
+    return random_prompts(REQUESTS, PROMPT_LEN, vocab=49152, seed=100 + r)
+
+
+async def _server_round(target: str, names: list[str | None], r: int) -> tuple[float, float]:
+    """(output tok/s, CPU busy fraction) of 32 concurrent streams of round r's prompts."""
     from ..client import AsyncClient
 
-    prompts = random_prompts(REQUESTS, PROMPT_LEN, vocab=49152, seed=2)
+    prompts = round_prompts(r)
     async with AsyncClient(target) as client:
         async def one(prompt: list[int], adapter: str | None) -> int:
             tokens = 0
@@ -90,8 +96,8 @@ def server_tps(dtype: str, adapters: dict[str, Path], rounds: int,
     flags = ["--dtype", dtype, "--max-num-seqs", str(REQUESTS), "--max-lora-rank", "8"]
     names = names_for(adapters)
     with served(default_model_dir(), adapters, log, flags) as target:
-        asyncio.run(_server_round(target, names))  # warm-up
-        results = [asyncio.run(_server_round(target, names)) for _ in range(rounds)]
+        asyncio.run(_server_round(target, names, 0))  # warm-up
+        results = [asyncio.run(_server_round(target, names, r)) for r in range(1, rounds + 1)]
     return [r[0] for r in results], [r[1] for r in results]
 
 
