@@ -59,7 +59,21 @@ SCRIPT = textwrap.dedent("""
     asyncio.run(main())
     report["threads_main_after"] = torch.get_num_threads()
 
+    def settle():
+        # wait until threads that are ending (executors shut down above) are gone, so
+        # that the counts below see only what the measured op starts
+        import time
+        last, same = intra_op.openmp_workers(), 0
+        for _ in range(200):
+            time.sleep(0.05)
+            now = intra_op.openmp_workers()
+            same = same + 1 if now == last else 0
+            last = now
+            if same >= 10:
+                return
+
     def in_new_thread(fn):
+        settle()
         out = {}
         t = threading.Thread(target=lambda: out.update(fn()))
         t.start(); t.join()
