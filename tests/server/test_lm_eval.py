@@ -81,5 +81,7 @@ def test_local_completions_equals_hf_with_peft(server: Any, tiny_llama: Path,
         tasks)
     assert served_acc == hf_acc
     assert len(served) == len(DOCS) and all(len(s) == 3 for s in served)
+    flat = [ll for doc in served for ll in doc]
+    assert all(ll < 0 for ll in flat) and len({round(ll, 3) for ll in flat}) > len(DOCS)
     for mine, theirs in zip(served, oracle):
         assert mine == pytest.approx(theirs, abs=1e-3)

@@ -277,3 +277,51 @@ def test_grpc_stream_names_each_choice(grpc_client: Any) -> None:
         assert "".join(m.text for m in mine) == choice.text
         assert [m.finished for m in mine][-1] and not any(m.finished for m in mine[:-1])
     assert messages[-1].usage.completion_tokens == 6
+
+
+def _token_ids_of(choice: Any) -> list[int]:
+    return [int(t.removeprefix("token_id:")) for t in choice["logprobs"]["tokens"]]
+
+
+def _complete(server: Any, **fields: Any) -> dict:
+    body = {"model": "a", "prompt": PROMPT, "max_tokens": 4, "ignore_eos": True,
+            "logprobs": 0, "return_tokens_as_token_ids": True, **fields}
+    r = httpx.post(f"{server.http_url}/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]
+
+
+def test_processors_reach_the_engine(server: Any, grpc_client: Any) -> None:
+    """min_p, logit_bias, allowed_token_ids, bad_words and the penalties change what is
+    sampled (they are not dropped on the way), and HTTP and gRPC agree on them."""
+    greedy = _token_ids_of(_complete(server, temperature=0))
+    # min_p = 1 keeps only the most likely token: sampling at temperature 1 is greedy
+    assert _token_ids_of(_complete(server, temperature=1.0, seed=3, min_p=1.0)) == greedy
+    forced = next(t for t in range(10, 40) if t not in greedy)
+    assert _token_ids_of(_complete(server, temperature=0, logit_bias={str(forced): 100})) \
+        == [forced] * 4
+    allowed = _token_ids_of(_complete(server, temperature=1.0, seed=4,
+                                      allowed_token_ids=[11, 12]))
+    assert set(allowed) <= {11, 12}
+    banned = server.engine.tokenizer.decode([greedy[0]])
+    assert greedy[0] not in _token_ids_of(_complete(server, temperature=0,
+                                                    bad_words=[banned]))
+    penalties = {"presence_penalty": 1.5, "frequency_penalty": 0.5, "repetition_penalty": 1.3}
+    http = _token_ids_of(_complete(server, temperature=0, max_tokens=8, **penalties))
+    over_grpc = grpc_client.generate(PROMPT, adapter="a", temperature=0.0, max_new_tokens=8,
+                                     ignore_eos=True, **penalties)
+    assert http == list(over_grpc.token_ids)
+    plain = grpc_client.generate(PROMPT, adapter="a", temperature=0.0, max_new_tokens=8,
+                                 ignore_eos=True)
+    assert list(plain.token_ids) != http  # the penalties did something
+
+
+def test_streamed_echo_adds_up_to_the_whole(oai: openai.OpenAI) -> None:
+    kw = {"model": "a", "prompt": PROMPT, "echo": True, "logprobs": 1, "max_tokens": 3,
+          **GREEDY, "extra_body": IGNORE_EOS}
+    whole = oai.completions.create(**kw).choices[0]
+    chunks = [c.choices[0] for c in oai.completions.create(stream=True, **kw) if c.choices]
+    assert "".join(c.text for c in chunks) == whole.text
+    for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+        assert [x for c in chunks for x in getattr(c.logprobs, name)] == \
+            getattr(whole.logprobs, name), name
