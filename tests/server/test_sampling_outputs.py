@@ -155,10 +155,24 @@ def test_chat_logprobs_and_top_logprobs(server: Any, oai: openai.OpenAI,
     assert plain.choices[0].message.content == r.choices[0].message.content
 
 
+def _counters(server: Any) -> tuple[float, float, float]:
+    """vLLM's counters: finished requests (length), prompt tokens, generated tokens."""
+    state = server.server.state
+    get, name = state.metrics.registry.get_sample_value, {"model_name": state.model_name}
+    return (get("vllm:request_success_total", {**name, "finished_reason": "length"}) or 0.0,
+            get("vllm:prompt_tokens_total", name) or 0.0,
+            get("vllm:generation_tokens_total", name) or 0.0)
+
+
 def test_n_choices_and_their_usage(server: Any, oai: openai.OpenAI, grpc_client: Any) -> None:
     kw = {"model": "a", "prompt": PROMPT, "max_tokens": 6, "temperature": 1.0, "seed": 7,
           "extra_body": IGNORE_EOS}
+    before = _counters(server)
     r = oai.completions.create(n=3, **kw)
+    after = _counters(server)
+    # one request, its prompt once, every choice's tokens (vLLM's counting)
+    assert (after[0] - before[0], after[1] - before[1], after[2] - before[2]) == \
+        (1, len(_ids(server, PROMPT)), 18)
     assert [c.index for c in r.choices] == [0, 1, 2]
     assert r.usage.prompt_tokens == len(_ids(server, PROMPT))  # the prompt once
     assert r.usage.completion_tokens == 18
