@@ -146,3 +146,15 @@ def test_unknown_names_are_ignored_with_a_warning(server: Any, plain: dict[bool,
     warned = [rec.getMessage() for rec in caplog.records
               if rec.name == "loraplex.server.http.fields"]
     assert any("frobnicate" in m and "zz_extra" in m for m in warned), warned
+
+
+def test_grpc_neutral_values_change_nothing(server: Any) -> None:
+    """gRPC takes the same neutral values (its unset fields mean the same defaults)."""
+    kw = {"max_new_tokens": 4, "temperature": 0.0, "ignore_eos": True}
+    neutral = {"n": 1, "presence_penalty": 0.0, "frequency_penalty": 0.0,
+               "repetition_penalty": 1.0, "min_p": 0.0, "logit_bias": {}, "top_k": -1}
+    with server.client() as c:
+        plain = c.generate("the cat", **kw)
+        same = c.generate("the cat", **kw, **neutral)
+    assert list(same.token_ids) == list(plain.token_ids)
+    assert [ch.index for ch in same.choices] == [0]
