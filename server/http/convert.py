@@ -33,7 +33,8 @@ def sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: int |
         max_new_tokens=max_tokens, min_new_tokens=req.min_tokens,
         stop=[req.stop] if isinstance(req.stop, str) else list(req.stop or []),
         stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos,
-        n=req.n, logprobs=logprobs, prompt_logprobs=req.prompt_logprobs,
+        n=1 if req.n is None else req.n, logprobs=logprobs,
+        prompt_logprobs=req.prompt_logprobs,
         logit_bias=_logit_bias(req.logit_bias), allowed_token_ids=req.allowed_token_ids,
         bad_words=req.bad_words or None, **given)
 
@@ -112,7 +113,7 @@ def completion_input(req: CompletionRequest, tokenizer: Any | None, max_model_le
                                       else (None, prompt)))
     ids = _token_ids(tokenizer, ids) if isinstance(ids, str) else ids
     _check_max_tokens("max_tokens", req.max_tokens, ids, max_model_len)
-    echo_only = req.echo and req.max_tokens == 0
+    echo_only = bool(req.echo) and req.max_tokens == 0
     # vLLM: echo brings the prompt's logprobs (as many as asked per generated token)
     prompt_logprobs = req.prompt_logprobs
     if req.echo and req.logprobs is not None and prompt_logprobs is None:

@@ -36,7 +36,7 @@ class SamplingFields(RequestBody):
     top_p: float | None = None
     seed: Annotated[int, Field(ge=0)] | None = None
     stop: Stop = None
-    n: int = 1  # checked by the engine (>= 1, <= max_num_seqs), as over gRPC
+    n: int | None = 1  # checked by the engine (>= 1, <= max_num_seqs), as over gRPC
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = None
@@ -59,7 +59,7 @@ class CompletionRequest(SamplingFields):
     prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
     # OpenAI's and vLLM's default; 0 only with echo (the prompt alone comes back)
     max_tokens: Annotated[int, Field(ge=0)] | None = 16
-    echo: bool = False
+    echo: bool | None = False
     logprobs: int | None = None  # top-k per token (0 = the token's own); vLLM: -1 = all
     best_of: int | None = None
 
@@ -85,7 +85,7 @@ class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage]
     max_tokens: Annotated[int, Field(ge=1)] | None = None  # None: up to max_model_len
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
-    logprobs: bool = False
+    logprobs: bool | None = False
     top_logprobs: int | None = None  # with logprobs: the k most likely per token
 
 

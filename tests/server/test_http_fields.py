@@ -136,6 +136,11 @@ def test_neutral_values_are_accepted_and_change_nothing(server: Any, plain: dict
         assert text == plain[chat], name
     r = _post(server, chat, NEUTRAL[chat])  # all at once
     assert r.status_code == 200, r.text
+    nulls = {name: None for name in ("n", "logprobs", "echo", "presence_penalty", "min_p",
+                                     "logit_bias", "stop", "seed", "top_k",
+                                     "repetition_penalty", "response_format", "tools")}
+    r = _post(server, chat, nulls)  # clients that send every field, unset as null
+    assert r.status_code == 200, r.text
 
 
 def test_unknown_names_are_ignored_with_a_warning(server: Any, plain: dict[bool, str],
