@@ -339,3 +339,26 @@ def test_streamed_echo_adds_up_to_the_whole(oai: openai.OpenAI) -> None:
     for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
         assert [x for c in chunks for x in getattr(c.logprobs, name)] == \
             getattr(whole.logprobs, name), name
+
+
+def test_async_client_passes_the_fields_through(server: Any, grpc_client: Any) -> None:
+    import asyncio
+
+    from loraplex.client import AsyncClient
+
+    kw = {"adapter": "a", "n": 2, "max_new_tokens": 3, "temperature": 1.0, "seed": 2,
+          "ignore_eos": True, "logprobs": 1, "presence_penalty": 0.5, "min_p": 0.05,
+          "logit_bias": {7: -5.0}}
+
+    async def run() -> tuple[Any, list]:
+        async with AsyncClient(server.target) as c:
+            whole = await c.generate(PROMPT, **kw)
+            return whole, [m async for m in c.generate_stream(PROMPT, **kw)]
+
+    whole, messages = asyncio.run(run())
+    sync = grpc_client.generate(PROMPT, **kw)
+    assert [c.text for c in whole.choices] == [c.text for c in sync.choices]
+    assert [len(c.logprobs) for c in whole.choices] == [3, 3]
+    for choice in whole.choices:
+        mine = [m for m in messages if m.index == choice.index]
+        assert [lp for m in mine for lp in m.logprobs] == list(choice.logprobs)
