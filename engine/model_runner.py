@@ -14,7 +14,7 @@ from transformers import PretrainedConfig
 from ..kernels.backend import KernelBackend
 from ..kernels.step_metadata import AttentionMetadata, StepMetadata
 from .config import DEFAULT_CPU_KV_BYTES, EngineConfig
-from .logprob_ops import mode_values, token_logprobs
+from .logprob_ops import token_logprobs
 from .models.llama import LlamaForCausalLM, head_dim_of, kv_heads_of
 from .sampler import Sampler, SamplerOutput
 from .scheduler import ScheduledBatch
@@ -196,8 +196,8 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[row + off: row + off + m])
             targets = torch.tensor(prompt[first + off + 1: first + off + m + 1],
                                    dtype=torch.int64, device=self.device)
-            values = mode_values(logits, self.sampler.mode_kind)
-            seq.prompt_logprobs.extend(token_logprobs(values, targets, [k] * m))
+            seq.prompt_logprobs.extend(token_logprobs(logits, targets, [k] * m,
+                                                      self.sampler.mode_kind))
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy the KV of block src into block dst, in every layer (copy on write)."""

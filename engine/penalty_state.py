@@ -64,14 +64,19 @@ class PenaltyState:
 
 
 def apply_penalties(logits: torch.Tensor, counts: torch.Tensor, in_prompt: torch.Tensor,
-                    repetition: torch.Tensor, frequency: torch.Tensor, presence: torch.Tensor
-                    ) -> torch.Tensor:
-    """logits: [R, vocab]; counts [R, vocab] int32; in_prompt [R, vocab] bool; the rest [R].
-    Repetition over prompt + generated tokens (transformers' RepetitionPenaltyLogitsProcessor:
-    a positive logit divided by the penalty, a negative one multiplied), then OpenAI's
-    ``logit - frequency × count - presence × (count > 0)`` over generated tokens."""
+                    repetition: torch.Tensor | None, frequency: torch.Tensor | None,
+                    presence: torch.Tensor | None) -> torch.Tensor:
+    """logits: [R, vocab]; counts [R, vocab] int32; in_prompt [R, vocab] bool; the rest [R]
+    or None where no row uses it. Repetition over prompt + generated tokens (transformers'
+    RepetitionPenaltyLogitsProcessor: a positive logit divided by the penalty, a negative
+    one multiplied), then OpenAI's ``logit - frequency × count - presence × (count > 0)``
+    over generated tokens."""
     generated = counts > 0
-    seen = generated | in_prompt
-    rep = torch.where(seen, repetition.unsqueeze(1), 1.0)
-    logits = torch.where(logits < 0, logits * rep, logits / rep)
-    return logits - frequency.unsqueeze(1) * counts - presence.unsqueeze(1) * generated
+    if repetition is not None:
+        rep = torch.where(generated | in_prompt, repetition.unsqueeze(1), 1.0)
+        logits = torch.where(logits < 0, logits * rep, logits / rep)
+    if frequency is not None:
+        logits = logits - frequency.unsqueeze(1) * counts
+    if presence is not None:
+        logits = logits - presence.unsqueeze(1) * generated
+    return logits

@@ -3,12 +3,13 @@ device (nano-vllm's layers/sampler.py, vLLM V1's sample/sampler.py).
 
 In order: allowed-token and banned-token masks (min_new_tokens, bad words), logit bias,
 penalties (counts on the device: PenaltyState), then greedy rows take the argmax; the others
-take temperature, min-p, top-k and top-p, and an exponential race (= Gumbel-max) on the
-resulting distribution. Only the chosen ids, the finite flags and the requested logprobs
+take temperature, min-p, top-k and top-p, and an inverse-CDF draw from the resulting
+distribution (one uniform a row: far cheaper on a CPU than a vocabulary of exponentials).
+Only the chosen ids, the finite flags and the requested logprobs
 go to the host.
 
-A seeded sequence draws its noise from its own generator, advanced once per token, so it
-gets the same tokens alone or inside any batch; the others share the engine's generator.
+A seeded sequence draws its uniform from its own generator, advanced once per token, so
+it gets the same tokens alone or inside any batch; the others share the engine's generator.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from ..kernels.backend import KernelBackend
-from .logprob_ops import mode_values, token_logprobs
+from .logprob_ops import token_logprobs
 from .logprobs import TokenLogprob
 from .penalty_state import PenaltyState, apply_penalties
 from .sampling_batch import SamplingBatch, build_batch
@@ -100,21 +101,21 @@ class Sampler:
             self.penalties = PenaltyState(logits.shape[-1], logits.device)
         lp_rows = torch.tensor(batch.logprob_rows, dtype=torch.int64, device=logits.device)
         raw = None if self.processed or not batch.logprob_rows else \
-            mode_values(logits.index_select(0, lp_rows), self.mode_kind)
+            logits.index_select(0, lp_rows)  # a copy: processing works in place
         x = self._process(logits, batch)
         tokens = self.kernels.argmax_rows(x)
         if not batch.all_greedy:
             x = self._warp(x, batch)
-            tokens = torch.where(batch.greedy, tokens, self._race(x, seqs, batch))
+            tokens = torch.where(batch.greedy, tokens, self._draw(x, seqs))
         if batch.penalties is not None and self.penalties is not None:
             pen_seqs, rs = batch.penalties[0], batch.penalties[1]
             self.penalties.add(self.penalties.rows_of(pen_seqs), tokens[rs.rows], ok[rs.rows])
         logprobs: list[TokenLogprob | None] = [None] * len(seqs)
         if batch.logprob_rows:
-            values = raw if raw is not None else \
-                mode_values(x.index_select(0, lp_rows), self.mode_kind)
+            values = raw if raw is not None else x.index_select(0, lp_rows)
             for i, lp in zip(batch.logprob_rows, token_logprobs(
-                    values, tokens.index_select(0, lp_rows), batch.logprob_ks)):
+                    values, tokens.index_select(0, lp_rows), batch.logprob_ks,
+                    self.mode_kind)):
                 logprobs[i] = lp
         return SamplerOutput([t if good else None for t, good in
                               zip(tokens.tolist(), ok.tolist())], logprobs)
@@ -154,17 +155,21 @@ class Sampler:
             _on_rows(x, rows, apply_top_k_top_p, k, p)
         return x
 
-    def _race(self, x: torch.Tensor, seqs: list[Sequence], batch: SamplingBatch
-              ) -> torch.Tensor:
-        """Exponential race on softmax(x): argmax(p / q), q ~ Exp(1) per token."""
+    def _draw(self, x: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """One token per row from softmax(x) by inverse CDF: one uniform u per row (a
+        seeded row's from its own generator), the first token whose float64 cumulative
+        probability passes u × the total. A token of probability 0 is never drawn."""
         probs = x.softmax(dim=-1)
-        q = torch.empty_like(probs)
+        u = torch.empty(len(seqs), 1, dtype=torch.float64, device=x.device)
         seeded = [i for i, s in enumerate(seqs) if s.params.seed is not None]
         if len(seeded) < len(seqs):
-            q.exponential_(generator=self.generator)
+            u.uniform_(generator=self.generator)
         for i in seeded:  # one draw per seeded row from its own generator
-            q[i].exponential_(generator=self._generator(seqs[i]))
-        return (probs / q).argmax(dim=-1)
+            u[i].uniform_(generator=self._generator(seqs[i]))
+        cdf = probs.to(torch.float64).cumsum_(dim=-1)
+        idx = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp_(max=x.shape[-1] - 1)
+        zero = probs.gather(1, idx) == 0  # u × total rounded up to the total: rare
+        return torch.where(zero, probs.argmax(dim=-1, keepdim=True), idx).squeeze(1)
 
     def _generator(self, seq: Sequence) -> torch.Generator:
         gen = self.seeded.get(seq.seq_id)

@@ -32,7 +32,9 @@ class SamplingBatch:
     top_k: tuple[RowSet, torch.Tensor] | None  # [R] int64 in [1, vocab]
     top_p: tuple[RowSet, torch.Tensor] | None  # [R] float32 in (0, 1)
     min_p: tuple[RowSet, torch.Tensor] | None  # [R] float32 in (0, 1]
-    penalties: tuple[list[Sequence], RowSet, torch.Tensor, torch.Tensor, torch.Tensor] | None
+    # (seqs, rows, repetition, frequency, presence); a penalty no row uses is None
+    penalties: tuple[list[Sequence], RowSet, torch.Tensor | None, torch.Tensor | None,
+                     torch.Tensor | None] | None
     bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # rows, token ids, values
     banned: tuple[torch.Tensor, torch.Tensor] | None  # rows, token ids -> -inf
     allowed: tuple[RowSet, torch.Tensor] | None  # [R, vocab] bool: True = may be sampled
@@ -42,6 +44,13 @@ class SamplingBatch:
 
 def _rowset(index: list[int], device: torch.device) -> RowSet:
     return RowSet(torch.tensor(index, dtype=torch.int64, device=device), index)
+
+
+def _used(values: list[float], neutral: float, device: torch.device) -> torch.Tensor | None:
+    """A penalty's per-row values, or None when every row has it off."""
+    if all(v == neutral for v in values):
+        return None
+    return torch.tensor(values, dtype=torch.float32, device=device)
 
 
 def banned_tokens(seq: Sequence) -> list[int]:
@@ -93,9 +102,9 @@ def build_batch(seqs: list[Sequence], vocab: int, device: torch.device) -> Sampl
         min_p=(_rowset(m_rows, device), torch.tensor([params[i].min_p for i in m_rows], **f32))
         if m_rows else None,
         penalties=([seqs[i] for i in pen_rows], _rowset(pen_rows, device),
-                   torch.tensor([params[i].repetition_penalty for i in pen_rows], **f32),
-                   torch.tensor([params[i].frequency_penalty for i in pen_rows], **f32),
-                   torch.tensor([params[i].presence_penalty for i in pen_rows], **f32))
+                   _used([params[i].repetition_penalty for i in pen_rows], 1.0, device),
+                   _used([params[i].frequency_penalty for i in pen_rows], 0.0, device),
+                   _used([params[i].presence_penalty for i in pen_rows], 0.0, device))
         if pen_rows else None,
         bias=(torch.tensor([b[0] for b in bias], dtype=torch.int64, device=device),
               torch.tensor([b[1] for b in bias], dtype=torch.int64, device=device),

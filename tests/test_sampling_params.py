@@ -59,3 +59,18 @@ def test_engine_checks_name_the_field(engine: LLMEngine, fields: dict, named: st
         engine.add_request([5, 6, 7], SamplingParams(**fields))
     assert named in str(info.value)
     assert not engine.requests and engine.block_manager.num_used_blocks == 0
+
+
+def test_the_engine_honours_bias_masks_and_bad_words(engine: LLMEngine) -> None:
+    cat = engine.tokenizer.convert_tokens_to_ids("cat")
+    greedy = {"temperature": 0.0, "max_new_tokens": 4, "min_new_tokens": 4}
+    forced = engine.generate([[5, 6, 7]], SamplingParams(**greedy, logit_bias={cat: 100.0}))
+    assert forced[0].token_ids == [cat] * 4
+    banned = engine.generate([[5, 6, 7]], SamplingParams(**greedy, logit_bias={cat: 100.0},
+                                                          bad_words=["cat"]))
+    assert cat not in banned[0].token_ids
+    allowed = engine.generate([[5, 6, 7]], SamplingParams(
+        temperature=1.0, seed=0, max_new_tokens=6, min_new_tokens=6,
+        allowed_token_ids=[40, 41]))
+    assert set(allowed[0].token_ids) <= {40, 41}
+    assert engine.block_manager.num_used_blocks == 0
