@@ -14,12 +14,14 @@ _EXPORTS = {
     "LLMEngine": ".engine.llm_engine",
     "RequestOutput": ".engine.output_processor",
     "SamplingParams": ".engine.sampling_params",
+    "TokenLogprob": ".engine.logprobs",
 }
 __all__ = list(_EXPORTS)
 
 if TYPE_CHECKING:
     from .engine.config import EngineConfig as EngineConfig
     from .engine.llm_engine import LLMEngine as LLMEngine
+    from .engine.logprobs import TokenLogprob as TokenLogprob
     from .engine.output_processor import RequestOutput as RequestOutput
     from .engine.sampling_params import SamplingParams as SamplingParams
 

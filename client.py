@@ -7,8 +7,11 @@
 
 Every Inference call also sends the adapter name as ``multiplexed_model_id`` metadata, so
 that Ray Serve (``loraplex serve --ray``) routes it to a replica already holding the adapter;
-a single server ignores it. Readiness probe: ``python -m loraplex.client health --server HOST:PORT`` exits 0 only when
-the server reports SERVING. Tokens go out as ``authorization: Bearer <token>``: ``api_token``
+a single server ignores it. The sampling keywords (``n``, ``logprobs``,
+``prompt_logprobs``, penalties, ``logit_bias``, ``min_p``, ...) are client_requests.py's.
+With ``n`` > 1, ``generate`` returns every choice in ``.choices`` and each stream message
+names the choice it extends (``.index``). Readiness probe: ``python -m loraplex.client
+health --server HOST:PORT`` exits 0 only when the server reports SERVING. Tokens go out as ``authorization: Bearer <token>``: ``api_token``
 on Inference and ServerInfo, ``admin_token`` on AdapterAdmin.
 """
 
@@ -18,7 +21,7 @@ import argparse
 import re
 import sys
 import time
-from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -26,6 +29,7 @@ from typing import TYPE_CHECKING
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from .client_requests import generate_request, sampling_params  # noqa: F401  (re-exported)
 from .proto import loraplex_pb2 as pb
 from .proto import loraplex_pb2_grpc as pb_grpc
 
@@ -38,34 +42,6 @@ MULTIPLEXED_MODEL_ID = "multiplexed_model_id"
 # valid header values; any other name goes without the metadata, and the server refuses it.
 _ROUTABLE_NAME = re.compile(r"[A-Za-z0-9._:/-]{1,128}")
 Pem = bytes | str | Path | None  # PEM bytes, or the path of a PEM file
-
-
-def sampling_params(temperature: float | None = None, top_p: float | None = None,
-                    top_k: int | None = None, seed: int | None = None,
-                    max_new_tokens: int | None = None, min_new_tokens: int = 0,
-                    stop: Sequence[str] = (), stop_token_ids: Sequence[int] = (),
-                    ignore_eos: bool = False) -> pb.SamplingParams:
-    """A SamplingParams message; None leaves a field unset (the model's default)."""
-    msg = pb.SamplingParams(min_new_tokens=min_new_tokens, stop=list(stop),
-                            stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos)
-    for name, value in (("temperature", temperature), ("top_p", top_p), ("top_k", top_k),
-                        ("seed", seed), ("max_new_tokens", max_new_tokens)):
-        if value is not None:
-            setattr(msg, name, value)
-    return msg
-
-
-def generate_request(prompt: str | None = None, *, prompt_token_ids: Sequence[int] | None = None,
-                     adapter: str = "", request_id: str = "", apply_chat_template: bool = False,
-                     messages: Sequence[Mapping[str, str]] | None = None,
-                     **sampling: object) -> pb.GenerateRequest:
-    """``messages`` ({"role", "content"} dicts, as OpenAI's) go through the chat template:
-    the way to prompt an Instruct model."""
-    turns = [pb.ChatMessage(role=m["role"], content=m["content"]) for m in messages or ()]
-    return pb.GenerateRequest(
-        request_id=request_id, adapter=adapter, prompt=prompt or "",
-        prompt_token_ids=list(prompt_token_ids or ()), apply_chat_template=apply_chat_template,
-        messages=turns, params=sampling_params(**sampling))  # type: ignore[arg-type]
 
 
 def _pem(value: Pem) -> bytes | None:

@@ -1,9 +1,11 @@
 """AsyncEngine: the engine loop on its own thread; asyncio callers get a stream per request.
 
-Only the engine thread touches the LLMEngine, but for its two thread-safe doors
-(``tokenize``, ``prefetch_adapter``). Callers hand it work through a command queue (new
-requests, aborts, admin calls) and receive RequestOutputs through asyncio queues fed with
-``call_soon_threadsafe``.
+Only the engine thread touches the LLMEngine, but for its thread-safe doors
+(``make_sequence``, run by the RequestProcessor's thread, and ``prefetch_adapter``). Callers
+hand it work through a command queue (new requests, aborts, admin calls) and receive
+RequestOutputs through asyncio queues fed with ``call_soon_threadsafe``. A request's
+tokenization and checks run on the RequestProcessor's thread: neither the caller's event
+loop nor the engine thread waits on them.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Any
 from .errors import EngineDeadError, InvalidRequestError
 from .llm_engine import LLMEngine, Prompt
 from .output_processor import RequestOutput
+from .request_processor import RequestProcessor
 from .sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -46,6 +49,7 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._loop, name="loraplex-engine", daemon=True)
         self.error: BaseException | None = None  # set when the loop died
         self.on_death: Callable[[BaseException], None] | None = None
+        self.processor = RequestProcessor()  # tokenizing and checks, off loop and engine
 
     # ---- lifecycle ----------------------------------------------------------------------
     @classmethod
@@ -72,6 +76,7 @@ class AsyncEngine:
         self._go.set()
         if self._thread.is_alive():
             self._thread.join(timeout)
+        self.processor.shutdown()
 
     @property
     def alive(self) -> bool:
@@ -104,24 +109,29 @@ class AsyncEngine:
     async def generate(self, prompt: Prompt, params: SamplingParams | None = None,
                        adapter: str | None = None, request_id: str | None = None
                        ) -> AsyncIterator[RequestOutput]:
-        """Yield the request's RequestOutputs as tokens arrive; the last one is finished.
-        Leaving early (cancel, deadline, aclose) aborts the request and frees its blocks."""
+        """Yield the request's RequestOutputs as tokens arrive. With ``params.n`` > 1 the
+        outputs of choices 0..n-1 interleave (``RequestOutput.index``), each choice ending
+        with its own finished output; the stream ends once every choice has finished.
+        Leaving early (cancel, deadline, aclose) aborts every choice and frees its blocks."""
         rid = request_id or f"req-{uuid.uuid4().hex}"
         if rid in self._streams:
             raise InvalidRequestError(f"request_id {rid!r} is already in use")
-        ids = self.engine.tokenize(prompt)  # tokenizing stays off the engine thread
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
-        self._streams[rid] = stream
+        self._streams[rid] = stream  # the id is taken from here on
         finished = False
+        choices_left = params.n if params is not None else 1
         self.engine.prefetch_adapter(adapter)  # the read overlaps the step in progress
         try:
-            await self.run(lambda e: e.add_request(ids, params, adapter, rid))
+            # tokenized and checked on the processor's thread: off this loop and the engine's
+            seq = await self.processor.sequence(self.engine, prompt, params, adapter, rid)
+            await self.run(lambda e: e.add_sequence(seq))
             while not finished:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):
                     finished = True
                     raise item
-                finished = item.finished
+                choices_left -= item.finished
+                finished = choices_left == 0
                 yield item
         finally:
             self._streams.pop(rid, None)

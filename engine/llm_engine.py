@@ -9,8 +9,6 @@ from collections.abc import Callable, Iterable
 from collections.abc import Sequence as Seq
 from pathlib import Path
 
-from tqdm import tqdm
-
 from ..kernels import intra_op
 from ..lora.cache import AdapterCache
 from ..lora.cached_adapter import AdapterInfo
@@ -26,11 +24,13 @@ from ..lora.rank_pool import RankPool
 from ..lora.slots import SlotBuffers
 from .base_model import BaseModel, load_base_model
 from .block_manager import BlockManager
+from .choices import choices_to_fork, report_choices, run_to_completion
 from .config import EngineConfig
 from .errors import AdapterNotFoundError, InvalidRequestError
 from .lora_capacity import LoRACapacity
 from .model_runner import ModelRunner, num_kv_blocks
 from .output_processor import OutputProcessor, RequestOutput
+from .request_checks import check_sampling, check_vocab, tokenize_bad_words
 from .resolved_config import resolve_config
 from .sampling_params import SamplingParams
 from .scheduler import ScheduledBatch, Scheduler
@@ -77,7 +77,7 @@ class LLMEngine:
                                    cfg.max_num_batched_tokens, self.lora,
                                    cfg.adapter_starvation_steps)
         self.outputs = OutputProcessor(self.tokenizer)
-        self.requests: dict[str, Sequence] = {}
+        self.requests: dict[str, list[Sequence]] = {}  # request id -> its live choices
         self._ids = itertools.count()
         for name, path in cfg.lora_modules.items():
             self.add_adapter(name, path, preloaded=True)
@@ -124,6 +124,9 @@ class LLMEngine:
                 f"{len(ids)} tokens and max_model_len is {self.max_model_len}, so at most "
                 f"{max_new} new tokens")
         self._check_vocab(params.stop_token_ids, "stop_token_ids")
+        vocab = self.base.hf_config.vocab_size
+        check_sampling(params, self.config, vocab)
+        bad_words_ids = tokenize_bad_words(self.tokenizer, params.bad_words, vocab)
         params.max_new_tokens = max_new
         if params.temperature is None:
             params.temperature = 1.0
@@ -132,7 +135,7 @@ class LLMEngine:
             request_id=request_id if request_id is not None else f"req-{next(self._ids)}",
             prompt_token_ids=ids, params=params, adapter_name=adapter or None,
             adapter_id=adapter_id, eos_token_ids=self.base.eos_token_ids,
-            max_tokens=len(ids) + max_new,
+            max_tokens=len(ids) + max_new, bad_words_ids=bad_words_ids,
         )
 
     def _check_prompt(self, ids: list[int]) -> None:
@@ -145,11 +148,7 @@ class LLMEngine:
                 f"prompt may have at most {self.max_model_len - 1}")
 
     def _check_vocab(self, ids: list[int], what: str) -> None:
-        vocab = self.base.hf_config.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise InvalidRequestError(
-                f"{what} holds token id {bad[0]}, out of range: ids must be in [0, {vocab})")
+        check_vocab(ids, what, self.base.hf_config.vocab_size)
 
     def is_base_model(self, name: str | None) -> bool:
         """Whether ``name`` names the base model: empty, None, or the served model name."""
@@ -171,7 +170,7 @@ class LLMEngine:
             if seq.adapter_id not in self.lora.by_id:
                 raise AdapterNotFoundError(f"adapter {seq.adapter_name!r} was unloaded")
             self.lora.request_started(seq.adapter_id)
-        self.requests[seq.request_id] = seq
+        self.requests[seq.request_id] = [seq]
         self.scheduler.add(seq)
         return seq.request_id
 
@@ -180,19 +179,24 @@ class LLMEngine:
         return self.add_sequence(self.make_sequence(prompt, params, adapter, request_id))
 
     def abort(self, request_id: str) -> bool:
-        """Stop a request at once and free its KV blocks; False if it was not running."""
-        seq = self.requests.get(request_id)
-        if seq is None or seq.is_finished:
+        """Stop every choice of a request and free their KV blocks; False if none runs."""
+        choices = self.requests.get(request_id)
+        if not choices:
             return False
-        self._finish(seq, "abort")
+        for seq in list(choices):
+            self._finish(seq, "abort")
         return True
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         self.scheduler.finish(seq, reason)
-        self.runner.sampler.forget(seq.request_id)
-        self.requests.pop(seq.request_id, None)
-        if seq.adapter_id:
-            self.lora.request_done(seq.adapter_id)
+        self.runner.sampler.forget(seq.seq_id)
+        choices = self.requests.get(seq.request_id, [])
+        if seq in choices:
+            choices.remove(seq)
+        if not choices:  # the request's last live choice
+            self.requests.pop(seq.request_id, None)
+            if seq.adapter_id:
+                self.lora.request_done(seq.adapter_id)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0
@@ -204,16 +208,21 @@ class LLMEngine:
         if batch.empty:  # requests wait on adapter reads: block briefly rather than spin
             self.lora.wait_for_loads(0.01)
             return outputs
-        seqs, tokens = self.runner.run(batch, self._adapter_slots(batch))
+        batch.forks = choices_to_fork(batch)
+        seqs, sampled = self.runner.run(batch, self._adapter_slots(batch))
         self.scheduler.postprocess(batch)
+        for parent_id, children in batch.forks.items():
+            parent = next(s for s in seqs if s.seq_id == parent_id)
+            self.runner.copy_blocks(self.scheduler.fork(parent, children))
+            self.requests[parent.request_id] += children
         if self.config.debug_checks:
             self.check()
-        for seq, token in zip(seqs, tokens):
+        for seq, token, logprob in zip(seqs, sampled.tokens, sampled.logprobs):
             reason = self._fail_non_finite(seq) if token is None else \
-                self.outputs.append(seq, token)
+                self.outputs.append(seq, token, logprob)
             if reason is not None:
                 self._finish(seq, reason)
-            outputs.append(self.outputs.report(seq))
+            outputs += report_choices(self.outputs, seq)
         return outputs
 
     @staticmethod
@@ -224,26 +233,21 @@ class LLMEngine:
         return "error"
 
     def generate(self, prompts: Seq[Prompt], params: SamplingParams | Seq[SamplingParams] | None
-                 = None, adapters: Seq[str | None] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
-        """Run ``prompts`` to completion (one adapter per prompt, None = base model)."""
-        n = len(prompts)
-        params_list = list(params) if isinstance(params, Seq) else [params] * n
-        adapter_list = list(adapters) if adapters is not None else [None] * n
-        if len(params_list) != n or len(adapter_list) != n:
+                 = None, adapters: Seq[str | None] | None = None, use_tqdm: bool = False
+                 ) -> list[RequestOutput | list[RequestOutput]]:
+        """Run ``prompts`` to completion (one adapter per prompt, None = base model). One
+        finished RequestOutput per prompt; for a prompt whose params have n > 1, the list of
+        its n finished choices, in index order."""
+        count = len(prompts)
+        params_list = list(params) if isinstance(params, Seq) else [params] * count
+        adapter_list = list(adapters) if adapters is not None else [None] * count
+        if len(params_list) != count or len(adapter_list) != count:
             raise InvalidRequestError("params and adapters must have one entry per prompt")
         seqs = [self.make_sequence(p, sp, a) for p, sp, a in zip(prompts, params_list,
                                                                     adapter_list)]
         for seq in seqs:
             self.add_sequence(seq)
-        done: dict[str, RequestOutput] = {}
-        with tqdm(total=n, disable=not use_tqdm, desc="generating") as bar:
-            while len(done) < n:
-                for out in self.step():
-                    if out.finished:
-                        done[out.request_id] = out
-                        bar.update(1)
-        return [done[s.request_id] for s in seqs]
+        return run_to_completion(self.step, seqs, use_tqdm)
 
     def _fail_broken_adapters(self) -> list[RequestOutput]:
         """Waiting requests whose adapter could not be reloaded from disk end with an error."""
@@ -253,7 +257,7 @@ class LLMEngine:
             if error:
                 seq.error = error
                 self._finish(seq, "error")
-                outputs.append(self.outputs.report(seq))
+                outputs += report_choices(self.outputs, seq)
         return outputs
 
     def _adapter_slots(self, batch: ScheduledBatch) -> dict[int, int]:
@@ -311,6 +315,8 @@ class LLMEngine:
         bm = self.block_manager
         return {
             "num_waiting": len(self.scheduler.waiting),
+            # ever; prefix-cache hits and forked choices are not computed, recomputes are
+            "prompt_tokens_computed": self.runner.prompt_tokens_computed,
             "num_running": len(self.scheduler.running),
             "kv_blocks_total": bm.num_blocks,
             "kv_blocks_used": bm.num_used_blocks,

@@ -6,6 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from .logprobs import TokenLogprob
 from .sampling_params import SamplingParams
 
 
@@ -43,6 +44,43 @@ class Sequence:
     text: str = ""  # detokenized output (stop strings already cut)
     sent_tokens: int = 0  # output tokens already reported to the caller
     sent_text: int = 0  # characters of ``text`` already reported
+    prefix_offset: int = 0  # output tokens: the detokenizer's context starts here
+    read_offset: int = 0  # output tokens: ``text`` holds the text up to here
+    index: int = 0  # the choice (0..n-1) of the request this sequence samples
+    forked: bool = False  # choice 0 of n > 1: choices 1..n-1 exist (forked at its 1st token)
+    # with params.logprobs set: one per output token (else None), and their sum
+    logprobs: list[TokenLogprob] | None = None
+    cumulative_logprob: float | None = None
+    # with params.prompt_logprobs set: one per prompt token computed so far, the first None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    bad_words_ids: list[list[int]] = field(default_factory=list)  # params.bad_words, tokenized
+
+    def __post_init__(self) -> None:
+        if self.params.logprobs is not None and self.logprobs is None:
+            self.logprobs, self.cumulative_logprob = [], 0.0
+        if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = [None]
+
+    @property
+    def seq_id(self) -> str:
+        """Unique among live sequences: the request id, with ``/i`` for choice i > 0."""
+        return self.request_id if self.index == 0 else f"{self.request_id}/{self.index}"
+
+    @property
+    def seats(self) -> int:
+        """Running seats this sequence holds: n for choice 0 of n before it forks (its
+        choices will run beside it), else 1."""
+        return self.params.n if self.index == 0 and not self.forked else 1
+
+    def fork(self, index: int) -> Sequence:
+        """Choice ``index`` of this request: the same prompt and params, no tokens yet (the
+        caller gives it blocks, progress and its first token)."""
+        return Sequence(
+            request_id=self.request_id, prompt_token_ids=self.prompt_token_ids,
+            params=self.params, adapter_name=self.adapter_name, adapter_id=self.adapter_id,
+            eos_token_ids=self.eos_token_ids, max_tokens=self.max_tokens,
+            arrival_time=self.arrival_time, num_cached_tokens=self.num_cached_tokens,
+            index=index, prompt_logprobs=self.prompt_logprobs, bad_words_ids=self.bad_words_ids)
 
     @property
     def num_tokens(self) -> int:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..engine.output_processor import RequestOutput
 from ..engine.sampling_params import SamplingParams
 from ..proto import loraplex_pb2 as pb
 from .chat import ChatTurn
@@ -13,6 +12,10 @@ from .generation import GenerateInput
 from .prompt import Prompt, resolve_prompt
 
 _OPTIONAL_PARAMS = ("temperature", "top_p", "top_k", "seed", "max_new_tokens")
+# set only when given: unset, the engine's SamplingParams defaults apply (n 1, no logprobs,
+# penalties off, min_p 0)
+_GIVEN_PARAMS = ("n", "logprobs", "prompt_logprobs", "presence_penalty", "frequency_penalty",
+                 "repetition_penalty", "min_p")
 MAX_REQUEST_ID_LEN = 256
 
 
@@ -20,8 +23,13 @@ def sampling_params(msg: pb.SamplingParams) -> SamplingParams:
     """Unset optional fields stay None, so the model's defaults apply."""
     optional = {name: getattr(msg, name) if msg.HasField(name) else None
                 for name in _OPTIONAL_PARAMS}
-    return SamplingParams(**optional, min_new_tokens=msg.min_new_tokens, stop=list(msg.stop),
-                          stop_token_ids=list(msg.stop_token_ids), ignore_eos=msg.ignore_eos)
+    given = {name: getattr(msg, name) for name in _GIVEN_PARAMS if msg.HasField(name)}
+    return SamplingParams(**optional, **given, min_new_tokens=msg.min_new_tokens,
+                          stop=list(msg.stop), stop_token_ids=list(msg.stop_token_ids),
+                          ignore_eos=msg.ignore_eos,
+                          logit_bias=dict(msg.logit_bias) or None,
+                          allowed_token_ids=list(msg.allowed_token_ids) or None,
+                          bad_words=list(msg.bad_words) or None)
 
 
 def prompt_of(request: pb.GenerateRequest, tokenizer: Any | None) -> Prompt:
@@ -43,24 +51,6 @@ def generate_input(request: pb.GenerateRequest, tokenizer: Any | None) -> Genera
     """A GenerateRequest checked and converted for server/generation.py."""
     return GenerateInput(prompt_of(request, tokenizer), sampling_params(request.params),
                          request.adapter, request_id_of(request))
-
-
-def _usage(out: RequestOutput) -> pb.Usage:
-    return pb.Usage(prompt_tokens=len(out.prompt_token_ids), completion_tokens=len(out.token_ids),
-                    cached_prompt_tokens=out.num_cached_tokens)
-
-
-def generate_response(out: RequestOutput, adapter: str) -> pb.GenerateResponse:
-    return pb.GenerateResponse(request_id=out.request_id, adapter=adapter, text=out.text,
-                               token_ids=out.token_ids, finish_reason=out.finish_reason or "",
-                               usage=_usage(out))
-
-
-def stream_response(out: RequestOutput, adapter: str) -> pb.GenerateStreamResponse:
-    return pb.GenerateStreamResponse(
-        request_id=out.request_id, adapter=adapter, text=out.new_text,
-        token_ids=out.new_token_ids, finish_reason=out.finish_reason or "",
-        usage=_usage(out), finished=out.finished)
 
 
 def adapter_info(info: Any) -> pb.AdapterInfo:

@@ -3,7 +3,9 @@ the HTTP completions routes both call these, so admission (``--max-queue``), the
 rule, error mapping and metrics are the same on every front.
 
 Invariant: closing an ``outputs`` stream early (client cancel, disconnect, deadline) aborts
-the request in the engine at once, which frees its KV blocks, and counts it as an abort.
+the request (every choice) in the engine at once, which frees its KV blocks, and counts it
+as an abort. A request of n choices streams the outputs of choices 0..n-1 interleaved
+(``RequestOutput.index``), each choice ending with its own finished output.
 """
 
 from __future__ import annotations
@@ -35,11 +37,11 @@ class GenerateInput:
 
 async def outputs(state: ServerState, engine: AsyncEngine, inp: GenerateInput
                   ) -> AsyncIterator[RequestOutput]:
-    """The engine's outputs for ``inp``, recorded in ``state.metrics``; the last one is
-    finished. An engine-side failure of the request raises INTERNAL."""
+    """The engine's outputs for ``inp``, recorded in ``state.metrics``, until every choice
+    has finished. An engine-side failure of the request raises INTERNAL."""
     adapter = state.adapter_of(inp.model)
-    track = state.metrics.track(adapter)
-    finished = False
+    track = state.metrics.track(adapter, inp.params.n)
+    choices_left = inp.params.n
     try:
         stream = engine.generate(inp.prompt, inp.params, adapter, inp.request_id)
         async with aclosing(stream) as outs:
@@ -49,23 +51,26 @@ async def outputs(state: ServerState, engine: AsyncEngine, inp: GenerateInput
                                        f"request {out.request_id} failed in the engine: "
                                        f"{out.error or 'no detail'}")
                 track.observe(out)
-                finished = out.finished
+                choices_left -= out.finished
                 yield out
     except (asyncio.CancelledError, GeneratorExit):
-        if not finished:  # the caller left: the engine aborts it
+        if choices_left > 0:  # the caller left: the engine aborts it
             track.finish("abort")
         raise
 
 
-async def complete(state: ServerState, inp: GenerateInput) -> RequestOutput:
-    """Run ``inp`` to the end inside one of the ``--max-queue`` places; the last output."""
+async def complete(state: ServerState, inp: GenerateInput) -> list[RequestOutput]:
+    """Run ``inp`` to the end inside one of the ``--max-queue`` places; each choice's last
+    output, by index."""
     with state.admit() as engine:
-        last: RequestOutput | None = None
+        finals: dict[int, RequestOutput] = {}
         async with aclosing(outputs(state, engine, inp)) as outs:
             async for out in outs:
-                last = out
-    assert last is not None and last.finished  # the engine always ends with a finished one
-    return last
+                if out.finished:
+                    finals[out.index] = out
+    # the engine always ends every choice with a finished output
+    assert sorted(finals) == list(range(inp.params.n)), sorted(finals)
+    return [finals[i] for i in range(inp.params.n)]
 
 
 class OpenStream:
@@ -74,8 +79,9 @@ class OpenStream:
     ``aclose`` (always call it) aborts what is unfinished and frees the admission place."""
 
     def __init__(self, first: RequestOutput, rest: AsyncIterator[RequestOutput],
-                 stack: AsyncExitStack):
+                 stack: AsyncExitStack, choices: int):
         self.first = first
+        self.choices = choices
         self._rest = rest
         self._stack = stack
 
@@ -89,11 +95,11 @@ class OpenStream:
         except BaseException:
             await stack.aclose()
             raise
-        return cls(first, outs, stack)
+        return cls(first, outs, stack, inp.params.n)
 
     async def __aiter__(self) -> AsyncIterator[RequestOutput]:
         yield self.first
-        if not self.first.finished:
+        if not (self.first.finished and self.choices == 1):
             async for out in self._rest:
                 yield out
 

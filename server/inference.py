@@ -1,5 +1,6 @@
 """Inference service: Generate and GenerateStream over the AsyncEngine, through the
-front-neutral generate path (server/generation.py)."""
+front-neutral generate path (server/generation.py). The request's conversion (prompt rules,
+chat template) runs on the engine's RequestProcessor thread, off the event loop."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import grpc
 
 from ..proto import loraplex_pb2 as pb
 from ..proto import loraplex_pb2_grpc as pb_grpc
-from . import convert, generation
+from . import convert, generation, grpc_outputs
+from .generation import GenerateInput
 from .state import ServerState
 from .status import streaming, unary
 
@@ -22,19 +24,23 @@ class InferenceServicer(pb_grpc.InferenceServicer):
     @unary
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
                        ) -> pb.GenerateResponse:
-        inp = convert.generate_input(request, self._tokenizer())
-        last = await generation.complete(self.state, inp)
-        return convert.generate_response(last, request.adapter)
+        inp = await self._input(request)
+        finals = await generation.complete(self.state, inp)
+        return grpc_outputs.generate_response(finals, request.adapter)
 
     @streaming
     async def GenerateStream(self, request: pb.GenerateRequest,
                              context: grpc.aio.ServicerContext
                              ) -> AsyncIterator[pb.GenerateStreamResponse]:
-        inp = convert.generate_input(request, self._tokenizer())
+        inp = await self._input(request)
+        usage, first = grpc_outputs.Usage(), True
         with self.state.admit() as engine:
             async with aclosing(generation.outputs(self.state, engine, inp)) as outputs:
                 async for out in outputs:
-                    yield convert.stream_response(out, request.adapter)
+                    yield grpc_outputs.stream_response(out, request.adapter, usage, first)
+                    first = False
 
-    def _tokenizer(self) -> object | None:
-        return self.state.require_engine().engine.tokenizer
+    async def _input(self, request: pb.GenerateRequest) -> GenerateInput:
+        engine = self.state.require_engine()
+        return await engine.processor.run(convert.generate_input, request,
+                                          engine.engine.tokenizer)

@@ -103,9 +103,10 @@ class ServerMetrics:
         self.refresh(EngineSnapshot(adapters_per_tier={t: 0 for t in TIERS}))
 
     # ---- requests -----------------------------------------------------------------------
-    def track(self, adapter: str | None) -> RequestTrack:
-        """A recorder for one request on ``adapter`` (None = the base model)."""
-        return RequestTrack(self, adapter or self.model_name)
+    def track(self, adapter: str | None, choices: int = 1) -> RequestTrack:
+        """A recorder for one request of ``choices`` samples on ``adapter`` (None = the
+        base model)."""
+        return RequestTrack(self, adapter or self.model_name, choices)
 
     def adapter_loaded(self, tier: str, seconds: float) -> None:
         """An engine adapter-load observer (any thread)."""
@@ -136,11 +137,13 @@ class ServerMetrics:
 class RequestTrack:
     """One request's timings and token counts. TTFT runs from the track's creation (the
     request's arrival) to its first token; every later output adds one inter-token
-    latency; prompt tokens count once, with the first token (the prefill is done)."""
+    latency; prompt tokens count once, with the first token (the prefill is done). A
+    request of n choices finishes (one count) when its last choice does."""
 
-    def __init__(self, metrics: ServerMetrics, adapter: str):
+    def __init__(self, metrics: ServerMetrics, adapter: str, choices: int = 1):
         self.m = metrics
         self.adapter = adapter
+        self.choices_left = max(1, choices)
         self.start = time.monotonic()
         self.last: float | None = None
 
@@ -158,7 +161,9 @@ class RequestTrack:
             m.generation_tokens.labels(name).inc(n)
             m.adapter_generation_tokens.labels(name, self.adapter).inc(n)
         if out.finished and out.finish_reason in VLLM_REASON:
-            self.finish(VLLM_REASON[out.finish_reason])
+            self.choices_left -= 1
+            if self.choices_left == 0:
+                self.finish(VLLM_REASON[out.finish_reason])
 
     def finish(self, reason: str) -> None:
         """The request ended (``reason`` is one of FINISHED_REASONS)."""

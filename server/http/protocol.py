@@ -1,15 +1,15 @@
 """Request bodies of the OpenAI-compatible routes, as pydantic models (vLLM's field names).
 
 Types are strict: a string where a number belongs is a 400, not a silent conversion.
-Unknown fields are ignored as vLLM does (clients send ``user`` and the like); fields of
-OpenAI's API that loraplex does not implement are refused when set (``unsupported``), so a
-client never silently loses, say, its logprobs. Value ranges beyond what the types say
-(temperature, top_p, top_k, lengths) are the engine's checks, shared with gRPC.
+Fields that loraplex does not implement are not declared here: fields.py's table refuses
+them unless their value is neutral, and warns about names it does not know (vLLM ignores
+those too). Value ranges beyond what the types say (temperature, top_p, penalties, n,
+logprobs, lengths) are the engine's checks, shared with gRPC.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, ClassVar, Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -20,45 +20,48 @@ Stop = str | list[str] | None
 class RequestBody(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow")
 
-    UNSUPPORTED: ClassVar[tuple[str, ...]] = ()  # set fields of these names are refused
-
-    def unsupported(self) -> list[str]:
-        """The names of unsupported fields the client set to something other than off."""
-        extra = self.model_extra or {}
-        return [name for name in self.UNSUPPORTED
-                if extra.get(name) not in (None, False, 0, [], {}, "none")]
-
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow")
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM: usage in every chunk
 
 
 class SamplingFields(RequestBody):
-    """The fields completions and chat share."""
+    """The fields completions and chat share (those the field table of fields.py refuses
+    or ignores are not declared: they arrive in ``model_extra``)."""
 
     model: str | None = None  # an adapter name or the base model's; None = the base
     temperature: float | None = None
     top_p: float | None = None
     seed: Annotated[int, Field(ge=0)] | None = None
     stop: Stop = None
-    n: Annotated[int, Field(ge=1)] = 1
+    n: int | None = 1  # checked by the engine (>= 1, <= max_num_seqs), as over gRPC
     stream: bool = False
     stream_options: StreamOptions | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None  # token id (JSON keys are strings) -> bias
     # vLLM's extras
     top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
     min_tokens: Annotated[int, Field(ge=0)] = 0
     ignore_eos: bool = False
     stop_token_ids: list[TokenId] | None = None
+    allowed_token_ids: list[TokenId] | None = None
+    bad_words: list[str] | None = None
+    prompt_logprobs: int | None = None
+    return_tokens_as_token_ids: bool | None = None
 
 
 class CompletionRequest(SamplingFields):
-    UNSUPPORTED: ClassVar[tuple[str, ...]] = ("echo", "logprobs", "suffix", "presence_penalty", "frequency_penalty",
-                   "repetition_penalty", "logit_bias", "best_of", "guided_json",
-                   "guided_regex", "guided_choice", "response_format")
-
     prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
-    max_tokens: Annotated[int, Field(ge=1)] | None = 16  # OpenAI's and vLLM's default
+    # OpenAI's and vLLM's default; 0 only with echo (the prompt alone comes back)
+    max_tokens: Annotated[int, Field(ge=0)] | None = 16
+    echo: bool | None = False
+    logprobs: int | None = None  # top-k per token (0 = the token's own); vLLM: -1 = all
+    best_of: int | None = None
 
 
 class TextPart(BaseModel):
@@ -79,14 +82,11 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(SamplingFields):
-    UNSUPPORTED: ClassVar[tuple[str, ...]] = ("tools", "tool_choice", "functions", "function_call", "logprobs",
-                   "top_logprobs", "response_format", "presence_penalty",
-                   "frequency_penalty", "repetition_penalty", "logit_bias", "echo",
-                   "guided_json", "guided_regex", "guided_choice")
-
     messages: list[ChatMessage]
     max_tokens: Annotated[int, Field(ge=1)] | None = None  # None: up to max_model_len
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = None  # with logprobs: the k most likely per token
 
 
 class LoadLoRAAdapterRequest(RequestBody):

@@ -14,7 +14,8 @@ from ..auth import Scope
 from ..prompt import resolve_prompt
 from ..state import ServerState
 from .auth import require, server_state
-from .convert import chat_turns, check_supported
+from .convert import chat_turns
+from .fields import check_fields
 from .protocol import DetokenizeRequest, TokenizeRequest
 
 router = APIRouter(dependencies=[Depends(require(Scope.API))])
@@ -36,16 +37,22 @@ async def _tokenizer(state: ServerState, model: str | None) -> Any:
 @router.post("/tokenize")
 async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
     state = server_state(request)
-    check_supported(body)
+    check_fields(body, {})
     tokenizer = await _tokenizer(state, body.model)
-    if body.messages is not None:
-        ids = resolve_prompt(tokenizer, turns=chat_turns(body.messages))
-    elif body.prompt is not None:
-        ids = list(tokenizer(body.prompt, add_special_tokens=body.add_special_tokens).input_ids)
-    else:
-        raise ValueError("give prompt (text) or messages (chat) to tokenize")
+    # on the engine's RequestProcessor thread: a long prompt does not stall the loop
+    ids = await state.require_engine().processor.run(_token_ids, body, tokenizer)
     return {"count": len(ids), "max_model_len": state.require_engine().engine.max_model_len,
             "tokens": ids, "token_strs": None}
+
+
+def _token_ids(body: TokenizeRequest, tokenizer: Any) -> list[int]:
+    if body.messages is not None:
+        ids = resolve_prompt(tokenizer, turns=chat_turns(body.messages))
+        assert isinstance(ids, list)
+        return ids
+    if body.prompt is not None:
+        return list(tokenizer(body.prompt, add_special_tokens=body.add_special_tokens).input_ids)
+    raise ValueError("give prompt (text) or messages (chat) to tokenize")
 
 
 @router.post("/detokenize")

@@ -109,7 +109,9 @@ def test_table_is_big_enough() -> None:
     assert len(ALL_CASES) >= 40
     assert len({c.id for c in ALL_CASES}) == len(ALL_CASES)
     sp_fields = {"temperature", "top_p", "top_k", "seed", "max_new_tokens", "min_new_tokens",
-                 "stop", "stop_token_ids"}  # ignore_eos is a bool: no bad value exists
+                 "stop", "stop_token_ids", "n", "logprobs", "prompt_logprobs",
+                 "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
+                 "min_p", "allowed_token_ids"}  # ignore_eos is a bool: no bad value exists
     assert sp_fields <= {k for c in GENERATE_CASES for k in c.kwargs}
 
 

@@ -1,0 +1,91 @@
+"""The field table of the OpenAI-compatible routes: every OpenAI or vLLM request field that
+changes the output is honoured (declared in protocol.py) or refused here with a 400 naming
+it, unless its value is neutral (what the field's default does, so clients that always
+send defaults keep working). Fields that cannot change the output are ignored quietly;
+names nobody defines are ignored with a logged warning, as vLLM does.
+
+docs/sampling-api.md shows the same table to users; tests/server/test_http_fields.py sends
+every row.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from .protocol import RequestBody
+
+log = logging.getLogger(__name__)
+
+# name -> the neutral values (JSON null is always neutral: it means unset)
+SHARED_REFUSED: dict[str, tuple[Any, ...]] = {
+    # structured outputs (its own issue)
+    "response_format": ({"type": "text"},),
+    "structured_outputs": (),
+    "guided_json": (),
+    "guided_regex": (),
+    "guided_choice": (),
+    "guided_grammar": (),
+    "structural_tag": (),
+    # vLLM's sampling extras not implemented
+    "use_beam_search": (False,),
+    "length_penalty": (1, 1.0),
+    "include_stop_str_in_output": (False,),
+    "skip_special_tokens": (True,),
+    "spaces_between_special_tokens": (True,),
+    "truncate_prompt_tokens": (),
+    "logits_processors": ([],),
+    "vllm_xargs": ({},),
+    "return_token_ids": (False,),
+    "prompt_embeds": (),
+}
+COMPLETION_REFUSED: dict[str, tuple[Any, ...]] = {
+    **SHARED_REFUSED,
+    "suffix": ("",),
+    "add_special_tokens": (True,),  # the completions default: the tokenizer adds BOS
+}
+CHAT_REFUSED: dict[str, tuple[Any, ...]] = {
+    **SHARED_REFUSED,
+    "tools": ([],),
+    "tool_choice": ("none",),
+    "functions": ([],),
+    "function_call": ("none",),
+    "echo": (False,),  # vLLM's chat echo: the last message's content prepended
+    "add_generation_prompt": (True,),
+    "continue_final_message": (False,),
+    "add_special_tokens": (False,),  # the chat default: the template writes BOS
+    "chat_template": (),
+    "chat_template_kwargs": ({},),
+    "documents": ([],),
+    "mm_processor_kwargs": ({},),
+    "modalities": (["text"],),
+    "audio": (),
+    "reasoning_effort": (),
+    "verbosity": (),
+    "web_search_options": (),
+}
+# known names that cannot change the output: accepted and not used
+IGNORED = frozenset({
+    "user", "service_tier", "store", "metadata", "priority", "request_id", "cache_salt",
+    "kv_transfer_params", "prediction", "parallel_tool_calls", "guided_decoding_backend",
+    "guided_whitespace_pattern", "disable_fallback", "return_reasoning",
+})
+
+
+def check_fields(body: RequestBody, refused: dict[str, tuple[Any, ...]]) -> None:
+    """ValueError (a 400) naming every refused field set to a non-neutral value; a logged
+    warning naming the fields nobody defines."""
+    extra = body.model_extra or {}
+    bad = [name for name, value in extra.items()
+           if name in refused and value is not None and value not in refused[name]]
+    if bad:
+        hints = "; ".join(_hint(name, refused[name]) for name in bad)
+        raise ValueError(f"{', '.join(bad)}: not supported by loraplex ({hints})")
+    unknown = sorted(name for name in extra if name not in refused and name not in IGNORED)
+    if unknown:
+        log.warning("the request's fields %s are unknown to loraplex and ignored", unknown)
+
+
+def _hint(name: str, neutral: tuple[Any, ...]) -> str:
+    values = " or ".join(repr(v) for v in neutral)
+    return f"leave {name} unset" + (f" or send {values}" if values else "")
