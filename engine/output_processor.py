@@ -21,6 +21,7 @@ class RequestOutput:
     finish_reason: str | None = None  # "stop" | "eos" | "length" | "abort" | "error"
     num_cached_tokens: int = 0
     error: str | None = None
+    adapter_version: int | None = None  # the version of the adapter it ran on (None: base)
 
 
 class OutputProcessor:
@@ -73,4 +74,5 @@ class OutputProcessor:
             text=text, new_token_ids=new_tokens, new_text=new_text,
             finished=seq.is_finished, finish_reason=seq.finish_reason,
             num_cached_tokens=seq.num_cached_tokens, error=seq.error,
+            adapter_version=seq.adapter_version,
         )

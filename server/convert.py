@@ -53,14 +53,14 @@ def _usage(out: RequestOutput) -> pb.Usage:
 def generate_response(out: RequestOutput, adapter: str) -> pb.GenerateResponse:
     return pb.GenerateResponse(request_id=out.request_id, adapter=adapter, text=out.text,
                                token_ids=out.token_ids, finish_reason=out.finish_reason or "",
-                               usage=_usage(out))
+                               usage=_usage(out), adapter_version=out.adapter_version)
 
 
 def stream_response(out: RequestOutput, adapter: str) -> pb.GenerateStreamResponse:
     return pb.GenerateStreamResponse(
         request_id=out.request_id, adapter=adapter, text=out.new_text,
         token_ids=out.new_token_ids, finish_reason=out.finish_reason or "",
-        usage=_usage(out), finished=out.finished)
+        usage=_usage(out), finished=out.finished, adapter_version=out.adapter_version)
 
 
 def adapter_info(info: Any) -> pb.AdapterInfo:
@@ -72,4 +72,5 @@ def adapter_info(info: Any) -> pb.AdapterInfo:
         name=info.name, path=str(info.path), state=state, rank=info.rank or 0,
         target_modules=list(info.target_modules or []), size_bytes=info.size_bytes or 0,
         active_requests=info.active_requests or 0, pinned=bool(info.pinned),
-        preloaded=bool(info.preloaded), error=info.error or "")
+        preloaded=bool(info.preloaded), error=info.error or "",
+        version=getattr(info, "version", 0) or 0)

@@ -13,6 +13,7 @@ import enum
 import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2
@@ -59,6 +60,8 @@ class ServerState:
         self.died = asyncio.Event()  # set with phase DEAD: ``serve`` then exits non-zero
         self.metrics = ServerMetrics()  # both fronts record into it
         self.model_name = options.served_model_name or ""  # the base's id; set by ``attach``
+        # --lora-resolver-dir's AdapterResolver (server/adapter_resolver.py), set by ``attach``
+        self.resolver: Any = None
 
     # ---- phase --------------------------------------------------------------------------
     async def set_phase(self, phase: Phase) -> None:
@@ -79,6 +82,10 @@ class ServerState:
         self.loop = asyncio.get_running_loop()
         self.model_name = base_model_id(engine.engine, self.options)
         self.metrics.bind(self.model_name, engine.engine.lora_capacity.max_loras)
+        if self.options.lora_resolver_dir is not None:
+            from .adapter_resolver import AdapterResolver  # it imports this module
+
+            self.resolver = AdapterResolver(self, self.options.lora_resolver_dir)
         engine.engine.adapter_load_observers.append(self.metrics.adapter_loaded)
         loop = self.loop
 

@@ -1,0 +1,65 @@
+"""AdapterResolver: adapters found by name on first use (vLLM's filesystem resolver,
+``--lora-resolver-dir DIR``). A request naming an adapter that is not registered loads
+``DIR/<name>`` with LoadAdapter's checks, then runs on it.
+
+Invariants: a resolved path lies inside DIR once ``..`` and symlinks are resolved (else
+the name is unknown: NOT_FOUND); concurrent first requests for a name share one read (one
+task per name, on the server's event loop); the first request waits for the read, and a
+broken directory fails it with LoadAdapter's error for that directory. A name loaded
+meanwhile by LoadAdapter is used as it is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from ..engine.errors import AdapterExistsError, AdapterNotFoundError
+from . import adapter_ops
+from .adapter_paths import NAME_RE
+from .state import ServerState
+
+
+class AdapterResolver:
+    def __init__(self, state: ServerState, root: Path):
+        self.state = state
+        self.root = root.resolve()
+        self._reads: dict[str, asyncio.Future] = {}  # name -> its one load in flight
+        self.reads = 0  # loads started, ever (tests: concurrent first uses share one)
+
+    def registered(self, name: str) -> bool:
+        engine = self.state.require_engine().engine
+        return name in engine.lora.names  # one dict read: safe beside the engine thread
+
+    async def ensure(self, name: str) -> None:
+        """Return once ``name`` is registered, loading it from the resolver dir if it is
+        not; NOT_FOUND when the dir has no such adapter."""
+        if self.registered(name):
+            return
+        read = self._reads.get(name)
+        if read is None:
+            read = asyncio.ensure_future(self._load(name))
+            self._reads[name] = read
+            read.add_done_callback(lambda _: self._reads.pop(name, None))
+        await asyncio.shield(read)  # a waiter that leaves does not cancel the others' read
+
+    def path_of(self, name: str) -> Path:
+        """``DIR/name``, resolved; NOT_FOUND when it is no adapter directory inside DIR."""
+        unknown = f"unknown adapter {name!r}: not loaded, and"
+        if not NAME_RE.fullmatch(name):
+            raise AdapterNotFoundError(f"{unknown} not a name the resolver looks up")
+        path = (self.root / name).resolve()
+        if not path.is_relative_to(self.root) or path == self.root:
+            raise AdapterNotFoundError(f"{unknown} {self.root}/{name} leads outside the "
+                                       "--lora-resolver-dir")
+        if not path.is_dir():
+            raise AdapterNotFoundError(f"{unknown} {self.root} holds no directory {name!r}")
+        return path
+
+    async def _load(self, name: str) -> None:
+        path = self.path_of(name)
+        self.reads += 1
+        try:
+            await adapter_ops.load_adapter(self.state, name, str(path), source="resolver")
+        except AdapterExistsError:
+            pass  # loaded meanwhile (LoadAdapter): use that
