@@ -20,6 +20,12 @@ from .adapter_paths import NAME_RE
 from .state import ServerState
 
 
+def attach_resolver(state: ServerState) -> None:
+    """With ``--lora-resolver-dir``: requests resolve unknown names through it."""
+    if state.options.lora_resolver_dir is not None:
+        state.resolver = AdapterResolver(state, state.options.lora_resolver_dir)
+
+
 class AdapterResolver:
     def __init__(self, state: ServerState, root: Path):
         self.state = state

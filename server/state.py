@@ -60,7 +60,8 @@ class ServerState:
         self.died = asyncio.Event()  # set with phase DEAD: ``serve`` then exits non-zero
         self.metrics = ServerMetrics()  # both fronts record into it
         self.model_name = options.served_model_name or ""  # the base's id; set by ``attach``
-        # --lora-resolver-dir's AdapterResolver (server/adapter_resolver.py), set by ``attach``
+        # --lora-resolver-dir's AdapterResolver (server/adapter_resolver.py): set by its
+        # ``attach``, which runs after this one's
         self.resolver: Any = None
 
     # ---- phase --------------------------------------------------------------------------
@@ -82,10 +83,6 @@ class ServerState:
         self.loop = asyncio.get_running_loop()
         self.model_name = base_model_id(engine.engine, self.options)
         self.metrics.bind(self.model_name, engine.engine.lora_capacity.max_loras)
-        if self.options.lora_resolver_dir is not None:
-            from .adapter_resolver import AdapterResolver  # it imports this module
-
-            self.resolver = AdapterResolver(self, self.options.lora_resolver_dir)
         engine.engine.adapter_load_observers.append(self.metrics.adapter_loaded)
         loop = self.loop
 
