@@ -5,15 +5,15 @@ through ``adapters`` (AdapterOps): this engine's by default, the cluster's on a 
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+
 import grpc
 
 from ..proto import loraplex_pb2 as pb
 from ..proto import loraplex_pb2_grpc as pb_grpc
-from collections.abc import AsyncIterator
-
 from . import adapter_ops, convert
-from .adapter_upload import receive_upload
 from .adapter_ops import AdapterOps, LocalAdapters
+from .adapter_upload import receive_upload
 from .state import ServerState
 from .status import unary
 

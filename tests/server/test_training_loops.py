@@ -6,6 +6,7 @@ registered), adapters resolved by name on first use, and the prefix cache's rese
 from __future__ import annotations
 
 import asyncio
+import itertools
 import shutil
 import threading
 from collections.abc import Callable
@@ -123,7 +124,7 @@ def upload(client: Any, name: str, config: bytes, weights: bytes, cuts: list[int
                                     size_bytes=len(weights) if declared is None else declared)
     edges = [0, *cuts, len(weights)]
     messages = [pb.UploadAdapterRequest(header=header)] + [
-        pb.UploadAdapterRequest(chunk=weights[a:b]) for a, b in zip(edges, edges[1:])]
+        pb.UploadAdapterRequest(chunk=weights[a:b]) for a, b in itertools.pairwise(edges)]
     return client._s.admin.UploadAdapter(iter(messages), **client._s.adm(60))
 
 
@@ -173,13 +174,13 @@ def test_bad_uploads_each_get_their_code_and_leave_nothing(server, client, tiny_
                                          f'"base_model_name_or_path": "{wide}", "x": ')
     invalid = grpc.StatusCode.INVALID_ARGUMENT
     cases = [
-        (dict(weights=b"garbage" * 10), invalid, "safetensors"),
-        (dict(weights=weights[:-5], declared=len(weights) - 5), invalid, ""),
-        (dict(config=other_base.encode()), invalid, "differs from the served base"),
-        (dict(config=b"{not json"), invalid, "JSON"),
-        (dict(weights=b"\0" * (LIMIT + 1)), grpc.StatusCode.RESOURCE_EXHAUSTED,
+        ({"weights": b"garbage" * 10}, invalid, "safetensors"),
+        ({"weights": weights[:-5], "declared": len(weights) - 5}, invalid, ""),
+        ({"config": other_base.encode()}, invalid, "differs from the served base"),
+        ({"config": b"{not json"}, invalid, "JSON"),
+        ({"weights": b"\0" * (LIMIT + 1)}, grpc.StatusCode.RESOURCE_EXHAUSTED,
          "--max-upload-bytes"),
-        (dict(declared=len(weights) + 10), invalid, "ended after"),
+        ({"declared": len(weights) + 10}, invalid, "ended after"),
     ]
     for replace in (True, False):
         for changes, code, fragment in cases:
