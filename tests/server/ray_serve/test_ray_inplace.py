@@ -1,0 +1,28 @@
+"""An in-place load (a training loop's new version) through Ray Serve reaches both replicas:
+once LoadAdapter(replace) answers, every request on either replica runs on the new
+version's weights and reports its version."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import grpc
+from loraplex.client import Client
+
+from tests.server.ray_serve.conftest import N, PROMPTS
+from tests.server.ray_serve.test_ray_serve import spread
+
+
+def test_in_place_swap_reaches_both_replicas(client: Client, ray_app: Any, tiny_adapters,
+                                             peft_reference) -> None:
+    ids = PROMPTS[1]
+    first = client.load_adapter("policy", tiny_adapters("ip-old")).version
+    for version, made in ((first + 1, "ip-new"), (first + 2, "ip-old")):
+        info = client.load_adapter("policy", tiny_adapters(made), replace=True)
+        assert info.version == version
+        results = spread(ray_app.target, "policy", ids, n=12)
+        assert all(not isinstance(r, grpc.RpcError) for r, _ in results), results
+        assert {tuple(r.token_ids) for r, _ in results} == {tuple(peft_reference(made, ids, N))}
+        assert {r.adapter_version for r, _ in results} == {version}
+        assert len({replica for _, replica in results}) == 2
+    client.unload_adapter("policy")
