@@ -59,6 +59,10 @@ class ServerOptions:
         None, group=ADAPTERS, metavar="DIR",
         help="a request naming an unregistered adapter X loads DIR/X (confined to DIR) on "
         "first use")
+    lora_resolver_hf_cache: Path | None = flag(  # noqa: RUF009  (offline: never downloads)
+        None, group=ADAPTERS, metavar="DIR",
+        help="a request naming an unregistered adapter ORG/NAME loads that Hugging Face "
+        "repo from this local Hub cache (e.g. ~/.cache/huggingface/hub), offline")
     # alias of the base model besides "": the engine's --served-model-name (config.py's
     # ServeConfig passes it on), not a flag of its own
     served_model_name: str | None = None
@@ -73,12 +77,15 @@ class ServerOptions:
             raise ValueError(f"max_queue={self.max_queue} must be >= 1")
         if self.max_upload_bytes < 1:
             raise ValueError(f"max_upload_bytes={self.max_upload_bytes} must be >= 1")
-        for name in ("upload_dir", "lora_resolver_dir"):
+        for name in ("upload_dir", "lora_resolver_dir", "lora_resolver_hf_cache"):
             path = getattr(self, name)
             if path is not None:
                 object.__setattr__(self, name, Path(path).expanduser().resolve())
         if self.lora_resolver_dir is not None and not self.lora_resolver_dir.is_dir():
             raise ValueError(f"lora_resolver_dir={self.lora_resolver_dir} is not a directory")
+        if self.lora_resolver_hf_cache is not None and not self.lora_resolver_hf_cache.is_dir():
+            raise ValueError(f"lora_resolver_hf_cache={self.lora_resolver_hf_cache} is not a "
+                             "directory")
         if self.shutdown_grace_s < 0:
             raise ValueError(f"shutdown_grace_s={self.shutdown_grace_s} must be >= 0")
         for name in ("api_token", "admin_token"):

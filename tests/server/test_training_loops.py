@@ -265,3 +265,24 @@ def test_resolver_refusals(server, client, name, code, http, fragment) -> None:
                    json={"model": name, "prompt": IDS, "max_tokens": 2})
     assert r.status_code == http and fragment in r.json()["error"]["message"]
     assert name not in {a.name for a in client.list_adapters()}
+
+
+def test_resolver_from_a_local_hugging_face_cache(serve, make_engine, tiny_llama,
+                                                  tiny_adapters, tmp_path) -> None:
+    """The Hub resolver reads a cache the test builds (Hub layout: refs/main names the
+    snapshot), offline: a cached repo loads on first use, an uncached one is NOT_FOUND."""
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "hub" / "models--org--tiny-lora"
+    shutil.copytree(tiny_adapters("hf"), repo / "snapshots" / commit)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    hub = serve(lambda: make_engine(tiny_llama), lora_resolver_hf_cache=tmp_path / "hub",
+                adapter_roots=[tiny_adapters("hf").parent])
+    with hub.client() as c:
+        out = gen(c, "org/tiny-lora")
+        c.load_adapter("hf-disk", tiny_adapters("hf"))
+        assert out.token_ids == gen(c, "hf-disk").token_ids and out.adapter_version == 1
+        with pytest.raises(grpc.RpcError) as info:
+            gen(c, "org/not-cached")
+        assert info.value.code() == grpc.StatusCode.NOT_FOUND
+        assert "Hugging Face cache" in info.value.details()

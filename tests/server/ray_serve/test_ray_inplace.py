@@ -9,7 +9,7 @@ from typing import Any
 import grpc
 from loraplex.client import Client
 
-from tests.server.ray_serve.conftest import N, PROMPTS
+from tests.server.ray_serve.conftest import PROMPTS, N
 from tests.server.ray_serve.test_ray_serve import spread
 
 
