@@ -1,7 +1,8 @@
 """In-place adapter swaps as a training loop drives them, against a ``loraplex serve``
 subprocess on the embedded SmolLM2-135M:
 
-    python -m loraplex.bench.adapter_swap [--swaps 20] [--uploads 10] [--seconds 20]
+    python -m loraplex.bench.adapter_swap [--swaps 20] [--uploads 10] [--seconds 10]
+                                          [--blocks 2]
 
 - **swap**: ``LoadAdapter(replace=True)`` of a rank-16 all-linear adapter (float32 file)
   over the resident, idle previous version: request to answer, p50 / p90 (target p50
@@ -9,16 +10,19 @@ subprocess on the embedded SmolLM2-135M:
 - **upload**: ``UploadAdapter`` of the same adapter saved in bf16, in place: request to
   answer, p50 / p90 (target <= 250 ms for about 8 MB);
 - **throughput**: 8 clients sampling the adapter (greedy, 64-token prompts, 32 new tokens)
-  for ``--seconds``, with no swap and with an in-place swap every second, in the order
-  none, swaps, swaps, none (a state one phase leaves cannot favour either); the ratio of
-  the means (target >= 0.9).
+  for ``--seconds``, with no swap and with an in-place swap every second, in ``--blocks``
+  blocks of none, swaps, swaps, none (a state one phase leaves cannot favour either, and a
+  slow spell of a shared machine hits both); each block's ratio and the ratio of the
+  totals (target >= 0.9).
 
-Prints the machine (ISA, dtype, kernels) first.
+Prints the machine (ISA, dtype, kernels) and the load average (other work on the machine)
+first.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import tempfile
 import threading
@@ -102,7 +106,8 @@ def main() -> None:
                                  formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--swaps", type=int, default=20)
     ap.add_argument("--uploads", type=int, default=10)
-    ap.add_argument("--seconds", type=float, default=20.0, help="per throughput phase")
+    ap.add_argument("--seconds", type=float, default=10.0, help="per throughput phase")
+    ap.add_argument("--blocks", type=int, default=2, help="none/swaps/swaps/none blocks")
     ap.add_argument("--dtype", default="auto")
     args = ap.parse_args()
     model = default_model_dir()
@@ -116,6 +121,7 @@ def main() -> None:
             Client(target) as c:
         info = c.server_info()
         print(machine_line("cpu (server)", f"server dtype {info.dtype}"))
+        print("load average at start (1, 5, 15 min): %.1f %.1f %.1f" % os.getloadavg())
         print(f"SmolLM2-135M, rank-{RANK} adapter on all 7 linears "
               f"({(versions[0] / 'adapter_model.safetensors').stat().st_size / 1e6:.1f} MB "
               f"float32 file; {mb:.1f} MB bf16 upload)\n")
@@ -129,11 +135,17 @@ def main() -> None:
         sample_phase(target, min(5.0, args.seconds), None)  # warm-up: not counted
         phases = [("none", None), ("swaps", versions), ("swaps", versions), ("none", None)]
         tps: dict[str, list[float]] = {"none": [], "swaps": []}
-        for name, swap in phases:
-            tps[name].append(sample_phase(target, args.seconds, swap))
-            print(f"throughput, {name:5s}: {tps[name][-1]:.1f} tokens/s")
+        for block in range(args.blocks):
+            got = {"none": 0.0, "swaps": 0.0}
+            for name, swap in phases:
+                rate = sample_phase(target, args.seconds, swap)
+                tps[name].append(rate)
+                got[name] += rate
+                print(f"throughput, block {block + 1}, {name:5s}: {rate:.1f} tokens/s")
+            print(f"block {block + 1}: swaps / none {got['swaps'] / got['none']:.3f}x")
         ratio = statistics.mean(tps["swaps"]) / statistics.mean(tps["none"])
-        print(f"throughput with a swap every second / none: {ratio:.3f}x")
+        print(f"throughput with a swap every second / none: {ratio:.3f}x (all blocks)")
+        print("load average at end (1, 5, 15 min): %.1f %.1f %.1f" % os.getloadavg())
         print(f"versions served: {c.list_adapters()[0].version}")
 
 
