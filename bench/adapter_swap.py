@@ -101,6 +101,10 @@ def sample_phase(target: str, seconds: float, swap: list[Path] | None) -> float:
     return sum(counts) / (time.perf_counter() - start)
 
 
+def _load() -> str:
+    return " ".join(f"{x:.1f}" for x in os.getloadavg()) + " (1, 5, 15 min)"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawTextHelpFormatter)
@@ -121,7 +125,7 @@ def main() -> None:
             Client(target) as c:
         info = c.server_info()
         print(machine_line("cpu (server)", f"server dtype {info.dtype}"))
-        print("load average at start (1, 5, 15 min): %.1f %.1f %.1f" % os.getloadavg())
+        print(f"load average at start: {_load()}")
         print(f"SmolLM2-135M, rank-{RANK} adapter on all 7 linears "
               f"({(versions[0] / 'adapter_model.safetensors').stat().st_size / 1e6:.1f} MB "
               f"float32 file; {mb:.1f} MB bf16 upload)\n")
@@ -145,7 +149,7 @@ def main() -> None:
             print(f"block {block + 1}: swaps / none {got['swaps'] / got['none']:.3f}x")
         ratio = statistics.mean(tps["swaps"]) / statistics.mean(tps["none"])
         print(f"throughput with a swap every second / none: {ratio:.3f}x (all blocks)")
-        print("load average at end (1, 5, 15 min): %.1f %.1f %.1f" % os.getloadavg())
+        print(f"load average at end: {_load()}")
         print(f"versions served: {c.list_adapters()[0].version}")
 
 
