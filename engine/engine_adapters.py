@@ -85,7 +85,7 @@ class EngineAdapters:
                     pin: bool = False, preloaded: bool = False,
                     weights: LoRAWeights | None = None, *,
                     tensors: Mapping[str, Any] | None = None, config: Any = None,
-                    owned: bool = False) -> AdapterInfo:
+                    owned: bool = False, version: int | None = None) -> AdapterInfo:
         """Register an adapter: from the PEFT dir ``path``, or from ``tensors`` (a PEFT
         state dict: ``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`` ->
         tensor) with ``config`` (adapter_config.json's dict, or a peft LoraConfig), checked
@@ -93,7 +93,8 @@ class EngineAdapters:
         (requests in flight finish on the old one). Without ``weights`` (already read by
         ``read_adapter``) or ``tensors`` this validates the config and safetensors header
         only: the weights are read when a request needs them. ``owned``: ``path`` is an
-        upload of this engine's store, removed once its adapter is dropped."""
+        upload of this engine's store, removed once its adapter is dropped. ``version``:
+        a cluster's number for this load (else one above the name's last)."""
         if self.is_base_model(name):
             raise InvalidRequestError(f"adapter name {name!r} is empty or the base model's")
         if tensors is not None:
@@ -109,7 +110,8 @@ class EngineAdapters:
             meta = weights.meta if weights is not None else inspect_peft_adapter(
                 path, self.base_shapes, self.config.max_lora_rank, name, self.lora_dtype)
             return self.lora.register(name, meta, replace=replace, pin=pin,
-                                      preloaded=preloaded, weights=weights, owned=owned)
+                                      preloaded=preloaded, weights=weights, owned=owned,
+                                      version=version)
         except BaseException:
             if owned:
                 self.uploads.discard(path)

@@ -87,21 +87,24 @@ class AdapterCache:
                 "to swap it for a new version")
 
     def register(self, name: str, meta: Any, replace: bool = False, pin: bool = False,
-                 preloaded: bool = False, weights: Any = None, owned: bool = False
-                 ) -> AdapterInfo:
+                 preloaded: bool = False, weights: Any = None, owned: bool = False,
+                 version: int | None = None) -> AdapterInfo:
         """Register an adapter under ``name`` from its validated ``meta`` (``path``, ``rank``,
         ``target_modules``, ``size_bytes``); ``weights``, when already read, go to host
         memory. The old adapter, if replaced, finishes its in-flight requests on its own
-        weights. ``owned``: ``on_drop(path)`` is called once the adapter is dropped."""
+        weights. ``owned``: ``on_drop(path)`` is called once the adapter is dropped.
+        ``version``: the number a cluster gave this load (Ray: the registry's), else one
+        above the name's last."""
         self.check_name(name, replace)
         old = self.names.get(name)
         if pin and sum(a.pinned for a in self.names.values() if a is not old) >= self.max_loras:
             raise ValueError(f"at most max_loras={self.max_loras} adapters can be pinned")
-        self.versions[name] += 1
+        version = self.versions[name] + 1 if version is None else version
+        self.versions[name] = max(self.versions[name], version)
         a = CachedAdapter(name, Path(meta.path), next(self._ids), meta.rank,
                           list(meta.target_modules), meta.size_bytes, pin, preloaded,
                           meta=meta, weights=weights, last_used=next(self._clock),
-                          version=self.versions[name], owned=owned)
+                          version=version, owned=owned)
         if old is not None:
             del self.names[name]
             old.retired = True
@@ -171,6 +174,14 @@ class AdapterCache:
         if a is not None:
             a.active -= 1
             self._drop_if_idle(a)
+
+    def renumber(self, name: str, adapter_id: int, version: int) -> None:
+        """The load ``adapter_id`` of ``name`` is ``version`` (a cluster's number, known
+        once its registry committed the load); no-op if another load replaced it."""
+        a = self.names.get(name)
+        if a is not None and a.adapter_id == adapter_id:
+            a.version = version
+            self.versions[name] = max(self.versions[name], version)
 
     def version_of(self, adapter_id: int) -> int:
         return self.by_id[adapter_id].version

@@ -75,6 +75,10 @@ class ClusterAdapters:
             await self.follower.resync(info.name, await self.registry_call("snapshot"))
             raise AdapterExistsError(change.refused)
         self.follower.mark_loaded(info.name, change.version)
+        # every replica numbers this load as the registry did (its change version)
+        await self.state.require_engine().run(
+            lambda e: e.lora.renumber(info.name, info.adapter_id, change.version))
+        info.version = change.version
         await self._wait_applied(change.version, f"adapter {info.name!r} is registered")
         return info
 
