@@ -40,14 +40,18 @@ async def receive_upload(state: ServerState, adapters: AdapterOps,
     """Write the stream to a fresh directory, then load it as ``header.name``."""
     header = await _header(requests)
     name = check_adapter_name(header.name, state.options.served_model_name)
+    limit = state.options.max_upload_bytes
+    if header.size_bytes > limit:  # refused before a byte of the weights is read
+        raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                           f"header.size_bytes={header.size_bytes} is over --max-upload-bytes "
+                           f"({limit}); send at most that")
     engine = state.require_engine()
     await engine.run(lambda e: e.lora.check_name(name, header.replace))  # before the bytes
     store = upload_store(state)
     out = store.new_dir(name)
     try:
         write_config(out, header.adapter_config.encode())
-        await _write_weights(requests, out / WEIGHTS_NAME, state.options.max_upload_bytes,
-                             header.size_bytes)
+        await _write_weights(requests, out / WEIGHTS_NAME, limit, header.size_bytes)
         return await adapters.load(name, str(out), replace=header.replace, pin=header.pin,
                                    source="upload")
     except BaseException:

@@ -181,6 +181,7 @@ def test_bad_uploads_each_get_their_code_and_leave_nothing(server, client, tiny_
         ({"weights": b"\0" * (LIMIT + 1)}, grpc.StatusCode.RESOURCE_EXHAUSTED,
          "--max-upload-bytes"),
         ({"declared": len(weights) + 10}, invalid, "ended after"),
+        ({"declared": LIMIT + 1}, grpc.StatusCode.RESOURCE_EXHAUSTED, "header.size_bytes"),
     ]
     for replace in (True, False):
         for changes, code, fragment in cases:
