@@ -28,3 +28,18 @@ def test_in_place_swap_reaches_both_replicas(client: Client, ray_app: Any, tiny_
         assert {r.adapter_version for r, _ in results} == {version}
         assert len({replica for _, replica in results}) == 2
     client.unload_adapter("policy")
+
+
+def test_an_upload_reaches_both_replicas(client: Client, ray_app: Any, tiny_adapters,
+                                         peft_reference) -> None:
+    """UploadAdapter through Ray's proxy: written under --upload-dir, loaded everywhere."""
+    ids = PROMPTS[2]
+    info = client.upload_adapter("uploaded", tiny_adapters("ip-up"))
+    assert info.version > 0
+    assert str(ray_app.options.upload_dir) in info.path
+    results = spread(ray_app.target, "uploaded", ids, n=12)
+    assert all(not isinstance(r, grpc.RpcError) for r, _ in results), results
+    assert {tuple(r.token_ids) for r, _ in results} == {tuple(peft_reference("ip-up", ids, N))}
+    assert {r.adapter_version for r, _ in results} == {info.version}
+    assert len({replica for _, replica in results}) == 2
+    client.unload_adapter("uploaded")
