@@ -149,6 +149,17 @@ def test_an_upload_equals_the_same_adapter_from_disk(server, client, tiny_adapte
     assert leftovers(server) == []
 
 
+def test_the_command_line_uploads(server, client, tiny_adapters, capsys) -> None:
+    from loraplex.cli import main
+
+    argv = ["adapters", "upload", "cli-up", str(tiny_adapters("u4")), "--server",
+            server.target, "--admin-token", ADMIN]
+    assert main(argv) == 0 and capsys.readouterr().out.startswith("cli-up\t")
+    assert main([*argv, "--replace"]) == 0
+    assert {a.name: a.version for a in client.list_adapters()}["cli-up"] == 2
+    assert main(argv) == 1 and "ALREADY_EXISTS" in capsys.readouterr().err
+
+
 def test_a_peft_model_uploads_from_memory(server, client, tiny_llama, tiny_adapters) -> None:
     import torch
     from peft import PeftModel
