@@ -120,9 +120,15 @@ def add_adapters(sub: argparse._SubParsersAction) -> None:
     load.add_argument("path", help="adapter dir, as the server sees it")
     load.add_argument("--replace", action="store_true", help="replace an adapter of that name")
     load.add_argument("--pin", action="store_true", help="keep it on the device")
+    upload = verbs.add_parser("upload", help="send a PEFT LoRA dir's files under NAME (no "
+                              "shared disk needed)")
+    upload.add_argument("name")
+    upload.add_argument("path", help="adapter dir, on this machine")
+    upload.add_argument("--replace", action="store_true", help="load it in place over NAME")
+    upload.add_argument("--pin", action="store_true", help="keep it on the device")
     unload = verbs.add_parser("unload", help="unload NAME (in-flight requests finish)")
     unload.add_argument("name")
-    for verb in (ls, load, unload):
+    for verb in (ls, load, upload, unload):
         add_flags(verb, ServerConnection, required={"server"})
         verb.set_defaults(handler=run_adapters, command_parser=verb)
 
@@ -140,9 +146,9 @@ def run_adapters(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
                                       for i in infos], indent=2))
                 for info in infos if not args.json else ():
                     print(_adapter_line(info))
-            elif args.verb == "load":
-                print(_adapter_line(client.load_adapter(args.name, args.path, args.replace,
-                                                        args.pin)))
+            elif args.verb in ("load", "upload"):
+                call = client.load_adapter if args.verb == "load" else client.upload_adapter
+                print(_adapter_line(call(args.name, args.path, args.replace, args.pin)))
             else:
                 print(f"unloaded {client.unload_adapter(args.name).name}")
         except grpc.RpcError as e:

@@ -24,12 +24,13 @@ import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from .client_requests import generate_request, sampling_params  # noqa: F401  (re-exported)
+from .client_upload import upload_messages
 from .proto import loraplex_pb2 as pb
 from .proto import loraplex_pb2_grpc as pb_grpc
 
@@ -143,6 +144,16 @@ class Client:
         request = pb.LoadAdapterRequest(name=name, path=str(path), replace=replace, pin=pin)
         return self._s.admin.LoadAdapter(request, **self._s.adm(timeout))
 
+    def upload_adapter(self, name: str, dir_or_peft_model: str | Path | Any,
+                       replace: bool = False, pin: bool = False,
+                       timeout: float | None = None) -> pb.AdapterInfo:
+        """Send a PEFT dir (or a PEFT model) over the stream: no shared disk needed."""
+        messages = upload_messages(name, dir_or_peft_model, replace, pin)
+        return self._s.admin.UploadAdapter(messages, **self._s.adm(timeout))
+
+    def reset_prefix_cache(self, timeout: float | None = None) -> None:
+        self._s.admin.ResetPrefixCache(pb.ResetPrefixCacheRequest(), **self._s.adm(timeout))
+
     def unload_adapter(self, name: str, timeout: float | None = None
                        ) -> pb.UnloadAdapterResponse:
         return self._s.admin.UnloadAdapter(pb.UnloadAdapterRequest(name=name),
@@ -216,6 +227,16 @@ class AsyncClient:
                            pin: bool = False, timeout: float | None = None) -> pb.AdapterInfo:
         request = pb.LoadAdapterRequest(name=name, path=str(path), replace=replace, pin=pin)
         return await self._s.admin.LoadAdapter(request, **self._s.adm(timeout))
+
+    async def upload_adapter(self, name: str, dir_or_peft_model: str | Path | Any,
+                             replace: bool = False, pin: bool = False,
+                             timeout: float | None = None) -> pb.AdapterInfo:
+        messages = list(upload_messages(name, dir_or_peft_model, replace, pin))
+        return await self._s.admin.UploadAdapter(iter(messages), **self._s.adm(timeout))
+
+    async def reset_prefix_cache(self, timeout: float | None = None) -> None:
+        await self._s.admin.ResetPrefixCache(pb.ResetPrefixCacheRequest(),
+                                             **self._s.adm(timeout))
 
     async def unload_adapter(self, name: str, timeout: float | None = None
                              ) -> pb.UnloadAdapterResponse:

@@ -42,7 +42,7 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     weights = [torch.randn(576, 576, generator=gen) for _ in range(30)]
     x = torch.randn(32, 576, generator=gen)
-    threads = lambda: len(os.listdir("/proc/self/task"))  # noqa: E731
+    threads = lambda: len(os.listdir("/proc/self/task"))
     print(f"torch {torch.__version__}, {torch.get_num_threads()} intra-op threads, helpers "
           f"{'serial (the fix)' if args.serial else 'plain'}")
     before = best(weights, x)

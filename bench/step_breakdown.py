@@ -20,7 +20,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import nn
 
 from .common import default_model_dir, machine_line, make_random_adapters, random_prompts

@@ -81,6 +81,12 @@ class BlockManager:
         seq.num_computed_tokens = len(seq.block_table) * self.block_size
         seq.num_cached_tokens = seq.num_computed_tokens
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every block's hash: no later lookup finds KV computed before (blocks in
+        use keep their KV, and their owners may register them again)."""
+        self.cached.clear()
+        self.block_hashes = [None] * self.num_blocks
+
     def register_full_blocks(self, seq: Sequence) -> None:
         """After a step: make the sequence's newly full, computed blocks findable."""
         if not self.enable_prefix_caching:

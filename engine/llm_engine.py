@@ -4,28 +4,21 @@ from __future__ import annotations
 
 import itertools
 import logging
-import time
 from collections.abc import Callable, Iterable
 from collections.abc import Sequence as Seq
 from pathlib import Path
 
-from ..kernels import intra_op
 from ..lora.cache import AdapterCache
-from ..lora.cached_adapter import AdapterInfo
 from ..lora.layers import attach_lora, rank_row_bytes
-from ..lora.peft_format import (
-    AdapterMeta,
-    BaseShapes,
-    LoRAWeights,
-    inspect_peft_adapter,
-    read_peft_adapter,
-)
+from ..lora.peft_format import BaseShapes
 from ..lora.rank_pool import RankPool
 from ..lora.slots import SlotBuffers
+from ..lora.upload_store import UploadStore
 from .base_model import BaseModel, load_base_model
 from .block_manager import BlockManager
 from .choices import choices_to_fork, report_choices, run_to_completion
 from .config import EngineConfig
+from .engine_adapters import EngineAdapters
 from .errors import AdapterNotFoundError, InvalidRequestError
 from .lora_capacity import LoRACapacity
 from .model_runner import ModelRunner, num_kv_blocks
@@ -41,8 +34,9 @@ log = logging.getLogger(__name__)
 Prompt = str | list[int]
 
 
-class LLMEngine:
-    """``LLMEngine(model, **EngineConfig fields)``, or ``LLMEngine.from_config(config)``."""
+class LLMEngine(EngineAdapters):
+    """``LLMEngine(model, **EngineConfig fields)``, or ``LLMEngine.from_config(config)``;
+    the adapter methods (add_adapter, remove_adapter, ...) are engine_adapters.py's."""
 
     def __init__(self, model: str | Path | None = None, progress: bool = False, **kwargs):
         self.config = cfg = EngineConfig(model=None if model is None else str(model), **kwargs)
@@ -67,12 +61,14 @@ class LLMEngine:
         self.base_shapes = BaseShapes.from_hf_config(self.base.hf_config, str(self.base.path))
         self.lora_dtype = kernels.dtype  # the pools'; host copies are read in it on loader
         # threads, so the copy onto the device only moves bytes
+        self.uploads = UploadStore()  # adapters given as tensors or bytes, as PEFT dirs
         self.lora = AdapterCache(self.lora_capacity.max_loras, self.resolved.max_cpu_loras,
                                  RankPool(self.lora_capacity.num_units, kernels.rank_unit),
                                  read=self._read_registered,
                                  load_slot=self._load_slot, clear_slot=self.slot_buffers.clear,
                                  move_slot=self.slot_buffers.move,
-                                 max_concurrent_reads=cfg.max_adapter_reads)
+                                 max_concurrent_reads=cfg.max_adapter_reads,
+                                 on_drop=self._dropped)
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs,
                                    cfg.max_num_batched_tokens, self.lora,
                                    cfg.adapter_starvation_steps)
@@ -134,7 +130,9 @@ class LLMEngine:
         return Sequence(
             request_id=request_id if request_id is not None else f"req-{next(self._ids)}",
             prompt_token_ids=ids, params=params, adapter_name=adapter or None,
-            adapter_id=adapter_id, eos_token_ids=self.base.eos_token_ids,
+            adapter_id=adapter_id,
+            adapter_version=self.lora.version_of(adapter_id) if adapter_id else None,
+            eos_token_ids=self.base.eos_token_ids,
             max_tokens=len(ids) + max_new, bad_words_ids=bad_words_ids,
         )
 
@@ -264,52 +262,6 @@ class LLMEngine:
         """The device slot of every adapter in the batch (the scheduler made them resident)."""
         return {a: self.lora.slot_of(a) for a in {s.adapter_id for s, _ in batch.entries} if a}
 
-    # ---- adapters -----------------------------------------------------------------------
-    def read_adapter(self, path: str | Path, name: str = "") -> LoRAWeights:
-        """Read and validate a PEFT adapter dir for this base model (safe on any thread)."""
-        start = time.perf_counter()
-        with intra_op.serial():  # callers' threads start no OpenMP pool (kernels/intra_op.py)
-            weights = read_peft_adapter(path, self.base_shapes, self.config.max_lora_rank,
-                                        name, dtype=self.lora_dtype)
-        self._observe_adapter_load("host", time.perf_counter() - start)
-        return weights
-
-    def _read_registered(self, meta: AdapterMeta) -> LoRAWeights:
-        """The loader threads' read of a registered adapter (its checks are not redone
-        while the files are unchanged)."""
-        start = time.perf_counter()
-        weights = read_peft_adapter(meta.path, self.base_shapes, self.config.max_lora_rank,
-                                    meta.name, meta=meta, dtype=self.lora_dtype)
-        self._observe_adapter_load("host", time.perf_counter() - start)
-        return weights
-
-    def _load_slot(self, slot: int, weights: LoRAWeights) -> None:
-        start = time.perf_counter()
-        self.slot_buffers.load(slot, weights)
-        self._observe_adapter_load("device", time.perf_counter() - start)
-
-    def _observe_adapter_load(self, tier: str, seconds: float) -> None:
-        for observe in self.adapter_load_observers:
-            observe(tier, seconds)
-
-    def add_adapter(self, name: str, path: str | Path, replace: bool = False, pin: bool = False,
-                    preloaded: bool = False, weights: LoRAWeights | None = None) -> AdapterInfo:
-        """Register an adapter. Without ``weights`` (already read by ``read_adapter``) this
-        validates its config and safetensors header only: registering costs metadata, and
-        the weights are read when a request needs them."""
-        if self.is_base_model(name):
-            raise InvalidRequestError(f"adapter name {name!r} is empty or the base model's")
-        meta = weights.meta if weights is not None else inspect_peft_adapter(
-            path, self.base_shapes, self.config.max_lora_rank, name, self.lora_dtype)
-        return self.lora.register(name, meta, replace=replace, pin=pin, preloaded=preloaded,
-                                  weights=weights)
-
-    def remove_adapter(self, name: str) -> None:
-        self.lora.remove(name)
-
-    def list_adapters(self) -> list[AdapterInfo]:
-        return self.lora.list()
-
     # ---- introspection ------------------------------------------------------------------
     def stats(self) -> dict[str, int]:
         bm = self.block_manager
@@ -330,6 +282,11 @@ class LLMEngine:
             "lora_pool_units_total": self.lora.pool.num_units,
             "lora_pool_units_used": self.lora.pool.used_units,
         }
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix block: no later request reuses KV computed before
+        (engine thread)."""
+        self.block_manager.reset_prefix_cache()
 
     def check(self) -> None:
         """Assert the books of the adapter cache and pool and of the KV blocks (the engine

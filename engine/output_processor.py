@@ -31,6 +31,7 @@ class RequestOutput:
     # with params.prompt_logprobs set: one per prompt token, the first None
     prompt_logprobs: list[TokenLogprob | None] | None = None
     cumulative_logprob: float | None = None  # the sum of ``logprobs``' values
+    adapter_version: int | None = None  # the version of the adapter it ran on (None: base)
 
 
 class OutputProcessor:
@@ -91,5 +92,5 @@ class OutputProcessor:
             num_cached_tokens=seq.num_cached_tokens, error=seq.error, index=seq.index,
             logprobs=None if seq.logprobs is None else list(seq.logprobs),
             new_logprobs=new_logprobs, prompt_logprobs=seq.prompt_logprobs,
-            cumulative_logprob=seq.cumulative_logprob,
+            cumulative_logprob=seq.cumulative_logprob, adapter_version=seq.adapter_version,
         )

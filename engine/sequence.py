@@ -27,6 +27,7 @@ class Sequence:
     params: SamplingParams  # already resolved: no None fields left that matter
     adapter_name: str | None = None  # None = the base model
     adapter_id: int = 0  # 0 = base model; new for every adapter load
+    adapter_version: int | None = None  # the adapter's version (rises with each load)
     eos_token_ids: frozenset[int] = frozenset()
     max_tokens: int = 0  # prompt + generated never exceeds this
     output_token_ids: list[int] = field(default_factory=list)

@@ -20,7 +20,13 @@ Invariants (``check`` asserts them; the engine's debug mode runs it after every 
   never on the engine step; a read may start on any thread as a request arrives
   (``prefetch``), and the engine thread adopts it when the request reaches it;
 - a name maps to one live adapter id; a replaced or removed adapter keeps its id, weights
-  and run until its last request ends (``active == 0``), then is dropped.
+  and run until its last request ends (``active == 0``), then is dropped;
+- every load of a name gets a new adapter id (prefix-cache hashes are seeded by it, so no
+  KV of an old version is reused) and a version one above the name's last (kept across
+  unloads, so a version number never names two loads);
+- a replace of the same shape (as many pool units) reuses the old version's run: the new
+  weights are written into it once the old version is idle (at once when it already is),
+  with no allocation and no compaction; two copies are held only while old requests run.
 """
 
 from __future__ import annotations
@@ -50,15 +56,18 @@ class AdapterCache:
         move_slot: Callable[[int, int, int], None] | None = None,  # (src, dst, rank rows)
         max_concurrent_reads: int = 4,
         look_ahead_loads: int = 4,
+        on_drop: Callable[[Path], None] | None = None,  # an owned adapter's dir is done with
     ):
         self.max_loras = max_loras
         self.max_cpu_loras = max_cpu_loras
         self.pool = pool
         self.look_ahead_loads = look_ahead_loads  # device loads started ahead, per step
+        self._on_drop = on_drop
         self.names: dict[str, CachedAdapter] = {}  # live registrations
         self.by_id: dict[int, CachedAdapter] = {}  # live and retired-but-busy adapters
         self.next_use: dict[int, int] = {}  # adapter id -> queue position of its next request
         self.counts: Counter[str] = Counter()  # lookups_<tier>, loads_<tier>, compactions
+        self.versions: Counter[str] = Counter()  # name -> its last load's version
         self._ids = itertools.count(1)  # 0 is the base model
         self._clock = itertools.count(1)
         self.device = DeviceTier(max_loras, pool, load_slot, clear_slot, move_slot,
@@ -67,25 +76,41 @@ class AdapterCache:
                              self.next_use, self.counts, self._clock, self.device.evict)
 
     # ---- registration (engine thread) ----------------------------------------------------
+    def check_name(self, name: str, replace: bool) -> None:
+        """ValueError for an empty name, AdapterExistsError for a taken one without
+        ``replace``."""
+        if not name:
+            raise ValueError("adapter name must be non-empty")
+        if name in self.names and not replace:
+            raise AdapterExistsError(
+                f"adapter {name!r} already exists; load it in place (replace / load_inplace) "
+                "to swap it for a new version")
+
     def register(self, name: str, meta: Any, replace: bool = False, pin: bool = False,
-                 preloaded: bool = False, weights: Any = None) -> AdapterInfo:
+                 preloaded: bool = False, weights: Any = None, owned: bool = False,
+                 version: int | None = None) -> AdapterInfo:
         """Register an adapter under ``name`` from its validated ``meta`` (``path``, ``rank``,
         ``target_modules``, ``size_bytes``); ``weights``, when already read, go to host
         memory. The old adapter, if replaced, finishes its in-flight requests on its own
-        weights."""
-        if not name:
-            raise ValueError("adapter name must be non-empty")
+        weights. ``owned``: ``on_drop(path)`` is called once the adapter is dropped.
+        ``version``: the number a cluster gave this load (Ray: the registry's), else one
+        above the name's last."""
+        self.check_name(name, replace)
         old = self.names.get(name)
-        if old is not None and not replace:
-            raise AdapterExistsError(f"adapter {name!r} already exists; pass replace to swap it")
         if pin and sum(a.pinned for a in self.names.values() if a is not old) >= self.max_loras:
             raise ValueError(f"at most max_loras={self.max_loras} adapters can be pinned")
-        if old is not None:
-            self._retire(old)
+        version = self.versions[name] + 1 if version is None else version
+        self.versions[name] = max(self.versions[name], version)
         a = CachedAdapter(name, Path(meta.path), next(self._ids), meta.rank,
                           list(meta.target_modules), meta.size_bytes, pin, preloaded,
-                          meta=meta, weights=weights, last_used=next(self._clock))
+                          meta=meta, weights=weights, last_used=next(self._clock),
+                          version=version, owned=owned)
+        if old is not None:
+            del self.names[name]
+            old.retired = True
         self.names[name] = self.by_id[a.adapter_id] = a
+        if old is not None:
+            self._drop_if_idle(old)  # idle: its run goes to ``a`` at once
         if weights is not None:
             self.host.trim(keep=a)
         return a.info()
@@ -104,10 +129,15 @@ class AdapterCache:
 
     def _drop_if_idle(self, a: CachedAdapter) -> None:
         if a.retired and a.active == 0:
+            successor = self.names.get(a.name)
+            if successor is not None and successor.weights is not None:
+                self.device.hand_over(a, successor)  # same shape: the new version's run
             self.device.evict(a)
             a.weights = None
             self.by_id.pop(a.adapter_id, None)
             self.next_use.pop(a.adapter_id, None)
+            if a.owned and self._on_drop is not None:
+                self._on_drop(a.path)
 
     # ---- requests -----------------------------------------------------------------------
     def lookup(self, name: str) -> int:
@@ -144,6 +174,17 @@ class AdapterCache:
         if a is not None:
             a.active -= 1
             self._drop_if_idle(a)
+
+    def renumber(self, name: str, adapter_id: int, version: int) -> None:
+        """The load ``adapter_id`` of ``name`` is ``version`` (a cluster's number, known
+        once its registry committed the load); no-op if another load replaced it."""
+        a = self.names.get(name)
+        if a is not None and a.adapter_id == adapter_id:
+            a.version = version
+            self.versions[name] = max(self.versions[name], version)
+
+    def version_of(self, adapter_id: int) -> int:
+        return self.by_id[adapter_id].version
 
     def failed(self, adapter_id: int) -> str | None:
         a = self.by_id.get(adapter_id)

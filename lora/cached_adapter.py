@@ -29,6 +29,7 @@ class AdapterInfo:
     adapter_id: int = 0
     slot: int = -1
     error: str | None = None
+    version: int = 1  # rises with each load of the name (a replace is a new version)
 
 
 @dataclass
@@ -50,6 +51,8 @@ class CachedAdapter:
     last_used: int = 0
     retired: bool = False  # unloaded or replaced: serves only its in-flight requests
     error: str | None = None
+    version: int = 1  # the name's load count when this load was registered
+    owned: bool = False  # its dir is an upload: removed once the adapter is dropped
 
     @property
     def state(self) -> str:
@@ -65,7 +68,7 @@ class CachedAdapter:
         return AdapterInfo(self.name, str(self.path), self.state, self.rank,
                            list(self.target_modules), self.size_bytes, self.active,
                            self.pinned, self.preloaded, self.adapter_id,
-                           -1 if self.slot is None else self.slot, self.error)
+                           -1 if self.slot is None else self.slot, self.error, self.version)
 
 
 def eviction_order(adapters: list[CachedAdapter], next_use: dict[int, int]

@@ -57,10 +57,7 @@ class DeviceTier:
             self._compact()
             first = self.pool.allocate(units)
         assert first is not None, "the free units were counted, so a compacted pool fits"
-        start = time.perf_counter()
-        self._load_slot(first, a.weights)
-        self.counts["loads_device"] += 1
-        self.counts["load_device_seconds"] += time.perf_counter() - start
+        self._write(first, a)
         self.resident[first], a.slot = a, first
         a.last_used = next(self._clock)
         return True
@@ -92,6 +89,27 @@ class DeviceTier:
                 have += self.pool.runs[b.slot]
                 count_room += 1
         return drain
+
+    def hand_over(self, old: CachedAdapter, new: CachedAdapter) -> bool:
+        """Write ``new``'s weights (held in host memory) into ``old``'s run and give it the
+        run, when ``old`` (idle) is resident, ``new`` is not, and both need as many units:
+        an in-place swap, with no allocation and no compaction. False, changing nothing,
+        otherwise."""
+        slot = old.slot
+        if (slot is None or new.slot is not None or old.running
+                or self.pool.units_for(old.rank) != self.pool.units_for(new.rank)):
+            return False
+        self._write(slot, new)
+        old.slot = None
+        self.resident[slot], new.slot = new, slot
+        new.last_used = next(self._clock)
+        return True
+
+    def _write(self, slot: int, a: CachedAdapter) -> None:
+        start = time.perf_counter()
+        self._load_slot(slot, a.weights)
+        self.counts["loads_device"] += 1
+        self.counts["load_device_seconds"] += time.perf_counter() - start
 
     def evict(self, a: CachedAdapter) -> None:
         if a.slot is not None:

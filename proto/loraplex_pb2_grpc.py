@@ -170,6 +170,16 @@ class AdapterAdminStub:
                 request_serializer=loraplex__pb2.ListAdaptersRequest.SerializeToString,
                 response_deserializer=loraplex__pb2.ListAdaptersResponse.FromString,
                 _registered_method=True)
+        self.UploadAdapter = channel.stream_unary(
+                '/loraplex.v1.AdapterAdmin/UploadAdapter',
+                request_serializer=loraplex__pb2.UploadAdapterRequest.SerializeToString,
+                response_deserializer=loraplex__pb2.AdapterInfo.FromString,
+                _registered_method=True)
+        self.ResetPrefixCache = channel.unary_unary(
+                '/loraplex.v1.AdapterAdmin/ResetPrefixCache',
+                request_serializer=loraplex__pb2.ResetPrefixCacheRequest.SerializeToString,
+                response_deserializer=loraplex__pb2.ResetPrefixCacheResponse.FromString,
+                _registered_method=True)
 
 
 class AdapterAdminServicer:
@@ -194,6 +204,23 @@ class AdapterAdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def UploadAdapter(self, request_iterator, context):
+        """An adapter's files sent over the stream (no shared disk): the first message is the
+        header (name, adapter_config.json, replace), the rest carry
+        adapter_model.safetensors in chunks (at most --max-upload-bytes in all). Checked as
+        LoadAdapter checks a directory; nothing is registered unless the whole upload is good.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ResetPrefixCache(self, request, context):
+        """Forget every cached prefix block (vLLM's POST /reset_prefix_cache).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdapterAdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -211,6 +238,16 @@ def add_AdapterAdminServicer_to_server(servicer, server):
                     servicer.ListAdapters,
                     request_deserializer=loraplex__pb2.ListAdaptersRequest.FromString,
                     response_serializer=loraplex__pb2.ListAdaptersResponse.SerializeToString,
+            ),
+            'UploadAdapter': grpc.stream_unary_rpc_method_handler(
+                    servicer.UploadAdapter,
+                    request_deserializer=loraplex__pb2.UploadAdapterRequest.FromString,
+                    response_serializer=loraplex__pb2.AdapterInfo.SerializeToString,
+            ),
+            'ResetPrefixCache': grpc.unary_unary_rpc_method_handler(
+                    servicer.ResetPrefixCache,
+                    request_deserializer=loraplex__pb2.ResetPrefixCacheRequest.FromString,
+                    response_serializer=loraplex__pb2.ResetPrefixCacheResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -295,6 +332,60 @@ class AdapterAdmin:
             '/loraplex.v1.AdapterAdmin/ListAdapters',
             loraplex__pb2.ListAdaptersRequest.SerializeToString,
             loraplex__pb2.ListAdaptersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UploadAdapter(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/loraplex.v1.AdapterAdmin/UploadAdapter',
+            loraplex__pb2.UploadAdapterRequest.SerializeToString,
+            loraplex__pb2.AdapterInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ResetPrefixCache(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/loraplex.v1.AdapterAdmin/ResetPrefixCache',
+            loraplex__pb2.ResetPrefixCacheRequest.SerializeToString,
+            loraplex__pb2.ResetPrefixCacheResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,8 +1,11 @@
-"""AdapterAdmin service: hot load, unload and list adapters (server/adapter_ops.py). Load
-and unload go through ``adapters`` (AdapterOps): this engine's by default, the cluster's on a
-Ray replica (server/ray/admin.py), as HTTP's load and unload routes do."""
+"""AdapterAdmin service: hot load (from a path or uploaded: server/adapter_upload.py), unload
+and list adapters (server/adapter_ops.py), and reset the prefix cache. Load and unload go
+through ``adapters`` (AdapterOps): this engine's by default, the cluster's on a Ray replica
+(server/ray/admin.py), as HTTP's load and unload routes do."""
 
 from __future__ import annotations
+
+from collections.abc import AsyncIterator
 
 import grpc
 
@@ -10,6 +13,7 @@ from ..proto import loraplex_pb2 as pb
 from ..proto import loraplex_pb2_grpc as pb_grpc
 from . import adapter_ops, convert
 from .adapter_ops import AdapterOps, LocalAdapters
+from .adapter_upload import receive_upload
 from .state import ServerState
 from .status import unary
 
@@ -25,6 +29,17 @@ class AdapterAdminServicer(pb_grpc.AdapterAdminServicer):
         info = await self.adapters.load(request.name, request.path, replace=request.replace,
                                         pin=request.pin)
         return convert.adapter_info(info)
+
+    @unary
+    async def UploadAdapter(self, requests: AsyncIterator[pb.UploadAdapterRequest],
+                            context: grpc.aio.ServicerContext) -> pb.AdapterInfo:
+        return convert.adapter_info(await receive_upload(self.state, self.adapters, requests))
+
+    @unary
+    async def ResetPrefixCache(self, request: pb.ResetPrefixCacheRequest,
+                               context: grpc.aio.ServicerContext) -> pb.ResetPrefixCacheResponse:
+        await adapter_ops.reset_prefix_cache(self.state)
+        return pb.ResetPrefixCacheResponse()
 
     @unary
     async def UnloadAdapter(self, request: pb.UnloadAdapterRequest,

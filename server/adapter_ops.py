@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, Protocol
 
 import grpc
@@ -28,20 +29,25 @@ def _lora_method(engine: LLMEngine, name: str) -> Callable[..., Any]:
 
 
 async def load_adapter(state: ServerState, name: str, path: str, replace: bool = False,
-                       pin: bool = False) -> AdapterInfo:
+                       pin: bool = False, source: str = "path") -> AdapterInfo:
     """Register the PEFT dir ``path`` as ``name``; INVALID_ARGUMENT for a bad name or
-    adapter, PERMISSION_DENIED outside the adapter roots, ALREADY_EXISTS without replace."""
+    adapter, PERMISSION_DENIED outside the adapter roots, ALREADY_EXISTS without replace.
+    ``source``: "path" (a caller's path: confined to ``--adapter-root``), "upload" (a
+    directory this server wrote: not confined, removed once dropped unless it lies in a
+    shared ``--upload-dir``) or "resolver" (confined to ``--lora-resolver-dir`` already)."""
     engine = state.require_engine()
     options = state.options
     name = check_adapter_name(name, options.served_model_name)
-    resolved = confine(path, options.adapter_roots)
+    resolved = confine(path, options.adapter_roots) if source == "path" else Path(path)
     model = engine.engine
     _lora_method(model, "add_adapter")
     # Reading and validating the weights is slow (disk): it happens here, off the engine
     # thread, so running requests keep stepping; registering is quick, between steps.
     read = getattr(model, "read_adapter", None)
     weights = await asyncio.to_thread(read, str(resolved), name) if read is not None else None
-    extra = {"weights": weights} if weights is not None else {}
+    extra: dict[str, Any] = {"weights": weights} if weights is not None else {}
+    if source == "upload" and options.upload_dir is None:
+        extra["owned"] = True  # the engine's private store: gone with the adapter
     return await engine.run(lambda e: e.add_adapter(
         name, str(resolved), replace=replace, pin=pin, **extra))
 
@@ -55,6 +61,12 @@ async def unload_adapter(state: ServerState, name: str) -> None:
     await engine.run(lambda e: _lora_method(e, "remove_adapter")(name))
 
 
+async def reset_prefix_cache(state: ServerState) -> None:
+    """Forget every cached prefix block (vLLM's /reset_prefix_cache)."""
+    engine = state.require_engine()
+    await engine.run(lambda e: _lora_method(e, "reset_prefix_cache")())
+
+
 async def list_adapters(state: ServerState, while_draining: bool = False
                         ) -> list[AdapterInfo]:
     engine = state.require_engine(while_draining=while_draining)
@@ -64,8 +76,8 @@ async def list_adapters(state: ServerState, while_draining: bool = False
 class AdapterOps(Protocol):
     """What HTTP's load and unload routes call: ``LocalAdapters`` or Ray's ``ClusterAdapters``."""
 
-    async def load(self, name: str, path: str, replace: bool = False, pin: bool = False
-                   ) -> AdapterInfo: ...
+    async def load(self, name: str, path: str, replace: bool = False, pin: bool = False,
+                   source: str = "path") -> AdapterInfo: ...
 
     async def unload(self, name: str) -> None: ...
 
@@ -76,9 +88,10 @@ class LocalAdapters:
     def __init__(self, state: ServerState):
         self.state = state
 
-    async def load(self, name: str, path: str, replace: bool = False, pin: bool = False
-                   ) -> AdapterInfo:
-        return await load_adapter(self.state, name, path, replace=replace, pin=pin)
+    async def load(self, name: str, path: str, replace: bool = False, pin: bool = False,
+                   source: str = "path") -> AdapterInfo:
+        return await load_adapter(self.state, name, path, replace=replace, pin=pin,
+                                  source=source)
 
     async def unload(self, name: str) -> None:
         await unload_adapter(self.state, name)

@@ -29,6 +29,7 @@ from ..engine.llm_engine import LLMEngine
 from ..engine.sampling_params import SamplingParams
 from ..proto import loraplex_pb2_grpc as pb_grpc
 from .adapter_admin import AdapterAdminServicer
+from .adapter_resolver import attach_resolver
 from .auth import TokenAuthInterceptor
 from .inference import InferenceServicer
 from .options import ServerOptions
@@ -99,6 +100,7 @@ class LoraplexServer:
             async_engine = await AsyncEngine.build(source)
         engine = async_engine.engine
         self.state.attach(async_engine)
+        attach_resolver(self.state)
         async_engine.start()
         if self.options.warmup:
             await _warm_up(async_engine)

@@ -62,4 +62,5 @@ def adapter_info(info: Any) -> pb.AdapterInfo:
         name=info.name, path=str(info.path), state=state, rank=info.rank or 0,
         target_modules=list(info.target_modules or []), size_bytes=info.size_bytes or 0,
         active_requests=info.active_requests or 0, pinned=bool(info.pinned),
-        preloaded=bool(info.preloaded), error=info.error or "")
+        preloaded=bool(info.preloaded), error=info.error or "",
+        version=getattr(info, "version", 0) or 0)

@@ -26,6 +26,7 @@ class EngineSnapshot:
     adapters_per_tier: dict[str, int] = field(default_factory=dict)  # every TIERS key
     # requests by where their adapter was when they arrived (device, host, disk), ever
     adapter_lookups: dict[str, int] = field(default_factory=dict)
+    adapter_versions: dict[str, int] = field(default_factory=dict)  # registered name -> version
 
 
 def take_snapshot(engine: LLMEngine) -> EngineSnapshot:
@@ -33,10 +34,12 @@ def take_snapshot(engine: LLMEngine) -> EngineSnapshot:
     stats = engine.stats()
     total = stats["kv_blocks_total"]
     running, waiting = engine.adapters_in_use()
-    tiers = Counter(TIER_OF_STATE.get(a.state, "disk") for a in engine.list_adapters())
+    adapters = engine.list_adapters()
+    tiers = Counter(TIER_OF_STATE.get(a.state, "disk") for a in adapters)
     return EngineSnapshot(
         num_running=stats["num_running"], num_waiting=stats["num_waiting"],
         kv_cache_usage=stats["kv_blocks_used"] / total if total else 0.0,
         running_adapters=tuple(running), waiting_adapters=tuple(waiting),
         adapters_per_tier={t: tiers.get(t, 0) for t in TIERS},
-        adapter_lookups={t: engine.lora.counts[f"lookups_{t}"] for t in LOOKUP_TIERS})
+        adapter_lookups={t: engine.lora.counts[f"lookups_{t}"] for t in LOOKUP_TIERS},
+        adapter_versions={a.name: a.version for a in adapters})

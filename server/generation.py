@@ -40,6 +40,8 @@ async def outputs(state: ServerState, engine: AsyncEngine, inp: GenerateInput
     """The engine's outputs for ``inp``, recorded in ``state.metrics``, until every choice
     has finished. An engine-side failure of the request raises INTERNAL."""
     adapter = state.adapter_of(inp.model)
+    if adapter is not None and state.resolver is not None:
+        await state.resolver.ensure(adapter)  # --lora-resolver-dir: loaded on first use
     track = state.metrics.track(adapter, inp.params.n)
     choices_left = inp.params.n
     try:

@@ -45,7 +45,8 @@ def _choice(out: RequestOutput) -> pb.Choice:
     return pb.Choice(index=out.index, text=out.text, token_ids=out.token_ids,
                      finish_reason=out.finish_reason or "",
                      logprobs=token_logprobs(out.logprobs),
-                     cumulative_logprob=out.cumulative_logprob or 0.0)
+                     cumulative_logprob=out.cumulative_logprob or 0.0,
+        adapter_version=out.adapter_version)
 
 
 def generate_response(finals: Sequence[RequestOutput], adapter: str) -> pb.GenerateResponse:
@@ -58,7 +59,8 @@ def generate_response(finals: Sequence[RequestOutput], adapter: str) -> pb.Gener
         request_id=finals[0].request_id, adapter=adapter, text=first.text,
         token_ids=first.token_ids, finish_reason=first.finish_reason, usage=counted,
         choices=[_choice(out) for out in finals], prompt_logprobs=prompt_logprobs(finals[0]),
-        logprobs=first.logprobs, cumulative_logprob=first.cumulative_logprob)
+        logprobs=first.logprobs, cumulative_logprob=first.cumulative_logprob,
+        adapter_version=finals[0].adapter_version)
 
 
 def stream_response(out: RequestOutput, adapter: str, usage: Usage, first: bool
@@ -71,4 +73,5 @@ def stream_response(out: RequestOutput, adapter: str, usage: Usage, first: bool
         usage=usage.add(out), finished=out.finished, index=out.index,
         logprobs=token_logprobs(out.new_logprobs),
         prompt_logprobs=prompt_logprobs(out) if first else [],
-        cumulative_logprob=out.cumulative_logprob or 0.0)
+        cumulative_logprob=out.cumulative_logprob or 0.0,
+        adapter_version=out.adapter_version)

@@ -85,6 +85,10 @@ class ServerMetrics:
             "loraplex:adapter_lookups", "Requests for an adapter by the tier it was found in "
             "when they arrived (device, host, disk): the adapter cache's hit rate per tier.",
             (*M, "tier"), registry=r)
+        self.adapter_version = Gauge(
+            "loraplex:adapter_version", "The version each registered adapter serves new "
+            "requests with (rises with each load of its name; an in-place load is a new "
+            "version).", a, registry=r)
         self._lookups_seen: dict[str, int] = {}
 
     def bind(self, model_name: str, max_loras: int) -> None:
@@ -126,6 +130,9 @@ class ServerMetrics:
             count = snap.adapter_lookups.get(tier, 0)
             self.adapter_lookups.labels(name, tier).inc(count - self._lookups_seen.get(tier, 0))
             self._lookups_seen[tier] = count
+        self.adapter_version.clear()  # unloaded adapters leave the family
+        for adapter, version in snap.adapter_versions.items():
+            self.adapter_version.labels(name, adapter).set(version)
         self.lora_info.clear()
         self.lora_info.labels(str(self.max_loras), ",".join(snap.waiting_adapters),
                               ",".join(snap.running_adapters)).set(time.time())

@@ -12,7 +12,9 @@ DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 50051
 DEFAULT_MAX_QUEUE = 1024
 DEFAULT_GRACE_S = 20.0
+DEFAULT_MAX_UPLOAD_BYTES = 1 << 30
 NETWORK = "network and security"
+ADAPTERS = "adapters (training loops)"
 
 
 @dataclass(frozen=True)
@@ -46,6 +48,21 @@ class ServerOptions:
     shutdown_grace_s: float = flag(  # in-flight calls may finish within this
         DEFAULT_GRACE_S, group=NETWORK, name="shutdown-grace-period", metavar="SECONDS",
         help="on SIGTERM, in-flight requests may finish within")
+    max_upload_bytes: int = flag(  # UploadAdapter's weights, in bytes
+        DEFAULT_MAX_UPLOAD_BYTES, group=ADAPTERS, kind="bytes", metavar="BYTES",
+        help="the largest adapter_model.safetensors UploadAdapter accepts (e.g. 256MiB)")
+    upload_dir: Path | None = flag(  # noqa: RUF009  (None: a private temporary directory)
+        None, group=ADAPTERS, metavar="DIR",
+        help="where uploaded adapters are written; with --ray, storage every node reads at "
+        "the same path (uploads are refused without it)")
+    lora_resolver_dir: Path | None = flag(  # noqa: RUF009  (vLLM's filesystem resolver)
+        None, group=ADAPTERS, metavar="DIR",
+        help="a request naming an unregistered adapter X loads DIR/X (confined to DIR) on "
+        "first use")
+    lora_resolver_hf_cache: Path | None = flag(  # noqa: RUF009  (offline: never downloads)
+        None, group=ADAPTERS, metavar="DIR",
+        help="a request naming an unregistered adapter ORG/NAME loads that Hugging Face "
+        "repo from this local Hub cache (e.g. ~/.cache/huggingface/hub), offline")
     # alias of the base model besides "": the engine's --served-model-name (config.py's
     # ServeConfig passes it on), not a flag of its own
     served_model_name: str | None = None
@@ -58,6 +75,17 @@ class ServerOptions:
             raise ValueError(f"http_port={self.http_port} must be in [0, 65535]")
         if self.max_queue < 1:
             raise ValueError(f"max_queue={self.max_queue} must be >= 1")
+        if self.max_upload_bytes < 1:
+            raise ValueError(f"max_upload_bytes={self.max_upload_bytes} must be >= 1")
+        for name in ("upload_dir", "lora_resolver_dir", "lora_resolver_hf_cache"):
+            path = getattr(self, name)
+            if path is not None:
+                object.__setattr__(self, name, Path(path).expanduser().resolve())
+        if self.lora_resolver_dir is not None and not self.lora_resolver_dir.is_dir():
+            raise ValueError(f"lora_resolver_dir={self.lora_resolver_dir} is not a directory")
+        if self.lora_resolver_hf_cache is not None and not self.lora_resolver_hf_cache.is_dir():
+            raise ValueError(f"lora_resolver_hf_cache={self.lora_resolver_hf_cache} is not a "
+                             "directory")
         if self.shutdown_grace_s < 0:
             raise ValueError(f"shutdown_grace_s={self.shutdown_grace_s} must be >= 0")
         for name in ("api_token", "admin_token"):

@@ -13,6 +13,7 @@ import enum
 import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2
@@ -59,6 +60,9 @@ class ServerState:
         self.died = asyncio.Event()  # set with phase DEAD: ``serve`` then exits non-zero
         self.metrics = ServerMetrics()  # both fronts record into it
         self.model_name = options.served_model_name or ""  # the base's id; set by ``attach``
+        # --lora-resolver-dir's AdapterResolver (server/adapter_resolver.py): set by its
+        # ``attach``, which runs after this one's
+        self.resolver: Any = None
 
     # ---- phase --------------------------------------------------------------------------
     async def set_phase(self, phase: Phase) -> None:

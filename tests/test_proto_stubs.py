@@ -39,7 +39,9 @@ def test_contract_names() -> None:
     assert pb.DESCRIPTOR.package == "loraplex.v1"
     assert set(services["Inference"].methods_by_name) == {"Generate", "GenerateStream"}
     assert set(services["AdapterAdmin"].methods_by_name) == {
-        "LoadAdapter", "UnloadAdapter", "ListAdapters"}
+        "LoadAdapter", "UnloadAdapter", "ListAdapters", "UploadAdapter", "ResetPrefixCache"}
+    upload = services["AdapterAdmin"].methods_by_name["UploadAdapter"]
+    assert upload.client_streaming and not upload.server_streaming
     assert set(services["ServerInfo"].methods_by_name) == {"GetServerInfo", "GetStats"}
     assert services["Inference"].methods_by_name["GenerateStream"].server_streaming
 
@@ -57,6 +59,12 @@ def test_contract_names() -> None:
     assert {"name", "path", "state", "rank", "target_modules", "size_bytes",
             "active_requests", "pinned", "preloaded"} <= fields(pb.AdapterInfo)
     assert {"name", "path", "replace", "pin"} <= fields(pb.LoadAdapterRequest)
+    assert fields(pb.UploadAdapterRequest) == {"header", "chunk"}
+    assert {"name", "adapter_config", "replace", "pin", "size_bytes"} <= \
+        fields(pb.UploadAdapterHeader)
+    assert "version" in fields(pb.AdapterInfo)
+    for msg in (pb.GenerateResponse, pb.GenerateStreamResponse):
+        assert msg.DESCRIPTOR.fields_by_name["adapter_version"].has_presence
     assert fields(pb.UnloadAdapterRequest) == {"name"}
     assert fields(pb.ListAdaptersResponse) == {"adapters"}
     assert set(pb.AdapterInfo.State.keys()) >= {"ON_DISK", "LOADING", "ON_CPU", "ON_DEVICE",

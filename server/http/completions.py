@@ -12,6 +12,7 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
+from ...engine.output_processor import RequestOutput
 from .. import generation
 from ..auth import Scope
 from ..generation import GenerateInput, OpenStream
@@ -19,6 +20,7 @@ from ..state import ServerState
 from .auth import require, server_state
 from .convert import chat_input, completion_input
 from .errors import error_body, http_status_of
+from .models import VERSION_HEADER
 from .protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from .responses import DONE, Reply, View, sse
 from .streaming import ClosingStreamingResponse, until_disconnect
@@ -53,11 +55,17 @@ async def _answer(state: ServerState, request: Request, reply: Reply, inp: Gener
                   body: SamplingFields) -> Response:
     if not body.stream:
         finals = await until_disconnect(request, generation.complete(state, inp))
-        return JSONResponse(reply.body(finals))
+        return JSONResponse(reply.body(finals), headers=_version_header(finals[0]))
     # Admitted and accepted by the engine before the 200 goes out: a bad request is a 4xx.
     stream = await OpenStream.open(state, inp)
     include_usage = body.stream_options is not None and body.stream_options.include_usage
-    return ClosingStreamingResponse(_events(stream, reply, include_usage), stream.aclose)
+    return ClosingStreamingResponse(_events(stream, reply, include_usage), stream.aclose,
+                                    headers=_version_header(stream.first))
+
+
+def _version_header(out: RequestOutput) -> dict[str, str]:
+    """The adapter version the request runs on (none for the base model)."""
+    return {} if out.adapter_version is None else {VERSION_HEADER: str(out.adapter_version)}
 
 
 async def _events(stream: OpenStream, reply: Reply, include_usage: bool

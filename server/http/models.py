@@ -2,7 +2,10 @@
 for the base model and every adapter, and the admin operations of server/adapter_ops.py
 (``app.state.adapters``: the AdapterAdmin RPCs' code path, the same name rules, adapter
 roots and admin token)
-with vLLM's bodies: a plain-text success message, or an error body (400 / 404)."""
+with vLLM's bodies: a plain-text success message, or an error body (400 / 404).
+``load_inplace`` (vLLM's) swaps a loaded name for a new version; without it a loaded name is
+a 400. Adapter cards and the load answer carry the adapter's version (``version``, the
+``loraplex-adapter-version`` header)."""
 
 from __future__ import annotations
 
@@ -23,6 +26,9 @@ OWNED_BY = "loraplex"
 router = APIRouter()
 
 
+VERSION_HEADER = "loraplex-adapter-version"  # the adapter version a response ran on
+
+
 def _card(state: ServerState, model_id: str, root: str, parent: str | None, created: int
           ) -> dict[str, Any]:
     engine = state.require_engine(while_draining=True).engine
@@ -31,12 +37,18 @@ def _card(state: ServerState, model_id: str, root: str, parent: str | None, crea
             "permission": []}
 
 
+def _adapter_card(state: ServerState, a: AdapterInfo, created: int) -> dict[str, Any]:
+    """An adapter's card: the base's fields plus ``version`` (loraplex's)."""
+    return {**_card(state, a.name, str(a.path), state.model_name, created),
+            "version": a.version}
+
+
 def model_cards(state: ServerState, adapters: list[AdapterInfo]) -> list[dict[str, Any]]:
     """The base model first (parent null), then each adapter (parent = the base's id)."""
     created = int(time.time())
     base_root = str(state.require_engine(while_draining=True).engine.base.path)
     cards = [_card(state, state.model_name, base_root, None, created)]
-    cards += [_card(state, a.name, str(a.path), state.model_name, created) for a in adapters]
+    cards += [_adapter_card(state, a, created) for a in adapters]
     return cards
 
 
@@ -50,8 +62,17 @@ async def list_models(request: Request) -> dict[str, Any]:
 @router.post("/v1/load_lora_adapter", dependencies=[Depends(require(Scope.ADMIN))])
 async def load_lora_adapter(body: LoadLoRAAdapterRequest, request: Request
                             ) -> PlainTextResponse:
-    await request.app.state.adapters.load(body.lora_name, body.lora_path)
-    return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+    info = await request.app.state.adapters.load(body.lora_name, body.lora_path,
+                                                 replace=body.load_inplace)
+    return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.",
+                             headers={VERSION_HEADER: str(info.version)})
+
+
+@router.post("/reset_prefix_cache", dependencies=[Depends(require(Scope.ADMIN))])
+async def reset_prefix_cache(request: Request) -> PlainTextResponse:
+    """vLLM's route: forget every cached prefix block."""
+    await adapter_ops.reset_prefix_cache(server_state(request))
+    return PlainTextResponse("Success: prefix cache reset.")
 
 
 @router.post("/v1/unload_lora_adapter", dependencies=[Depends(require(Scope.ADMIN))])

@@ -92,6 +92,7 @@ class ChatCompletionRequest(SamplingFields):
 class LoadLoRAAdapterRequest(RequestBody):
     lora_name: str
     lora_path: str
+    load_inplace: bool = False  # vLLM's: swap a loaded name for a new version
 
 
 class UnloadLoRAAdapterRequest(RequestBody):

@@ -20,8 +20,8 @@ class ClosingStreamingResponse(StreamingResponse):
     or cancelled by a client disconnect (even before the first chunk was sent)."""
 
     def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], Awaitable[None]],
-                 media_type: str = "text/event-stream"):
-        super().__init__(content, media_type=media_type)
+                 media_type: str = "text/event-stream", headers: dict[str, str] | None = None):
+        super().__init__(content, media_type=media_type, headers=headers)
         self._on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

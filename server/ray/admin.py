@@ -27,6 +27,10 @@ from ..status import ServiceError, unary
 from .follower import RegistryFollower
 
 APPLY_TIMEOUT_S = 120.0
+UPLOADS_NEED_A_SHARED_DIR = (
+    "UploadAdapter with --ray needs --upload-dir: every replica loads the uploaded adapter "
+    "from that directory, so it must be storage every node reads at the same path; restart "
+    "with --upload-dir DIR, or use LoadAdapter with a path every node reads")
 REGISTRY_RETRY_S = 10.0  # how long a registry call is retried while Ray restarts the actor
 # replica id -> {adapter name: (state name, active requests)}
 ReplicaTiers = dict[str, dict[str, tuple[str, int]]]
@@ -59,15 +63,22 @@ class ClusterAdapters:
                                        f"{type(e).__name__}); retry the call") from e
                 await asyncio.sleep(0.2)
 
-    async def load(self, name: str, path: str, replace: bool = False, pin: bool = False
-                   ) -> AdapterInfo:
-        info = await adapter_ops.load_adapter(self.state, name, path, replace=replace, pin=pin)
+    async def load(self, name: str, path: str, replace: bool = False, pin: bool = False,
+                   source: str = "path") -> AdapterInfo:
+        if source == "upload" and self.state.options.upload_dir is None:
+            raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION, UPLOADS_NEED_A_SHARED_DIR)
+        info = await adapter_ops.load_adapter(self.state, name, path, replace=replace, pin=pin,
+                                              source=source)
         change = await self.registry_call("register", info.name, str(info.path), replace, pin,
                                           uuid.uuid4().hex)
         if change.refused is not None:  # a concurrent load of the same name won
             await self.follower.resync(info.name, await self.registry_call("snapshot"))
             raise AdapterExistsError(change.refused)
         self.follower.mark_loaded(info.name, change.version)
+        # every replica numbers this load as the registry did (its change version)
+        await self.state.require_engine().run(
+            lambda e: e.lora.renumber(info.name, info.adapter_id, change.version))
+        info.version = change.version
         await self._wait_applied(change.version, f"adapter {info.name!r} is registered")
         return info
 
@@ -95,6 +106,13 @@ class ClusterAdminServicer(AdapterAdminServicer):
         super().__init__(state, adapters)
         self.cluster = adapters
         self.replica_tiers = replica_tiers
+
+    @unary
+    async def UploadAdapter(self, requests: Any, context: grpc.aio.ServicerContext
+                            ) -> pb.AdapterInfo:
+        if self.state.options.upload_dir is None:  # refused before any byte is read
+            raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION, UPLOADS_NEED_A_SHARED_DIR)
+        return await AdapterAdminServicer.UploadAdapter.__wrapped__(self, requests, context)
 
     @unary
     async def ListAdapters(self, request: pb.ListAdaptersRequest,

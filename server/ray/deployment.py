@@ -169,6 +169,12 @@ class LoraplexReplica:
         return await self._unary(_ADMIN + "LoadAdapter", self.admin.LoadAdapter, request,
                                  grpc_context, pb.AdapterInfo)
 
+    async def UploadAdapter(self, requests: Any, grpc_context: Any) -> pb.AdapterInfo:
+        """Client streaming through Ray's proxy (its gRPCInputStream): written under
+        --upload-dir, then loaded on every replica as LoadAdapter loads a path."""
+        return await self._unary(_ADMIN + "UploadAdapter", self.admin.UploadAdapter, requests,
+                                 grpc_context, pb.AdapterInfo)
+
     async def UnloadAdapter(self, request: pb.UnloadAdapterRequest, grpc_context: Any
                             ) -> pb.UnloadAdapterResponse:
         return await self._unary(_ADMIN + "UnloadAdapter", self.admin.UnloadAdapter, request,

@@ -74,7 +74,8 @@ class RegistryFollower:
             weights = await asyncio.to_thread(model.read_adapter, entry.path, entry.name)
             await self.engine.run(lambda e: e.add_adapter(
                 entry.name, entry.path, replace=True, pin=entry.pin,
-                preloaded=entry.preloaded, weights=weights))
+                preloaded=entry.preloaded, weights=weights,
+                version=entry.version or None))  # the cluster's number for this load
             self.failures.pop(entry.name, None)
         except Exception as e:  # noqa: BLE001 - reported, not fatal to the replica
             log.error("replica %s cannot load adapter %r from %s: %s", self.member,

@@ -58,7 +58,8 @@ class RayApp:
 
 
 @pytest.fixture(scope="package")
-def ray_app(tiny_llama: Path, tiny_adapters: Callable[[str], Path]) -> Iterator[RayApp]:
+def ray_app(tiny_llama: Path, tiny_adapters: Callable[[str], Path],
+            tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayApp]:
     import ray
     from loraplex.engine.config import EngineConfig
     from loraplex.server.options import ServerOptions
@@ -67,7 +68,8 @@ def ray_app(tiny_llama: Path, tiny_adapters: Callable[[str], Path]) -> Iterator[
     modules = {n: str(tiny_adapters(n)) for n in NAMES}
     options = ServerOptions(port=_free_port(), http_port=_free_port(), admin_token=ADMIN,
                             max_queue=MAX_QUEUE,
-                            adapter_roots=[tiny_adapters("a0").parent], shutdown_grace_s=1.0)
+                            adapter_roots=[tiny_adapters("a0").parent], shutdown_grace_s=1.0,
+                            upload_dir=tmp_path_factory.mktemp("ray_uploads"))
     ray_options = RayOptions(num_replicas=2, replica_cpus=1, num_cpus=4,
                              health_check_period_s=1.0)
     took = start_ray(ray_options)

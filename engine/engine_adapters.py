@@ -1,0 +1,124 @@
+"""EngineAdapters: LLMEngine's adapter methods (register from a directory, from tensors in
+memory, replace in place, remove, list), kept apart from the request path. Every way in
+ends in the same checks (``peft_format``) and ``AdapterCache.register``."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ..kernels import intra_op
+from ..lora.cache import AdapterCache
+from ..lora.cached_adapter import AdapterInfo
+from ..lora.peft_format import (
+    AdapterMeta,
+    BaseShapes,
+    LoRAWeights,
+    inspect_peft_adapter,
+    read_peft_adapter,
+)
+from ..lora.slots import SlotBuffers
+from ..lora.upload_store import UploadStore
+from .errors import InvalidRequestError
+
+if TYPE_CHECKING:
+    import torch
+
+    from .config import EngineConfig
+
+
+class EngineAdapters:
+    """Mixed into LLMEngine, which sets these attributes."""
+
+    config: EngineConfig
+    lora: AdapterCache
+    base_shapes: BaseShapes
+    lora_dtype: torch.dtype
+    slot_buffers: SlotBuffers
+    uploads: UploadStore
+    adapter_load_observers: list[Callable[[str, float], None]]
+    is_base_model: Callable[[str | None], bool]
+
+    def read_adapter(self, path: str | Path, name: str = "") -> LoRAWeights:
+        """Read and validate a PEFT adapter dir for this base model (safe on any thread)."""
+        start = time.perf_counter()
+        with intra_op.serial():  # callers' threads start no OpenMP pool (kernels/intra_op.py)
+            weights = read_peft_adapter(path, self.base_shapes, self.config.max_lora_rank,
+                                        name, dtype=self.lora_dtype)
+        self._observe_adapter_load("host", time.perf_counter() - start)
+        return weights
+
+    def _read_registered(self, meta: AdapterMeta) -> LoRAWeights:
+        """The loader threads' read of a registered adapter (its checks are not redone
+        while the files are unchanged)."""
+        start = time.perf_counter()
+        weights = read_peft_adapter(meta.path, self.base_shapes, self.config.max_lora_rank,
+                                    meta.name, meta=meta, dtype=self.lora_dtype)
+        self._observe_adapter_load("host", time.perf_counter() - start)
+        return weights
+
+    def _load_slot(self, slot: int, weights: LoRAWeights) -> None:
+        start = time.perf_counter()
+        self.slot_buffers.load(slot, weights)
+        self._observe_adapter_load("device", time.perf_counter() - start)
+
+    def _observe_adapter_load(self, tier: str, seconds: float) -> None:
+        for observe in self.adapter_load_observers:
+            observe(tier, seconds)
+
+    def _dropped(self, path: Path) -> None:
+        """The cache dropped the last load of ``path``: an upload's directory goes too."""
+        self.uploads.discard(path)
+
+    def write_upload(self, name: str, tensors: Mapping[str, Any], config: Any) -> Path:
+        """Write ``tensors`` (PEFT state-dict names -> tensors) and ``config`` (a dict or a
+        peft LoraConfig) as an adapter directory of this engine's upload store (any
+        thread); ``add_adapter(..., owned=True)`` registers it."""
+        if self.is_base_model(name):
+            raise InvalidRequestError(f"adapter name {name!r} is empty or the base model's")
+        with intra_op.serial():
+            return self.uploads.write_tensors(name, tensors, config)
+
+    def add_adapter(self, name: str, path: str | Path | None = None, replace: bool = False,
+                    pin: bool = False, preloaded: bool = False,
+                    weights: LoRAWeights | None = None, *,
+                    tensors: Mapping[str, Any] | None = None, config: Any = None,
+                    owned: bool = False, version: int | None = None) -> AdapterInfo:
+        """Register an adapter: from the PEFT dir ``path``, or from ``tensors`` (a PEFT
+        state dict: ``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`` ->
+        tensor) with ``config`` (adapter_config.json's dict, or a peft LoraConfig), checked
+        exactly as a directory is. ``replace`` swaps a registered name for a new version
+        (requests in flight finish on the old one). Without ``weights`` (already read by
+        ``read_adapter``) or ``tensors`` this validates the config and safetensors header
+        only: the weights are read when a request needs them. ``owned``: ``path`` is an
+        upload of this engine's store, removed once its adapter is dropped. ``version``:
+        a cluster's number for this load (else one above the name's last)."""
+        if self.is_base_model(name):
+            raise InvalidRequestError(f"adapter name {name!r} is empty or the base model's")
+        if tensors is not None:
+            if path is not None or weights is not None or config is None:
+                raise InvalidRequestError("give tensors with config, and no path or weights")
+            self.lora.check_name(name, replace)  # before any write
+            path, owned = self.write_upload(name, tensors, config), True
+        elif path is None:
+            raise InvalidRequestError("give the adapter's path, or tensors and config")
+        try:
+            if tensors is not None:
+                weights = self.read_adapter(path, name)
+            meta = weights.meta if weights is not None else inspect_peft_adapter(
+                path, self.base_shapes, self.config.max_lora_rank, name, self.lora_dtype)
+            return self.lora.register(name, meta, replace=replace, pin=pin,
+                                      preloaded=preloaded, weights=weights, owned=owned,
+                                      version=version)
+        except BaseException:
+            if owned:
+                self.uploads.discard(path)
+            raise
+
+    def remove_adapter(self, name: str) -> None:
+        self.lora.remove(name)
+
+    def list_adapters(self) -> list[AdapterInfo]:
+        return self.lora.list()
