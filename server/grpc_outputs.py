@@ -45,8 +45,7 @@ def _choice(out: RequestOutput) -> pb.Choice:
     return pb.Choice(index=out.index, text=out.text, token_ids=out.token_ids,
                      finish_reason=out.finish_reason or "",
                      logprobs=token_logprobs(out.logprobs),
-                     cumulative_logprob=out.cumulative_logprob or 0.0,
-        adapter_version=out.adapter_version)
+                     cumulative_logprob=out.cumulative_logprob or 0.0)
 
 
 def generate_response(finals: Sequence[RequestOutput], adapter: str) -> pb.GenerateResponse:
