@@ -29,6 +29,7 @@ from .block_manager import BlockManager
 from .config import EngineConfig
 from .errors import AdapterNotFoundError, InvalidRequestError
 from .lora_capacity import LoRACapacity
+from .memory_use import MemoryUse, memory_use
 from .model_runner import ModelRunner, num_kv_blocks
 from .output_processor import OutputProcessor, RequestOutput
 from .resolved_config import resolve_config
@@ -82,9 +83,9 @@ class LLMEngine:
         for name, path in cfg.lora_modules.items():
             self.add_adapter(name, path, preloaded=True)
         log.info("engine ready: %s, %s on %s, %s kernels, %d KV blocks of %d tokens, "
-                 "max_model_len %d; LoRA: %s", self.base.path, self.base.dtype,
+                 "max_model_len %d; LoRA: %s; memory: %s", self.base.path, self.base.dtype,
                  self.base.device, kernels.name, blocks, cfg.block_size, self.max_model_len,
-                 self.lora_capacity.reason)
+                 self.lora_capacity.reason, self.memory_use().describe())
 
     @classmethod
     def from_config(cls, config: EngineConfig, progress: bool = False) -> LLMEngine:
@@ -324,6 +325,10 @@ class LLMEngine:
             "lora_pool_units_total": self.lora.pool.num_units,
             "lora_pool_units_used": self.lora.pool.used_units,
         }
+
+    def memory_use(self) -> MemoryUse:
+        """What the LoRA pools and the KV cache reserve and have committed, read now."""
+        return memory_use(self.slot_buffers, self.base.model)
 
     def check(self) -> None:
         """Assert the books of the adapter cache and pool and of the KV blocks (the engine
