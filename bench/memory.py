@@ -23,6 +23,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -91,16 +92,17 @@ def _mib(n: float) -> str:
     return f"{n / 2**20:.1f} MiB"
 
 
-def measure(name: str, flags: list[str], log_path: Path) -> list[str]:
-    """Start ``loraplex serve`` with ``flags``, read its memory once SERVING, ask the four
-    questions, read it again; the report's lines."""
+def measure(name: str, flags: list[str], log_path: Path, python: str) -> list[str]:
+    """Start ``loraplex serve`` with ``flags`` (under ``python``), read its memory once
+    SERVING, ask the four questions, read it again; the report's lines."""
     port = free_port()
-    cmd = [sys.executable, "-m", "loraplex.cli", "serve", "--host", "127.0.0.1",
+    cmd = [python, "-m", "loraplex.cli", "serve", "--host", "127.0.0.1",
            "--port", str(port), "--http-port", str(free_port()), *flags]
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)
-    lines = [f"### `loraplex {' '.join(['serve', *flags])}`", ""]
+    lines = [f"### `loraplex {' '.join(['serve', *flags])}`"
+             + ("" if python == sys.executable else f" ({python})"), ""]
     try:
         with Client(f"127.0.0.1:{port}") as client:
             start = time.monotonic()
@@ -128,12 +130,19 @@ def measure(name: str, flags: list[str], log_path: Path) -> list[str]:
         "| when | RSS (sum) | PSS (sum) | processes |", "| --- | --- | --- | --- |",
         f"| SERVING | {serving.row()} |", f"| after the four requests | {after.row()} |", "",
         f"Target RSS ≤ {_gib(target)}: **{verdict}** ({_gib(after.rss)}).", "",
-        f"GetServerInfo (one replica): {info.dtype} on {info.device}; LoRA pool "
-        f"{_mib(info.lora_memory)} reserved, {_mib(info.lora_memory_committed)} committed; "
-        f"KV cache {_mib(info.kv_cache_bytes)} reserved ({info.kv_cache_tokens} tokens), "
-        f"{_mib(info.kv_cache_committed)} committed; max_loras {info.max_loras}.", "",
+        _info_line(info), "",
     ]
     return lines
+
+
+def _info_line(info: Any) -> str:
+    head = f"GetServerInfo (one replica): {info.dtype} on {info.device}; max_loras " \
+           f"{info.max_loras}; LoRA pool {_mib(info.lora_memory)} reserved"
+    if not info.kv_cache_bytes:  # a server from before these fields
+        return head + " (no committed figures from this server)."
+    return (f"{head}, {_mib(info.lora_memory_committed)} committed; KV cache "
+            f"{_mib(info.kv_cache_bytes)} reserved ({info.kv_cache_tokens} tokens), "
+            f"{_mib(info.kv_cache_committed)} committed.")
 
 
 def machine() -> str:
@@ -154,6 +163,9 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--skip-ray", action="store_true", help="measure plain serve only")
     p.add_argument("--out", type=Path, help="also write the report here (Markdown)")
+    p.add_argument("--server-python", default=sys.executable,
+                   help="the Python that runs the servers (another checkout's venv, to "
+                        "compare: its own loraplex is served)")
     p.add_argument("--log", type=Path, default=Path("bench-memory-server.log"),
                    help="the servers' output")
     args = p.parse_args(argv)
@@ -164,7 +176,7 @@ def main(argv: list[str] | None = None) -> None:
              f"Machine: {machine()}.", ""]
     print("\n".join(lines), flush=True)
     for name, flags in runs:
-        run = measure(name, flags, args.log)
+        run = measure(name, flags, args.log, args.server_python)
         print("\n".join(run), flush=True)
         lines += run
     if args.out:
