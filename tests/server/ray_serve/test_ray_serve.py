@@ -131,6 +131,23 @@ def test_list_adapters_per_replica(client: Client) -> None:
     assert len(replica_ids(client)) == 2
 
 
+def test_list_adapters_state_is_the_best_tier_of_any_replica(client: Client,
+                                                              tiny_adapters) -> None:
+    # issue 28: the top-level state said ON_DISK right after the adapter served
+    client.load_adapter("tiers", tiny_adapters("tiers"))
+    try:
+        holder = client.generate_with_trailers(prompt_token_ids=[3, 4, 5], adapter="tiers",
+                                               temperature=0.0, max_new_tokens=2)[1][TRAILER]
+        info = {i.name: i for i in client.list_adapters()}["tiers"]
+        per_replica = {r.replica: pb.AdapterInfo.State.Name(r.state) for r in info.replicas}
+        assert per_replica[holder] in ("ON_CPU", "ON_DEVICE"), per_replica
+        order = ["FAILED", "ON_DISK", "LOADING", "ON_CPU", "ON_DEVICE"]
+        best = max(per_replica.values(), key=order.index)
+        assert pb.AdapterInfo.State.Name(info.state) == best, (info.state, per_replica)
+    finally:
+        client.unload_adapter("tiers")
+
+
 def test_load_reaches_every_replica_at_once_unload_too(client: Client, ray_app: Any,
                                                         tiny_adapters, peft_reference
                                                         ) -> None:
