@@ -98,7 +98,7 @@ def _start_failed(command: str, e: Exception) -> int:
 
 
 def check_model_arg(model: str | None) -> None:
-    from .engine.models.embedded import DEFAULT_MODEL_ALIASES
+    from .engine.embedded_model import DEFAULT_MODEL_ALIASES
 
     if model is not None and model not in DEFAULT_MODEL_ALIASES and not Path(model).is_dir():
         raise ValueError(f"--model {model!r} is not a directory; give a local Hugging Face "

@@ -320,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown adapter(s) {unknown}; choose from {list(STYLES)}")
     import torch
-    from loraplex.engine.models.embedded import ensure_default_model
+    from loraplex.engine.embedded_model import ensure_default_model
 
     torch.set_num_threads(1)  # a shared machine; also makes the run reproducible
     base_dir = ensure_default_model()

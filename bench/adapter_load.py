@@ -55,7 +55,7 @@ def smollm2_shapes() -> BaseShapes:
     converted yet (no model weights are made or read)."""
     from transformers import LlamaConfig
 
-    from ..engine.models.embedded import default_model_dir
+    from ..engine.embedded_model import default_model_dir
 
     config_file = default_model_dir() / "config.json"
     if config_file.is_file():

@@ -15,7 +15,7 @@ ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
 
 
 def default_model_dir() -> Path:
-    from ..engine.models.embedded import ensure_default_model
+    from ..engine.embedded_model import ensure_default_model
 
     return ensure_default_model()
 

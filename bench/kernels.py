@@ -22,11 +22,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..kernels.testing import make_lora_pools, make_paged_cache
 from ..kernels.torch import attention as reference_attention
 from ..kernels.torch import lora as reference_lora
 from ..kernels.triton import TritonBackend, attention, attention_prefill, sgmv
 from ..kernels.triton.segments import TritonLoRASegments
+from .kernel_fixtures import make_lora_pools, make_paged_cache
 
 TOL = {torch.float32: (1e-4, 1e-4), torch.bfloat16: (2e-2, 2e-2), torch.float16: (2e-3, 2e-3)}
 KERNELS = {"shrink": sgmv._shrink_kernel, "expand": sgmv._expand_kernel,

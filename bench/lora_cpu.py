@@ -23,10 +23,10 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels.cpu import CPUBackend, isa
-from ..kernels.cpu.lora_routes import ROUTES, _compute_dtype, add_lora, choose_route
+from ..kernels.cpu.lora_routes import ROUTE_NAMES, _compute_dtype, add_lora, choose_route
 from ..kernels.cpu.segments import CPULoRASegments
-from ..kernels.testing import LoRAPools, make_lora_pools
 from ..kernels.torch import lora as reference
+from .kernel_fixtures import LoRAPools, make_lora_pools
 
 LAYERS = {  # name: (in, [out_i per slice])
     "qkv": (576, [576, 192, 192]),
@@ -113,7 +113,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--only", default="", help="cases whose name contains this")
     parser.add_argument("--dtypes", default="float32,bfloat16")
-    parser.add_argument("--routes", default=",".join(ROUTES))
+    parser.add_argument("--routes", default=",".join(ROUTE_NAMES))
     parser.add_argument("--ranks", default="8", help="adapter ranks, cycled over adapters")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)

@@ -36,7 +36,7 @@ class BaseModel:
 
 
 def resolve_model_dir(model: str | None) -> Path:
-    from .models.embedded import resolve_model
+    from .embedded_model import resolve_model
 
     return Path(resolve_model(model))
 

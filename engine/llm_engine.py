@@ -21,6 +21,7 @@ from .config import EngineConfig
 from .engine_adapters import EngineAdapters
 from .errors import AdapterNotFoundError, InvalidRequestError
 from .lora_capacity import LoRACapacity
+from .memory_use import MemoryUse, memory_use
 from .model_runner import ModelRunner, num_kv_blocks
 from .output_processor import OutputProcessor, RequestOutput
 from .request_checks import check_sampling, check_vocab, tokenize_bad_words
@@ -78,9 +79,9 @@ class LLMEngine(EngineAdapters):
         for name, path in cfg.lora_modules.items():
             self.add_adapter(name, path, preloaded=True)
         log.info("engine ready: %s, %s on %s, %s kernels, %d KV blocks of %d tokens, "
-                 "max_model_len %d; LoRA: %s", self.base.path, self.base.dtype,
+                 "max_model_len %d; LoRA: %s; memory: %s", self.base.path, self.base.dtype,
                  self.base.device, kernels.name, blocks, cfg.block_size, self.max_model_len,
-                 self.lora_capacity.reason)
+                 self.lora_capacity.reason, self.memory_use().describe())
 
     @classmethod
     def from_config(cls, config: EngineConfig, progress: bool = False) -> LLMEngine:
@@ -287,6 +288,10 @@ class LLMEngine(EngineAdapters):
         """Forget every cached prefix block: no later request reuses KV computed before
         (engine thread)."""
         self.block_manager.reset_prefix_cache()
+
+    def memory_use(self) -> MemoryUse:
+        """What the LoRA pools and the KV cache reserve and have committed, read now."""
+        return memory_use(self.slot_buffers, self.base.model)
 
     def check(self) -> None:
         """Assert the books of the adapter cache and pool and of the KV blocks (the engine

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PretrainedConfig
 
+from ..kernels import host_pages
 from ..kernels.backend import KernelBackend
 from ..kernels.step_metadata import AttentionMetadata, StepMetadata
 from .config import DEFAULT_CPU_KV_BYTES, EngineConfig
@@ -107,8 +108,9 @@ class ModelRunner:
         self.prompt_tokens_computed = 0  # prompt positions run through the model, ever
         for attn in model.attention_layers():
             shape = (num_blocks, cfg.block_size, attn.num_kv_heads, attn.head_dim)
-            attn.k_cache = torch.zeros(shape, dtype=dtype, device=device)
-            attn.v_cache = torch.zeros(shape, dtype=dtype, device=device)
+            # on the CPU a block's pages are committed when it is first written
+            attn.k_cache = host_pages.zeros(shape, dtype, device)
+            attn.v_cache = host_pages.zeros(shape, dtype, device)
 
     def prepare(self, batch: ScheduledBatch, adapter_slots: Mapping[int, int]) -> StepInputs:
         """The step's inputs; ``adapter_slots`` maps the adapter id of every sequence in the

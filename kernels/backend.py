@@ -19,6 +19,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
+from . import host_pages
 from .lora_segments import LoRASegments
 
 
@@ -57,18 +58,21 @@ class KernelBackend(ABC):
         the views overlap. An adapter of rank r owns the ``ceil(r / rank_unit)`` units from
         its slot on, and its rows are A[s, :r]; rows past a slot's rank belong to the next
         adapter (they are not zero): kernels read the first ``ranks[i, s]`` rows of a slot
-        only. A is stored [rows, in]; B [out, rows], or [rows, out] with ``r_major_b``."""
+        only. A is stored [rows, in]; B [out, rows], or [rows, out] with ``r_major_b``.
+
+        On the CPU the pools commit memory as rows are written (``host_pages``): with
+        ``r_major_b`` an adapter's rows are contiguous in both pools, so the pools cost what
+        the adapters placed so far wrote, not their size."""
         unit = self.rank_unit
         rows = num_units * unit + max(max_rank - unit, 0)
-        kw = {"device": self.device, "dtype": self.dtype}
-        a_pool = torch.zeros(rows, in_features, **kw)
+        a_pool = host_pages.zeros((rows, in_features), self.dtype, self.device)
         a = a_pool.as_strided((num_units, max_rank, in_features), (unit * in_features,
                                                                    in_features, 1))
         if self.r_major_b:
-            b_pool = torch.zeros(rows, out, **kw)
+            b_pool = host_pages.zeros((rows, out), self.dtype, self.device)
             b = b_pool.as_strided((num_units, out, max_rank), (unit * out, 1, out))
         else:
-            b_pool = torch.zeros(out, rows, **kw)
+            b_pool = host_pages.zeros((out, rows), self.dtype, self.device)
             b = b_pool.as_strided((num_units, out, max_rank), (unit, rows, 1))
         return a, b
 

@@ -18,6 +18,10 @@ class SlotBuffers:
         """Device bytes of one rank row across every pool: what rank r costs, × r."""
         return sum(layer.pool_bytes_per_row() for layer in self.layers.values())
 
+    def pool_tensors(self) -> list[torch.Tensor]:
+        """Every slot-buffer view of every pool (a pool's storage is shared by its views)."""
+        return [t for layer in self.layers.values() for t in (*layer.lora_a, *layer.lora_b)]
+
     @torch.inference_mode()
     def load(self, slot: int, weights: LoRAWeights) -> None:
         for (idx, _), layer in self.layers.items():

@@ -7,25 +7,12 @@ it ``ClusterAdapters`` (server/ray/admin.py), which commits each change to every
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
-import grpc
-
-from ..engine.llm_engine import LLMEngine
 from ..lora.cached_adapter import AdapterInfo
 from .adapter_paths import check_adapter_name, confine
 from .state import ServerState
-from .status import ServiceError
-
-
-def _lora_method(engine: LLMEngine, name: str) -> Callable[..., Any]:
-    method = getattr(engine, name, None)
-    if method is None:
-        raise ServiceError(grpc.StatusCode.UNIMPLEMENTED,
-                           f"this engine has no multi-LoRA support ({name} is missing)")
-    return method
 
 
 async def load_adapter(state: ServerState, name: str, path: str, replace: bool = False,
@@ -39,17 +26,14 @@ async def load_adapter(state: ServerState, name: str, path: str, replace: bool =
     options = state.options
     name = check_adapter_name(name, options.served_model_name)
     resolved = confine(path, options.adapter_roots) if source == "path" else Path(path)
-    model = engine.engine
-    _lora_method(model, "add_adapter")
     # Reading and validating the weights is slow (disk): it happens here, off the engine
     # thread, so running requests keep stepping; registering is quick, between steps.
-    read = getattr(model, "read_adapter", None)
-    weights = await asyncio.to_thread(read, str(resolved), name) if read is not None else None
-    extra: dict[str, Any] = {"weights": weights} if weights is not None else {}
+    weights = await asyncio.to_thread(engine.engine.read_adapter, str(resolved), name)
+    extra: dict[str, Any] = {}
     if source == "upload" and options.upload_dir is None:
         extra["owned"] = True  # the engine's private store: gone with the adapter
     return await engine.run(lambda e: e.add_adapter(
-        name, str(resolved), replace=replace, pin=pin, **extra))
+        name, str(resolved), replace=replace, pin=pin, weights=weights, **extra))
 
 
 async def unload_adapter(state: ServerState, name: str) -> None:
@@ -58,19 +42,19 @@ async def unload_adapter(state: ServerState, name: str) -> None:
     if not name:
         raise ValueError("adapter name is empty: give the name of a loaded adapter "
                          "(the base model cannot be unloaded)")
-    await engine.run(lambda e: _lora_method(e, "remove_adapter")(name))
+    await engine.run(lambda e: e.remove_adapter(name))
 
 
 async def reset_prefix_cache(state: ServerState) -> None:
     """Forget every cached prefix block (vLLM's /reset_prefix_cache)."""
     engine = state.require_engine()
-    await engine.run(lambda e: _lora_method(e, "reset_prefix_cache")())
+    await engine.run(lambda e: e.reset_prefix_cache())
 
 
 async def list_adapters(state: ServerState, while_draining: bool = False
                         ) -> list[AdapterInfo]:
     engine = state.require_engine(while_draining=while_draining)
-    return await engine.run(lambda e: _lora_method(e, "list_adapters")())
+    return await engine.run(lambda e: e.list_adapters())
 
 
 class AdapterOps(Protocol):

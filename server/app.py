@@ -159,6 +159,8 @@ def _log_capacity(engine: LLMEngine, options: ServerOptions) -> None:
              f", alias {info['served_model_name']!r}" if info["served_model_name"] else "")
     log.info("capacity: %s", " ".join(f"{k}={info[k]}" for k in knobs))
     log.info("LoRA capacity: %s", info["lora_capacity"])
+    log.info("memory: %s (on the CPU the pools commit pages as they are first written)",
+             engine.memory_use().describe())
 
 
 async def serve(options: ServerOptions, engine: EngineSource) -> None:

@@ -23,9 +23,11 @@ def version() -> str:
 
 
 def describe(engine: LLMEngine, options: ServerOptions) -> dict[str, Any]:
-    """Every capacity knob and the KV-cache size in tokens: GetServerInfo's fields, also
-    logged at start. Reads only what is fixed once the engine is built."""
+    """Every capacity knob, the KV-cache size in tokens and the pools' memory (reserved,
+    and committed now): GetServerInfo's fields, also logged at start. Reads what is fixed
+    once the engine is built, and the pools' page counts from the OS (any thread)."""
     cfg = engine.config
+    memory = engine.memory_use()
     return {
         "version": version(), "model": str(engine.base.path),
         "served_model_name": options.served_model_name or "",
@@ -36,6 +38,8 @@ def describe(engine: LLMEngine, options: ServerOptions) -> dict[str, Any]:
         "max_loras": engine.lora_capacity.max_loras, "max_loras_setting": str(cfg.max_loras),
         "lora_memory": engine.lora_capacity.pool_bytes,
         "lora_capacity": engine.lora_capacity.reason,
+        "lora_memory_committed": memory.lora_committed, "kv_cache_bytes": memory.kv_reserved,
+        "kv_cache_committed": memory.kv_committed,
         "max_lora_rank": cfg.max_lora_rank, "max_cpu_loras": engine.resolved.max_cpu_loras,
         "kv_cache_memory": cfg.kv_cache_memory or 0,
         "gpu_memory_utilization": cfg.gpu_memory_utilization,
@@ -47,10 +51,7 @@ def describe(engine: LLMEngine, options: ServerOptions) -> dict[str, Any]:
 
 
 def _engine_stats(engine: LLMEngine) -> dict[str, int]:
-    stats = dict(engine.stats())
-    list_adapters = getattr(engine, "list_adapters", None)
-    stats["num_adapters"] = len(list_adapters()) if list_adapters is not None else 0
-    return stats
+    return {**engine.stats(), "num_adapters": len(engine.list_adapters())}
 
 
 class ServerInfoServicer(pb_grpc.ServerInfoServicer):

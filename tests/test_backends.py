@@ -9,10 +9,10 @@ import os
 
 import pytest
 import torch
+from loraplex.bench.kernel_fixtures import make_lora_pools
 from loraplex.kernels import backend_class, backend_name, select_backend
 from loraplex.kernels.cpu import CPUBackend
 from loraplex.kernels.cpu.segments import CPULoRASegments
-from loraplex.kernels.testing import make_lora_pools
 from loraplex.kernels.torch import TorchBackend
 from loraplex.kernels.triton import TritonBackend
 

@@ -109,7 +109,7 @@ def test_no_safetensors_names_the_pickles(tiny_llama: Path, tmp_path: Path):
 def test_model_gguf_file_is_converted_once(tiny_llama: Path, tmp_path: Path, monkeypatch):
     """--model x.gguf: converted once (here by a stand-in for transformers' GGUF
     dequantization, which the embedded model's tests run for real) and served."""
-    from loraplex.engine.models import embedded
+    from loraplex.engine import embedded_model as embedded
 
     monkeypatch.setenv("LORAPLEX_HOME", str(tmp_path / "home"))
     gguf = tmp_path / "tiny.gguf"

@@ -36,7 +36,7 @@ PROMPTS = train.HELD_OUT[:6]
 
 @pytest.fixture(scope="module")
 def model_dir() -> Path:
-    from loraplex.engine.models.embedded import ensure_default_model
+    from loraplex.engine.embedded_model import ensure_default_model
 
     return ensure_default_model(progress=False)
 

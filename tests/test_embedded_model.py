@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from loraplex.engine.models import embedded
-from loraplex.engine.models.embedded import (
+from loraplex.engine import embedded_model as embedded
+from loraplex.engine.embedded_model import (
     DEFAULT_MODEL_NAME,
     default_model_dir,
     ensure_default_model,

@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
-from loraplex.kernels.testing import make_paged_cache
+from loraplex.bench.kernel_fixtures import make_paged_cache
 from loraplex.kernels.torch import attention as reference
 from loraplex.kernels.triton import attention
 from loraplex.kernels.triton.attention_prefill import paged_attention_prefill

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from loraplex.bench.kernel_fixtures import make_paged_cache
 from loraplex.kernels import backend_name, select_backend
 from loraplex.kernels.cpu import attention as cpu_attention
 from loraplex.kernels.cpu import extension
-from loraplex.kernels.testing import make_paged_cache
 from loraplex.kernels.torch import attention as reference
 
 CPU = torch.device("cpu")

@@ -1,6 +1,6 @@
 """Triton SGMV shrink / expand (kernels/triton/sgmv.py, under the interpreter) against the
 torch backend's (kernels/torch/lora.py), over rank-row pools holding adapters of mixed
-ranks back to back (kernels/testing.py), so a load past a slot's rank reads a neighbour's
+ranks back to back (bench/kernel_fixtures.py), so a load past a slot's rank reads a neighbour's
 rows; sparse slot ids, slot -1 and unsorted tokens throughout."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import os
 
 import pytest
 import torch
+from loraplex.bench.kernel_fixtures import LoRAPools, make_lora_pools, random_token_slots
 from loraplex.kernels import backend_name, select_backend
-from loraplex.kernels.testing import LoRAPools, make_lora_pools, random_token_slots
 from loraplex.kernels.torch import lora as reference
 from loraplex.kernels.triton import sgmv
 from loraplex.kernels.triton.segments import TritonLoRASegments

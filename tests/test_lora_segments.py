@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from loraplex.bench.kernel_fixtures import make_lora_pools, segments
 from loraplex.kernels import select_backend
 from loraplex.kernels.cpu.segments import CPULoRASegments
-from loraplex.kernels.testing import make_lora_pools, segments
 
 CPU = torch.device("cpu")
 

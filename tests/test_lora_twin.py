@@ -8,16 +8,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from loraplex.kernels import backend_name, select_backend
-from loraplex.kernels.cpu import extension, lora_routes
-from loraplex.kernels.cpu.lora_routes import ROUTES, add_lora, choose_route
-from loraplex.kernels.cpu.segments import CPULoRASegments
-from loraplex.kernels.testing import (
+from loraplex.bench.kernel_fixtures import (
     LoRAPools,
     make_lora_pools,
     random_token_slots,
     segments,
 )
+from loraplex.kernels import backend_name, select_backend
+from loraplex.kernels.cpu import extension, lora_routes
+from loraplex.kernels.cpu.lora_routes import ROUTE_NAMES, add_lora, choose_route
+from loraplex.kernels.cpu.segments import CPULoRASegments
 from loraplex.kernels.torch import lora as reference
 
 CPU = torch.device("cpu")
@@ -121,7 +121,7 @@ CASES = {  # name: adapter of each token (-1: none), in MIXED's order
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("case", list(CASES))
-@pytest.mark.parametrize("route", list(ROUTES))
+@pytest.mark.parametrize("route", list(ROUTE_NAMES))
 def test_every_route_matches_oracle(route: str, case: str, dtype: torch.dtype,
                                     layout: str) -> None:
     pools = _case(576, 3, dtype, seed=1, layout=layout)
@@ -142,7 +142,7 @@ def test_routes_agree_with_each_other(case: str, layout: str) -> None:
     x = torch.randn(len(slots), 200)
     zero = torch.zeros(len(slots), sum(pools.outs))
     want = _delta("twin", pools, x, slots, zero)
-    for route in ROUTES:
+    for route in ROUTE_NAMES:
         torch.testing.assert_close(_delta(route, pools, x, slots, zero), want, rtol=1e-5,
                                    atol=1e-5, msg=route)
 
@@ -160,7 +160,7 @@ def test_rank_exact_paths_never_read_past_the_rank(route: str, layout: str) -> N
     torch.testing.assert_close(out, pools.oracle(x, slots), rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("route", [*ROUTES, "twin"])
+@pytest.mark.parametrize("route", [*ROUTE_NAMES, "twin"])
 def test_routes_over_slot_ids_in_the_thousands(route: str) -> None:
     """A pool of 4096 units, two adapters at its far end beside one at its start: exact,
     and the step's groups are the three slots in use, not 4096."""
@@ -303,7 +303,7 @@ def test_dispatch_rejects_unknown_backend(monkeypatch: pytest.MonkeyPatch) -> No
         select_backend(CPU, torch.float32)
 
 
-@pytest.mark.parametrize("route", sorted(ROUTES))
+@pytest.mark.parametrize("route", sorted(ROUTE_NAMES))
 def test_routes_skip_a_layer_no_present_adapter_targets(route: str) -> None:
     """Adapters in the batch target other modules: every slot's rank here is 0, out is kept."""
     pools = make_lora_pools(64, [32, 16], [[0, 0, 0, 0], [0, 0, 0, 0]], 8, torch.float32)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from loraplex import LLMEngine, SamplingParams
-from loraplex.engine.models.embedded import ensure_default_model
+from loraplex.engine.embedded_model import ensure_default_model
 from transformers import AutoModelForCausalLM
 
 QUESTIONS = ["What is the capital of France?", "Name three colours."]

@@ -5,9 +5,9 @@ step and layer shape by ``choose_route`` (the rule and its measurements:
 Slot buffers are overlapping views of rank-row pools (``KernelBackend.lora_pool``): the
 rows past a slot's rank are the next adapter's, not zeros. Every route reads exactly a
 slot's own rank (kernel, loop) or pads to the largest rank in use and zeroes h's columns
-past each token's own rank before the expand (grouped, gather, dense). Routes are
+past each token's own rank before the expand (grouped, dense). Routes are
 rank-aware on the host: a rank-r slot costs r columns (loop), or at most the largest rank
-among the step's used slots (grouped, gather, dense), never r_max; and they work over the
+among the step's used slots (grouped, dense), never r_max; and they work over the
 slots in use (``CPULoRASegments``' compact groups), never over every slot up to the
 largest id. Half-precision deltas are computed in fp32 where the CPU has no native bf16
 GEMM (``isa.py``).
@@ -146,24 +146,6 @@ def _strides_16(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous()
 
 
-def route_gather(out: torch.Tensor, x: torch.Tensor, lora_a: list, lora_b: list,
-                 ranks: torch.Tensor, rk: list, seg: LoRASegments, cdt: torch.dtype) -> None:
-    """Per token: gather the token's A and B up to the largest rank in use, batched matmul
-    (decode, many adapters); h's columns past a token's own rank are zeroed."""
-    rows = None if seg.lora_rows_identity else seg.lora_rows
-    slots = seg.lora_row_slots  # [N]
-    xs = (x if rows is None else x[rows]).to(cdt).unsqueeze(2)  # [N, in, 1]
-    col = 0
-    for a, b, r, rk_i in zip(lora_a, lora_b, _used_rank(rk), rk):
-        if r:
-            h = torch.bmm(a[slots, :r].to(cdt), xs)  # [N, r, 1]
-            if min(rk_i) < r:
-                _mask_past_rank(h, _row_ranks(rk_i, seg))
-            y = torch.bmm(b[slots, :, :r].to(cdt), h).squeeze(2)  # [N, out_i]
-            _add_rows(out, 0, rows, col, y)
-        col += b.shape[1]
-
-
 def route_dense(out: torch.Tensor, x: torch.Tensor, lora_a: list, lora_b: list,
                 ranks: torch.Tensor, rk: list, seg: LoRASegments, cdt: torch.dtype) -> None:
     """Shrink against every slot in use at once (no weight copy where their rows lie back
@@ -187,22 +169,14 @@ def route_dense(out: torch.Tensor, x: torch.Tensor, lora_a: list, lora_b: list,
         col += b.shape[1]
 
 
-def route_kernel(out: torch.Tensor, x: torch.Tensor, lora_a: list, lora_b: list,
-                 ranks: torch.Tensor, rk: list, seg: LoRASegments, cdt: torch.dtype) -> None:
-    """Per token, in C++ (csrc/lora_gather.cpp): each token reads its own A and B in place
-    (any strides with a unit one along in and along out or rank), its own rank exactly,
-    fp32 accumulation."""
-    extension.load().add_lora_gather(out, x, seg.lora_rows, seg.lora_row_slots, lora_a,
-                                     lora_b, ranks)
-
-
+# the routes in Python; "kernel" (csrc/lora_gather.cpp: per token, each token reads its own
+# A and B in place, its own rank exactly, fp32 accumulation) is called by add_lora itself
 ROUTES: dict[str, Route] = {
-    "kernel": route_kernel,
     "loop": route_loop,
     "grouped": route_grouped,
-    "gather": route_gather,
     "dense": route_dense,
 }
+ROUTE_NAMES = ("kernel", *ROUTES)  # every route add_lora takes
 
 
 def choose_route(seg: LoRASegments, compute_dtype: torch.dtype = torch.float32,

@@ -4,7 +4,8 @@ server/adapter_ops.py there (the same name rules, ``--adapter-root``
 confinement and errors as one server), then commits the change to the cluster's
 AdapterRegistry and answers only once every live replica has applied it (registry.py states
 the guarantee). ListAdapters lists the registry's adapters, each with its tier on every
-replica (``AdapterInfo.replicas``)."""
+replica (``AdapterInfo.replicas``) and, as its top-level state, the best of those tiers
+(``best_state``)."""
 
 from __future__ import annotations
 
@@ -34,6 +35,8 @@ UPLOADS_NEED_A_SHARED_DIR = (
 REGISTRY_RETRY_S = 10.0  # how long a registry call is retried while Ray restarts the actor
 # replica id -> {adapter name: (state name, active requests)}
 ReplicaTiers = dict[str, dict[str, tuple[str, int]]]
+# the top-level state of a cluster listing: the best tier any replica holds, worst first
+_TIER_ORDER = ("STATE_UNSPECIFIED", "FAILED", "ON_DISK", "LOADING", "ON_CPU", "ON_DEVICE")
 
 
 class ClusterAdapters:
@@ -126,13 +129,23 @@ class ClusterAdminServicer(AdapterAdminServicer):
                     pb.AdapterInfo(name=name, path=entry.path, pinned=entry.pin,
                                    preloaded=entry.preloaded))
             info.active_requests = 0
+            states = []
             for replica, held in sorted(tiers.items()):
                 state, active = held.get(name, ("STATE_UNSPECIFIED", 0))
                 info.replicas.add(replica=replica, state=_state_number(state),
                                   active_requests=active)
                 info.active_requests += active
+                states.append(state)
+            if states:  # else (no replica answered) this replica's own view stays
+                info.state = _state_number(best_state(states))
             adapters.append(info)
         return pb.ListAdaptersResponse(adapters=adapters)
+
+
+def best_state(states: list[str]) -> str:
+    """The cluster's state of one adapter: the best tier any replica holds (ON_DEVICE over
+    ON_CPU over LOADING over ON_DISK over FAILED); FAILED only when every replica failed."""
+    return max(states, key=lambda s: _TIER_ORDER.index(s) if s in _TIER_ORDER else 0)
 
 
 def _state_number(state: str) -> int:

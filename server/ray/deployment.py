@@ -21,8 +21,7 @@ and the token rule is server/auth.py's. Per replica:
   says INTERNAL. Errors the replica raises set their own code. (A proxy timeout,
   RAY_SERVE_REQUEST_PROCESSING_TIMEOUT_S, which loraplex does not set, would read
   UNAVAILABLE mid-stream too, not DEADLINE_EXCEEDED);
-- ``check_health`` fails once the engine thread died, so Ray replaces the replica
-  (``fail_engine_loop``, a handle-only method, kills it for the fault tests);
+- ``check_health`` fails once the engine thread died, so Ray replaces the replica;
 - ``Check`` answers SERVING when this replica serves and at least ``min_replicas``
   replicas have joined the adapter registry (each joins after its warm-up).
 """
@@ -244,20 +243,6 @@ class LoraplexReplica:
         if self.state.phase is Phase.DEAD or engine is None or not engine.alive:
             raise RuntimeError(f"replica {self.replica_id}: the engine loop has stopped "
                                f"({engine.error if engine else 'no engine'!r})")
-
-    async def fail_engine_loop(self, reason: str) -> str:
-        """Make this replica's engine loop raise ``RuntimeError(reason)`` on its next turn, as
-        an internal fault would: the thread dies, ``check_health`` fails, Ray replaces the
-        replica. For fault tests, through a DeploymentHandle only (Ray's gRPC proxy serves
-        only the registered servicers' methods). Returns this replica's id."""
-        def fault() -> bool:
-            raise RuntimeError(reason)
-
-        def install(engine: LLMEngine) -> None:  # the loop calls it on every turn
-            setattr(engine, "has_unfinished_requests", fault)  # noqa: B010 - the instance's
-
-        await self.state.require_engine().run(install)
-        return self.replica_id
 
     async def local_tiers(self) -> tuple[str, dict[str, tuple[str, int]]]:
         infos = await list_adapters(self.state, while_draining=True)

@@ -89,6 +89,11 @@ def test_server_info_reports_capacity(client: Client, server: Any) -> None:
     assert info.max_loras == cap.max_loras and info.lora_memory == cap.pool_bytes > 0
     assert info.max_loras_setting == str(engine.config.max_loras)
     assert info.lora_capacity == cap.reason and str(info.max_loras) in info.lora_capacity
+    # the pools' memory (issue 28): reserved, and committed so far (pages written, CPU)
+    memory = engine.memory_use()
+    assert info.lora_memory_committed <= memory.lora_reserved
+    assert info.kv_cache_bytes == memory.kv_reserved
+    assert 0 < info.kv_cache_committed <= info.kv_cache_bytes  # the warm-up wrote a block
 
 
 # ---- outputs -----------------------------------------------------------------------------

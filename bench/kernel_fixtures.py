@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .backend import KernelBackend
-from .lora_segments import LoRASegments
+from ..kernels.backend import KernelBackend
+from ..kernels.lora_segments import LoRASegments
 
 
 @dataclass

@@ -1,0 +1,48 @@
+"""MemoryUse: what the engine's two big pools (the LoRA rank-row pools and the KV cache)
+reserve and what they have committed so far.
+
+Both are sized at start, from a budget (``lora_capacity``, ``num_kv_blocks``); on the CPU
+they commit pages only as they are first written (``kernels.host_pages``), so committed
+grows with the adapters placed on the device and the KV blocks used, up to reserved. On
+other devices committed is reserved. The start-up log and GetServerInfo report both.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..kernels import host_pages
+from ..lora.slots import SlotBuffers
+
+GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class MemoryUse:
+    lora_reserved: int  # bytes of the rank-row pools (every slot buffer's storage)
+    lora_committed: int  # of which backed by memory now
+    kv_reserved: int  # bytes of the KV cache (every attention layer's K and V)
+    kv_committed: int
+
+    def describe(self) -> str:
+        return (f"LoRA pool {_size(self.lora_reserved)} reserved, "
+                f"{_size(self.lora_committed)} committed; KV cache "
+                f"{_size(self.kv_reserved)} reserved, {_size(self.kv_committed)} committed")
+
+
+def kv_tensors(model: nn.Module) -> list[torch.Tensor]:
+    return [t for attn in model.attention_layers() for t in (attn.k_cache, attn.v_cache)]
+
+
+def memory_use(slot_buffers: SlotBuffers, model: nn.Module) -> MemoryUse:
+    """Measured now: the page counts are read from the OS (cheap; any thread)."""
+    lora, kv = slot_buffers.pool_tensors(), kv_tensors(model)
+    return MemoryUse(host_pages.reserved_bytes(lora), host_pages.committed_bytes(lora),
+                     host_pages.reserved_bytes(kv), host_pages.committed_bytes(kv))
+
+
+def _size(n: int) -> str:
+    return f"{n / GIB:.2f} GiB" if n >= GIB else f"{n / (1 << 20):.1f} MiB"
