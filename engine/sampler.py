@@ -26,6 +26,7 @@ from .sampling_batch import SamplingBatch, build_batch
 from .sequence import Sequence
 
 NEG_INF = float("-inf")
+TOP_K_SHORTCUT = 8  # top-k <= vocab / 8 in every row: top-p sorts only the kept tokens
 
 
 @dataclass
@@ -51,9 +52,12 @@ def apply_top_k_top_p(x: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor |
     """x: [R, vocab]; k: [R] in [1, vocab] or None; p: [R] in (0, 1] or None. Tokens below
     the k-th largest, and outside the smallest set whose probability reaches p (transformers'
     TopPLogitsWarper rule), become -inf."""
-    if p is None:
-        kth = x.topk(int(k.max()), dim=-1).values.gather(1, (k - 1).unsqueeze(1))
-        return x.masked_fill(x < kth, NEG_INF)
+    if k is not None:
+        k_max = int(k.max())
+        if p is None or k_max * TOP_K_SHORTCUT <= x.shape[-1]:  # no top-p, or small ks
+            kth = x.topk(k_max, dim=-1).values.gather(1, (k - 1).unsqueeze(1))
+            x = x.masked_fill(x < kth, NEG_INF)
+            return x if p is None else _top_p_of_the_kept(x, p)
     x_sort, order = x.sort(dim=-1, descending=False)
     if k is not None:
         kth = x_sort.gather(1, (x.shape[-1] - k).unsqueeze(1))
@@ -63,6 +67,17 @@ def apply_top_k_top_p(x: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor |
     drop[:, -1] = False  # the most likely token always stays
     x_sort = x_sort.masked_fill(drop, NEG_INF)
     return torch.empty_like(x).scatter_(-1, order, x_sort)
+
+
+def _top_p_of_the_kept(x: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """Top-p over the tokens top-k kept (ties at the k-th included), without sorting the
+    vocabulary: the same rule as the sorting path, on the few finite logits."""
+    width = int(torch.isfinite(x).sum(dim=-1).max())
+    vals, idx = x.topk(width, dim=-1)  # descending; rows with fewer finite pad with -inf
+    asc, asc_idx = vals.flip(-1), idx.flip(-1)
+    drop = asc.softmax(dim=-1).cumsum(dim=-1) <= 1 - p.unsqueeze(1)
+    drop[:, -1] = False  # the most likely token always stays
+    return x.scatter(-1, asc_idx, asc.masked_fill(drop, NEG_INF))
 
 
 def apply_min_p(x: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
