@@ -35,16 +35,15 @@ class SamplerOutput:
     logprobs: list[TokenLogprob | None]  # per row; None where not asked for
 
 
-def finite_rows(logits: torch.Tensor) -> torch.Tensor:
-    """[N] bool: whether each row holds only finite values. A row's sum is finite unless the
-    row holds NaN or ±Inf (or overflows): one fast reduction, and the exact test only when
+def finite_rows(logits: torch.Tensor) -> list[bool]:
+    """Whether each row holds only finite values. A row's sum is finite unless the row
+    holds NaN or ±Inf (or overflows): one fast reduction, and the exact test only when
     some sum is not."""
-    ok = torch.isfinite(logits.sum(dim=-1))
-    return ok if bool(ok.all()) else torch.isfinite(logits).all(dim=-1)
+    ok = torch.isfinite(logits.sum(dim=-1)).tolist()
+    return ok if all(ok) else torch.isfinite(logits).all(dim=-1).tolist()
 
 
-def _finite_rows(logits: torch.Tensor) -> list[bool]:
-    return finite_rows(logits).tolist()
+_finite_rows = finite_rows
 
 
 def apply_top_k_top_p(x: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor | None
@@ -114,8 +113,9 @@ class Sampler:
         batch = build_batch(seqs, logits.shape[-1], logits.device)
         if batch.penalties is not None and self.penalties is None:
             self.penalties = PenaltyState(logits.shape[-1], logits.device)
-        lp_rows = torch.tensor(batch.logprob_rows, dtype=torch.int64, device=logits.device)
-        raw = None if self.processed or not batch.logprob_rows else \
+        lp_rows = torch.tensor(batch.logprob_rows, dtype=torch.int64, device=logits.device) \
+            if batch.logprob_rows else None
+        raw = None if self.processed or lp_rows is None else \
             logits.index_select(0, lp_rows)  # a copy: processing works in place
         x = self._process(logits, batch)
         tokens = self.kernels.argmax_rows(x)
@@ -124,16 +124,17 @@ class Sampler:
             tokens = torch.where(batch.greedy, tokens, self._draw(x, seqs))
         if batch.penalties is not None and self.penalties is not None:
             pen_seqs, rs = batch.penalties[0], batch.penalties[1]
-            self.penalties.add(self.penalties.rows_of(pen_seqs), tokens[rs.rows], ok[rs.rows])
+            counted = torch.tensor([ok[i] for i in rs.index], device=logits.device)
+            self.penalties.add(self.penalties.rows_of(pen_seqs), tokens[rs.rows], counted)
         logprobs: list[TokenLogprob | None] = [None] * len(seqs)
-        if batch.logprob_rows:
+        if lp_rows is not None:
             values = raw if raw is not None else x.index_select(0, lp_rows)
             for i, lp in zip(batch.logprob_rows, token_logprobs(
                     values, tokens.index_select(0, lp_rows), batch.logprob_ks,
                     self.mode_kind)):
                 logprobs[i] = lp
-        return SamplerOutput([t if good else None for t, good in
-                              zip(tokens.tolist(), ok.tolist())], logprobs)
+        return SamplerOutput([t if good else None for t, good in zip(tokens.tolist(), ok)],
+                             logprobs)
 
     def _process(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """Masks, bias and penalties (in place on ``logits``, which the caller gave up)."""
