@@ -26,6 +26,7 @@ from .sampling_batch import SamplingBatch, build_batch
 from .sequence import Sequence
 
 NEG_INF = float("-inf")
+TOP_K_SHORTCUT = 8  # top-k <= vocab / 8 in every row: top-p sorts only the kept tokens
 
 
 @dataclass
@@ -34,16 +35,15 @@ class SamplerOutput:
     logprobs: list[TokenLogprob | None]  # per row; None where not asked for
 
 
-def finite_rows(logits: torch.Tensor) -> torch.Tensor:
-    """[N] bool: whether each row holds only finite values. A row's sum is finite unless the
-    row holds NaN or ±Inf (or overflows): one fast reduction, and the exact test only when
+def finite_rows(logits: torch.Tensor) -> list[bool]:
+    """Whether each row holds only finite values. A row's sum is finite unless the row
+    holds NaN or ±Inf (or overflows): one fast reduction, and the exact test only when
     some sum is not."""
-    ok = torch.isfinite(logits.sum(dim=-1))
-    return ok if bool(ok.all()) else torch.isfinite(logits).all(dim=-1)
+    ok = torch.isfinite(logits.sum(dim=-1)).tolist()
+    return ok if all(ok) else torch.isfinite(logits).all(dim=-1).tolist()
 
 
-def _finite_rows(logits: torch.Tensor) -> list[bool]:
-    return finite_rows(logits).tolist()
+_finite_rows = finite_rows
 
 
 def apply_top_k_top_p(x: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor | None
@@ -51,9 +51,12 @@ def apply_top_k_top_p(x: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor |
     """x: [R, vocab]; k: [R] in [1, vocab] or None; p: [R] in (0, 1] or None. Tokens below
     the k-th largest, and outside the smallest set whose probability reaches p (transformers'
     TopPLogitsWarper rule), become -inf."""
-    if p is None:
-        kth = x.topk(int(k.max()), dim=-1).values.gather(1, (k - 1).unsqueeze(1))
-        return x.masked_fill(x < kth, NEG_INF)
+    if k is not None:
+        k_max = int(k.max())
+        if p is None or k_max * TOP_K_SHORTCUT <= x.shape[-1]:  # no top-p, or small ks
+            kth = x.topk(k_max, dim=-1).values.gather(1, (k - 1).unsqueeze(1))
+            x = x.masked_fill(x < kth, NEG_INF)
+            return x if p is None else _top_p_of_the_kept(x, p)
     x_sort, order = x.sort(dim=-1, descending=False)
     if k is not None:
         kth = x_sort.gather(1, (x.shape[-1] - k).unsqueeze(1))
@@ -63,6 +66,17 @@ def apply_top_k_top_p(x: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor |
     drop[:, -1] = False  # the most likely token always stays
     x_sort = x_sort.masked_fill(drop, NEG_INF)
     return torch.empty_like(x).scatter_(-1, order, x_sort)
+
+
+def _top_p_of_the_kept(x: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """Top-p over the tokens top-k kept (ties at the k-th included), without sorting the
+    vocabulary: the same rule as the sorting path, on the few finite logits."""
+    width = int(torch.isfinite(x).sum(dim=-1).max())
+    vals, idx = x.topk(width, dim=-1)  # descending; rows with fewer finite pad with -inf
+    asc, asc_idx = vals.flip(-1), idx.flip(-1)
+    drop = asc.softmax(dim=-1).cumsum(dim=-1) <= 1 - p.unsqueeze(1)
+    drop[:, -1] = False  # the most likely token always stays
+    return x.scatter(-1, asc_idx, asc.masked_fill(drop, NEG_INF))
 
 
 def apply_min_p(x: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
@@ -99,8 +113,9 @@ class Sampler:
         batch = build_batch(seqs, logits.shape[-1], logits.device)
         if batch.penalties is not None and self.penalties is None:
             self.penalties = PenaltyState(logits.shape[-1], logits.device)
-        lp_rows = torch.tensor(batch.logprob_rows, dtype=torch.int64, device=logits.device)
-        raw = None if self.processed or not batch.logprob_rows else \
+        lp_rows = torch.tensor(batch.logprob_rows, dtype=torch.int64, device=logits.device) \
+            if batch.logprob_rows else None
+        raw = None if self.processed or lp_rows is None else \
             logits.index_select(0, lp_rows)  # a copy: processing works in place
         x = self._process(logits, batch)
         tokens = self.kernels.argmax_rows(x)
@@ -109,16 +124,17 @@ class Sampler:
             tokens = torch.where(batch.greedy, tokens, self._draw(x, seqs))
         if batch.penalties is not None and self.penalties is not None:
             pen_seqs, rs = batch.penalties[0], batch.penalties[1]
-            self.penalties.add(self.penalties.rows_of(pen_seqs), tokens[rs.rows], ok[rs.rows])
+            counted = torch.tensor([ok[i] for i in rs.index], device=logits.device)
+            self.penalties.add(self.penalties.rows_of(pen_seqs), tokens[rs.rows], counted)
         logprobs: list[TokenLogprob | None] = [None] * len(seqs)
-        if batch.logprob_rows:
+        if lp_rows is not None:
             values = raw if raw is not None else x.index_select(0, lp_rows)
             for i, lp in zip(batch.logprob_rows, token_logprobs(
                     values, tokens.index_select(0, lp_rows), batch.logprob_ks,
                     self.mode_kind)):
                 logprobs[i] = lp
-        return SamplerOutput([t if good else None for t, good in
-                              zip(tokens.tolist(), ok.tolist())], logprobs)
+        return SamplerOutput([t if good else None for t, good in zip(tokens.tolist(), ok)],
+                             logprobs)
 
     def _process(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """Masks, bias and penalties (in place on ``logits``, which the caller gave up)."""

@@ -26,7 +26,7 @@ class RowSet:
 
 @dataclass
 class SamplingBatch:
-    greedy: torch.Tensor  # [N] bool
+    greedy: torch.Tensor | None  # [N] bool; None when every row is greedy
     all_greedy: bool
     temperature: torch.Tensor | None  # [N]; None when every row is greedy or at 1
     top_k: tuple[RowSet, torch.Tensor] | None  # [R] int64 in [1, vocab]
@@ -91,7 +91,7 @@ def build_batch(seqs: list[Sequence], vocab: int, device: torch.device) -> Sampl
         mask[torch.tensor(r, device=device), torch.tensor(c, device=device)] = True
         allowed = (_rowset(a_rows, device), mask)
     return SamplingBatch(
-        greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
+        greedy=None if all(greedy) else torch.tensor(greedy, dtype=torch.bool, device=device),
         all_greedy=all(greedy),
         temperature=None if all(t == 1.0 for t in temps) else torch.tensor(temps, **f32),
         top_k=(_rowset(k_rows, device), torch.tensor([params[i].top_k for i in k_rows],

@@ -183,3 +183,16 @@ def test_a_non_finite_row_samples_nothing(logits):
     out = sampler()(bad, [seq(0, [1], [], temperature=0.0),
                           seq(1, [1], [], temperature=1.0, seed=1, presence_penalty=1.0)])
     assert out.tokens[0] == int(logits[0].argmax()) and out.tokens[1] is None
+
+
+def test_top_p_over_ties_at_the_k_th(logits):
+    """Top-k keeps every token tied with the k-th (as TopKLogitsWarper); top-p then runs on
+    the kept ones, the shortcut path (small k) and the sorting path (k large) alike."""
+    tied = logits[:2].clone()
+    tied[:, :6] = 2.0  # six tokens tied at the top
+    for k in (3, 40):
+        seqs = [seq(i, [1], [], temperature=1.0, top_k=k, top_p=0.8, seed=i) for i in range(2)]
+        _, got = processed(seqs, tied)
+        for i in range(2):
+            want = TopPLogitsWarper(0.8)(None, TopKLogitsWarper(k)(None, tied[i:i + 1].clone()))
+            same(got[i], want[0])
