@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 from loraplex.engine.detokenizer import detokenize, flush
-from loraplex.engine.models.embedded import ensure_default_model
+from loraplex.engine.embedded_model import ensure_default_model
 from loraplex.engine.sampling_params import SamplingParams
 from loraplex.engine.sequence import Sequence
 from transformers import AutoTokenizer
