@@ -104,8 +104,10 @@ class AsyncEngine:
     async def generate(self, prompt: Prompt, params: SamplingParams | None = None,
                        adapter: str | None = None, request_id: str | None = None
                        ) -> AsyncIterator[RequestOutput]:
-        """Yield the request's RequestOutputs as tokens arrive; the last one is finished.
-        Leaving early (cancel, deadline, aclose) aborts the request and frees its blocks."""
+        """Yield the request's RequestOutputs as tokens arrive. With ``params.n`` > 1 the
+        outputs of choices 0..n-1 interleave (``RequestOutput.index``), each choice ending
+        with its own finished output; the stream ends once every choice has finished.
+        Leaving early (cancel, deadline, aclose) aborts every choice and frees its blocks."""
         rid = request_id or f"req-{uuid.uuid4().hex}"
         if rid in self._streams:
             raise InvalidRequestError(f"request_id {rid!r} is already in use")
@@ -113,6 +115,7 @@ class AsyncEngine:
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._streams[rid] = stream
         finished = False
+        choices_left = params.n if params is not None else 1
         self.engine.prefetch_adapter(adapter)  # the read overlaps the step in progress
         try:
             await self.run(lambda e: e.add_request(ids, params, adapter, rid))
@@ -121,7 +124,8 @@ class AsyncEngine:
                 if isinstance(item, BaseException):
                     finished = True
                     raise item
-                finished = item.finished
+                choices_left -= item.finished
+                finished = choices_left == 0
                 yield item
         finally:
             self._streams.pop(rid, None)

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..flag import flag
+from .logprobs import LOGPROBS_MODES
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
@@ -20,6 +21,7 @@ DEFAULT_CPU_KV_BYTES = 1 << 30  # 1 GiB, further capped by what max_num_seqs × 
 MODEL = "model"
 CAPACITY = "capacity"
 LORA = "LoRA adapters"
+SAMPLING = "sampling"
 
 
 def _check_range(name: str, value: float, low: float, high: float | None = None) -> None:
@@ -75,6 +77,13 @@ class EngineConfig:
     adapter_starvation_steps: int = 16  # a passed-over adapter gets the next free slot after this
     served_model_name: str | None = flag(
         None, group=MODEL, help="alias requests may use for the base model")
+    max_logprobs: int = flag(
+        20, group=SAMPLING, help="the most logprobs / prompt_logprobs a request may ask for")
+    logprobs_mode: str = flag(
+        "raw_logprobs", group=SAMPLING, choices=LOGPROBS_MODES,
+        help="what logprobs report: the model's distribution (raw_*) or the one sampled "
+        "from (processed_*: after penalties, bias, temperature, top-k/p, min-p), as "
+        "log-probabilities or logits")
     debug_checks: bool = False  # assert the adapter pool's and KV blocks' books every step
 
     def __post_init__(self) -> None:
@@ -99,6 +108,10 @@ class EngineConfig:
             _check_range("num_kv_blocks", self.num_kv_blocks, 1)
         self._check_loras()
         _check_range("adapter_starvation_steps", self.adapter_starvation_steps, 1)
+        _check_range("max_logprobs", self.max_logprobs, 0)
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode={self.logprobs_mode!r} is not supported: choose "
+                             f"one of {LOGPROBS_MODES}")
         # the caller's dict is copied: a later change to it does not reach the engine
         object.__setattr__(self, "lora_modules", dict(self.lora_modules))
 

@@ -31,6 +31,7 @@ from .errors import AdapterNotFoundError, InvalidRequestError
 from .lora_capacity import LoRACapacity
 from .model_runner import ModelRunner, num_kv_blocks
 from .output_processor import OutputProcessor, RequestOutput
+from .request_checks import check_sampling, check_vocab, tokenize_bad_words
 from .resolved_config import resolve_config
 from .sampling_params import SamplingParams
 from .scheduler import ScheduledBatch, Scheduler
@@ -124,6 +125,9 @@ class LLMEngine:
                 f"{len(ids)} tokens and max_model_len is {self.max_model_len}, so at most "
                 f"{max_new} new tokens")
         self._check_vocab(params.stop_token_ids, "stop_token_ids")
+        vocab = self.base.hf_config.vocab_size
+        check_sampling(params, self.config, vocab)
+        bad_words_ids = tokenize_bad_words(self.tokenizer, params.bad_words, vocab)
         params.max_new_tokens = max_new
         if params.temperature is None:
             params.temperature = 1.0
@@ -132,7 +136,7 @@ class LLMEngine:
             request_id=request_id if request_id is not None else f"req-{next(self._ids)}",
             prompt_token_ids=ids, params=params, adapter_name=adapter or None,
             adapter_id=adapter_id, eos_token_ids=self.base.eos_token_ids,
-            max_tokens=len(ids) + max_new,
+            max_tokens=len(ids) + max_new, bad_words_ids=bad_words_ids,
         )
 
     def _check_prompt(self, ids: list[int]) -> None:
@@ -145,11 +149,7 @@ class LLMEngine:
                 f"prompt may have at most {self.max_model_len - 1}")
 
     def _check_vocab(self, ids: list[int], what: str) -> None:
-        vocab = self.base.hf_config.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise InvalidRequestError(
-                f"{what} holds token id {bad[0]}, out of range: ids must be in [0, {vocab})")
+        check_vocab(ids, what, self.base.hf_config.vocab_size)
 
     def is_base_model(self, name: str | None) -> bool:
         """Whether ``name`` names the base model: empty, None, or the served model name."""
@@ -224,26 +224,30 @@ class LLMEngine:
         return "error"
 
     def generate(self, prompts: Seq[Prompt], params: SamplingParams | Seq[SamplingParams] | None
-                 = None, adapters: Seq[str | None] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
-        """Run ``prompts`` to completion (one adapter per prompt, None = base model)."""
-        n = len(prompts)
-        params_list = list(params) if isinstance(params, Seq) else [params] * n
-        adapter_list = list(adapters) if adapters is not None else [None] * n
-        if len(params_list) != n or len(adapter_list) != n:
+                 = None, adapters: Seq[str | None] | None = None, use_tqdm: bool = False
+                 ) -> list[RequestOutput | list[RequestOutput]]:
+        """Run ``prompts`` to completion (one adapter per prompt, None = base model). One
+        finished RequestOutput per prompt; for a prompt whose params have n > 1, the list of
+        its n finished choices, in index order."""
+        count = len(prompts)
+        params_list = list(params) if isinstance(params, Seq) else [params] * count
+        adapter_list = list(adapters) if adapters is not None else [None] * count
+        if len(params_list) != count or len(adapter_list) != count:
             raise InvalidRequestError("params and adapters must have one entry per prompt")
         seqs = [self.make_sequence(p, sp, a) for p, sp, a in zip(prompts, params_list,
                                                                     adapter_list)]
         for seq in seqs:
             self.add_sequence(seq)
-        done: dict[str, RequestOutput] = {}
-        with tqdm(total=n, disable=not use_tqdm, desc="generating") as bar:
-            while len(done) < n:
+        total = sum(s.params.n for s in seqs)
+        done: dict[tuple[str, int], RequestOutput] = {}
+        with tqdm(total=total, disable=not use_tqdm, desc="generating") as bar:
+            while len(done) < total:
                 for out in self.step():
                     if out.finished:
-                        done[out.request_id] = out
+                        done[out.request_id, out.index] = out
                         bar.update(1)
-        return [done[s.request_id] for s in seqs]
+        return [done[s.request_id, 0] if s.params.n == 1 else
+                [done[s.request_id, i] for i in range(s.params.n)] for s in seqs]
 
     def _fail_broken_adapters(self) -> list[RequestOutput]:
         """Waiting requests whose adapter could not be reloaded from disk end with an error."""
@@ -311,6 +315,10 @@ class LLMEngine:
         bm = self.block_manager
         return {
             "num_waiting": len(self.scheduler.waiting),
+            # prompt tokens the forward pass computed, ever (prefix-cache hits and the
+            # choices forked from one prefill are not computed again; recompute after
+            # preemption is)
+            "prompt_tokens_computed": self.runner.prompt_tokens_computed,
             "num_running": len(self.scheduler.running),
             "kv_blocks_total": bm.num_blocks,
             "kv_blocks_used": bm.num_used_blocks,

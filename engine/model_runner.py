@@ -87,6 +87,7 @@ class ModelRunner:
         dtype = kernels.dtype
         self.block_size = cfg.block_size
         self.sampler = Sampler(cfg.seed, kernels)
+        self.prompt_tokens_computed = 0  # prompt positions run through the model, ever
         for attn in model.attention_layers():
             shape = (num_blocks, cfg.block_size, attn.num_kv_heads, attn.head_dim)
             attn.k_cache = torch.zeros(shape, dtype=dtype, device=device)
@@ -107,6 +108,7 @@ class ModelRunner:
         for seq, n in prefills + decodes:
             _check_entry(seq, n, self.block_size)
             c = seq.num_computed_tokens
+            self.prompt_tokens_computed += max(0, min(c + n, len(seq.prompt_token_ids)) - c)
             ids += seq.token_slice(c, c + n)
             positions += range(c, c + n)
             bt, bs = seq.block_table, self.block_size

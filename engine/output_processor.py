@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .logprobs import TokenLogprob
 from .sequence import Sequence
 
 
@@ -21,6 +22,14 @@ class RequestOutput:
     finish_reason: str | None = None  # "stop" | "eos" | "length" | "abort" | "error"
     num_cached_tokens: int = 0
     error: str | None = None
+    index: int = 0  # the choice (0..n-1); each choice ends with its own finished output
+    # with params.logprobs set: one per generated token so far, and those since the last
+    # output (parallel to new_token_ids); else None
+    logprobs: list[TokenLogprob] | None = None
+    new_logprobs: list[TokenLogprob] | None = None
+    # with params.prompt_logprobs set: one per prompt token, the first None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    cumulative_logprob: float | None = None  # the sum of ``logprobs``' values
 
 
 class OutputProcessor:
@@ -65,6 +74,7 @@ class OutputProcessor:
         text = seq.text
         stable = len(text) if seq.is_finished else len(text.rstrip("\ufffd"))  # no half chars
         new_text = text[seq.sent_text:stable] if stable > seq.sent_text else ""
+        new_logprobs = None if seq.logprobs is None else seq.logprobs[seq.sent_tokens:]
         seq.sent_tokens = seq.num_output_tokens
         seq.sent_text = max(seq.sent_text, stable)
         return RequestOutput(
@@ -72,5 +82,8 @@ class OutputProcessor:
             prompt_token_ids=seq.prompt_token_ids, token_ids=list(seq.output_token_ids),
             text=text, new_token_ids=new_tokens, new_text=new_text,
             finished=seq.is_finished, finish_reason=seq.finish_reason,
-            num_cached_tokens=seq.num_cached_tokens, error=seq.error,
+            num_cached_tokens=seq.num_cached_tokens, error=seq.error, index=seq.index,
+            logprobs=None if seq.logprobs is None else list(seq.logprobs),
+            new_logprobs=new_logprobs, prompt_logprobs=seq.prompt_logprobs,
+            cumulative_logprob=seq.cumulative_logprob,
         )

@@ -1,9 +1,17 @@
-"""SamplingParams: how one request is decoded. ``None`` fields take the model's defaults."""
+"""SamplingParams: how one request is decoded. ``None`` fields take the model's defaults.
+
+The fields beyond temperature / top-p / top-k are vLLM's, with vLLM's meaning and defaults
+(docs/sampling.md). ``validate`` checks what needs no engine; LLMEngine.make_sequence checks
+the rest (``--max-logprobs``, ``max_num_seqs``, token ids against the vocabulary).
+"""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
+
+PENALTY_RANGE = 2.0  # presence / frequency penalties lie in [-2, 2] (OpenAI's range)
+LOGIT_BIAS_RANGE = 100.0  # logit_bias values lie in [-100, 100] (OpenAI's range)
 
 
 @dataclass
@@ -11,18 +19,36 @@ class SamplingParams:
     temperature: float | None = None  # 0 = greedy
     top_p: float | None = None  # (0, 1]
     top_k: int | None = None  # 0 or -1 = off
-    seed: int | None = None
+    seed: int | None = None  # choice i of n draws from seed + i
     max_new_tokens: int | None = None  # None: up to max_model_len
     min_new_tokens: int = 0
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    n: int = 1  # choices sampled from one prefill of the prompt
+    logprobs: int | None = None  # top-k alternatives per sampled token; 0 = its own only
+    prompt_logprobs: int | None = None  # the same for every prompt token (the first: None)
+    presence_penalty: float = 0.0  # over generated tokens, OpenAI's formula
+    frequency_penalty: float = 0.0  # over generated tokens, OpenAI's formula
+    repetition_penalty: float = 1.0  # over prompt + generated tokens, transformers' formula
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit
+    min_p: float = 0.0  # drop tokens below min_p × the most likely token's probability
+    allowed_token_ids: list[int] | None = None  # only these may be sampled
+    bad_words: list[str] | None = None  # words that may not be generated (vLLM's meaning)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop)
         self.stop_token_ids = list(self.stop_token_ids)
+        if self.logit_bias is not None:  # JSON keys arrive as strings
+            self.logit_bias = {_token_key(k): v for k, v in self.logit_bias.items()}
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(self.allowed_token_ids)
+        if isinstance(self.bad_words, str):
+            self.bad_words = [self.bad_words]
+        if self.bad_words is not None:
+            self.bad_words = list(self.bad_words)
 
     def validate(self) -> None:
         """Raise ValueError naming the field and the allowed range."""
@@ -49,6 +75,36 @@ class SamplingParams:
             raise ValueError("stop strings must be non-empty")
         if any(t < 0 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids must be >= 0")
+        self._validate_sampling_fields()
+
+    def _validate_sampling_fields(self) -> None:
+        if self.n < 1:
+            raise ValueError(f"n={self.n} must be >= 1")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and k < 0:
+                raise ValueError(f"{name}={k} must be >= 0 (0 = the token's own logprob only)")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not (math.isfinite(v) and -PENALTY_RANGE <= v <= PENALTY_RANGE):
+                raise ValueError(f"{name}={v} must be in [-2, 2]")
+        r = self.repetition_penalty
+        if not (math.isfinite(r) and r > 0.0):
+            raise ValueError(f"repetition_penalty={r} must be a finite number > 0 (1 = off)")
+        if not (math.isfinite(self.min_p) and 0.0 <= self.min_p <= 1.0):
+            raise ValueError(f"min_p={self.min_p} must be in [0, 1]")
+        for token, bias in (self.logit_bias or {}).items():
+            if token < 0:
+                raise ValueError(f"logit_bias key {token} must be a token id >= 0")
+            if not (math.isfinite(bias) and -LOGIT_BIAS_RANGE <= bias <= LOGIT_BIAS_RANGE):
+                raise ValueError(f"logit_bias[{token}]={bias} must be in [-100, 100]")
+        if self.allowed_token_ids is not None:
+            if not self.allowed_token_ids:
+                raise ValueError("allowed_token_ids must not be empty (None = every token)")
+            if any(t < 0 for t in self.allowed_token_ids):
+                raise ValueError("allowed_token_ids must be token ids >= 0")
+        if self.bad_words is not None and any(not w.strip() for w in self.bad_words):
+            raise ValueError("bad_words must be non-empty words")
 
     def with_defaults(self, defaults: dict) -> SamplingParams:
         """A copy whose unset (None) fields take ``defaults`` (from generation_config.json)."""
@@ -62,3 +118,15 @@ class SamplingParams:
     @property
     def top_k_enabled(self) -> bool:
         return self.top_k is not None and self.top_k > 0
+
+    @property
+    def has_penalties(self) -> bool:
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)
+
+
+def _token_key(key: int | str) -> int:
+    try:
+        return int(key)
+    except (TypeError, ValueError):
+        raise ValueError(f"logit_bias key {key!r} is not a token id") from None

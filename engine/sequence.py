@@ -6,6 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from .logprobs import TokenLogprob
 from .sampling_params import SamplingParams
 
 
@@ -43,6 +44,24 @@ class Sequence:
     text: str = ""  # detokenized output (stop strings already cut)
     sent_tokens: int = 0  # output tokens already reported to the caller
     sent_text: int = 0  # characters of ``text`` already reported
+    index: int = 0  # the choice (0..n-1) of the request this sequence samples
+    # with params.logprobs set: one per output token (else None), and their sum
+    logprobs: list[TokenLogprob] | None = None
+    cumulative_logprob: float | None = None
+    # with params.prompt_logprobs set: one per prompt token computed so far, the first None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    bad_words_ids: list[list[int]] = field(default_factory=list)  # params.bad_words, tokenized
+
+    def __post_init__(self) -> None:
+        if self.params.logprobs is not None and self.logprobs is None:
+            self.logprobs, self.cumulative_logprob = [], 0.0
+        if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = [None]
+
+    @property
+    def seq_id(self) -> str:
+        """Unique among live sequences: the request id, with ``/i`` for choice i > 0."""
+        return self.request_id if self.index == 0 else f"{self.request_id}/{self.index}"
 
     @property
     def num_tokens(self) -> int:

@@ -133,6 +133,8 @@ def non_default_flags(tmp_path: Path) -> dict[str, tuple[list[str], dict[str, An
         "--max-adapter-reads": (["2"], {"max_adapter_reads": 2}),
         "--lora-modules": ([f"a={a}"], {"lora_modules": {"a": str(a.resolve())}}),
         "--served-model-name": (["alias"], {"served_model_name": "alias"}),
+        "--max-logprobs": (["5"], {"max_logprobs": 5}),
+        "--logprobs-mode": (["processed_logprobs"], {"logprobs_mode": "processed_logprobs"}),
     }
 
 
