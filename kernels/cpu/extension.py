@@ -11,13 +11,18 @@
 
 Built with the system C++ compiler (``-march=native``) on first use in a process and cached
 by torch under $TORCH_EXTENSIONS_DIR, once per machine and source digest (``make kernels``,
-= ``python -m loraplex.kernels.cpu``, does it ahead of time). ``load()`` raises where the build fails (no compiler) or
+= ``python -m loraplex.kernels.cpu``, does it ahead of time). A cache entry that holds its
+library is loaded as it is, without torch's build step: the entry's name is its sources'
+digest, so the library is the build of exactly these sources. torch's step would take the
+entry's lock file and run ninja on every load, and a process killed in between leaves the
+lock behind, on which every later load waits forever. ``load()`` raises where the build fails (no compiler) or
 ``LORAPLEX_CPU_KERNEL=0`` is set; the backend selector then serves with the torch backend.
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import logging
 import os
 import threading
@@ -45,11 +50,35 @@ class KernelBuildError(RuntimeError):
 def _build() -> ModuleType:
     from torch.utils.cpp_extension import load as load_extension
 
+    name = build_name(SOURCES + HEADERS)
+    built = _load_built(name)
+    if built is not None:
+        return built
     log.info("CPU kernels: loading the cached build, or compiling csrc/ (minutes, once per "
              "machine)")
-    return load_extension(name=build_name(SOURCES + HEADERS), sources=[str(p) for p in SOURCES],
+    return load_extension(name=name, sources=[str(p) for p in SOURCES],
                           extra_cflags=["-O3", "-march=native", "-fopenmp"],
                           extra_ldflags=["-fopenmp"], verbose=False)
+
+
+def _load_built(name: str) -> ModuleType | None:
+    """The library of cache entry ``name`` where it is there and loads; else None (torch's
+    load then builds it, or waits for the process that is building it)."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    library = Path(_get_build_directory(name, verbose=False)) / f"{name}.so"
+    if not library.is_file():
+        return None
+    spec = importlib.util.spec_from_file_location(name, library)
+    if spec is None or spec.loader is None:
+        return None
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except (ImportError, OSError) as exc:  # a library still being linked, or cut short
+        log.warning("CPU kernels: %s does not load (%s); rebuilding", library, exc)
+        return None
+    return module
 
 
 def build_name(files: list[Path]) -> str:
