@@ -112,13 +112,15 @@ class AsyncEngine:
         if rid in self._streams:
             raise InvalidRequestError(f"request_id {rid!r} is already in use")
         ids = self.engine.tokenize(prompt)  # tokenizing stays off the engine thread
+        # so does compiling a grammar: the request waits here, the engine steps on
+        grammar = await self.engine.constraints.compile_async(params)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._streams[rid] = stream
         finished = False
         choices_left = params.n if params is not None else 1
         self.engine.prefetch_adapter(adapter)  # the read overlaps the step in progress
         try:
-            await self.run(lambda e: e.add_request(ids, params, adapter, rid))
+            await self.run(lambda e: e.add_request(ids, params, adapter, rid, grammar))
             while not finished:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):

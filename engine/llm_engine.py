@@ -27,6 +27,7 @@ from ..lora.slots import SlotBuffers
 from .base_model import BaseModel, load_base_model
 from .block_manager import BlockManager
 from .config import EngineConfig
+from .constraints import Constraints
 from .errors import AdapterNotFoundError, InvalidRequestError
 from .lora_capacity import LoRACapacity
 from .model_runner import ModelRunner, num_kv_blocks
@@ -78,6 +79,8 @@ class LLMEngine:
                                    cfg.max_num_batched_tokens, self.lora,
                                    cfg.adapter_starvation_steps)
         self.outputs = OutputProcessor(self.tokenizer)
+        self.constraints = Constraints(self.tokenizer, self.base.hf_config.vocab_size,
+                                       self.base.eos_token_ids)  # structured outputs
         self.requests: dict[str, Sequence] = {}
         self._ids = itertools.count()
         for name, path in cfg.lora_modules.items():
@@ -104,8 +107,11 @@ class LLMEngine:
         return [int(t) for t in prompt]
 
     def make_sequence(self, prompt: Prompt, params: SamplingParams | None = None,
-                      adapter: str | None = None, request_id: str | None = None) -> Sequence:
-        """Validate a request and build its Sequence (does not touch engine state)."""
+                      adapter: str | None = None, request_id: str | None = None,
+                      grammar: object | None = None) -> Sequence:
+        """Validate a request and build its Sequence (does not touch engine state). A
+        constrained request's grammar is compiled here (blocking) unless ``grammar``, its
+        compiled grammar, is given (``AsyncEngine`` compiles it off the engine thread)."""
         params = (params or SamplingParams()).with_defaults(self.base.sampling_defaults)
         try:
             params.validate()
@@ -128,16 +134,20 @@ class LLMEngine:
         vocab = self.base.hf_config.vocab_size
         check_sampling(params, self.config, vocab)
         bad_words_ids = tokenize_bad_words(self.tokenizer, params.bad_words, vocab)
+        self.constraints.check(params)
+        grammar = grammar if grammar is not None else self.constraints.compile(params)
         params.max_new_tokens = max_new
         if params.temperature is None:
             params.temperature = 1.0
         adapter_id = self._adapter_id(adapter)
-        return Sequence(
+        seq = Sequence(
             request_id=request_id if request_id is not None else f"req-{next(self._ids)}",
             prompt_token_ids=ids, params=params, adapter_name=adapter or None,
             adapter_id=adapter_id, eos_token_ids=self.base.eos_token_ids,
             max_tokens=len(ids) + max_new, bad_words_ids=bad_words_ids,
         )
+        self.constraints.attach(seq, grammar)
+        return seq
 
     def _check_prompt(self, ids: list[int]) -> None:
         if not ids:
@@ -176,8 +186,10 @@ class LLMEngine:
         return seq.request_id
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
-                    adapter: str | None = None, request_id: str | None = None) -> str:
-        return self.add_sequence(self.make_sequence(prompt, params, adapter, request_id))
+                    adapter: str | None = None, request_id: str | None = None,
+                    grammar: object | None = None) -> str:
+        return self.add_sequence(self.make_sequence(prompt, params, adapter, request_id,
+                                                    grammar))
 
     def abort(self, request_id: str) -> bool:
         """Stop a request at once and free its KV blocks; False if it was not running."""
@@ -210,7 +222,7 @@ class LLMEngine:
             self.check()
         for seq, token in zip(seqs, tokens):
             reason = self._fail_non_finite(seq) if token is None else \
-                self.outputs.append(seq, token)
+                self.constraints.advance(seq, token) or self.outputs.append(seq, token)
             if reason is not None:
                 self._finish(seq, reason)
             outputs.append(self.outputs.report(seq))

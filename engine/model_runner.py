@@ -13,6 +13,8 @@ from transformers import PretrainedConfig
 
 from ..kernels.backend import KernelBackend
 from ..kernels.step_metadata import AttentionMetadata, StepMetadata
+from ..structured.bitmask import StepBitmask
+from ..structured.matcher import ConstraintMatcher
 from .config import DEFAULT_CPU_KV_BYTES, EngineConfig
 from .models.llama import LlamaForCausalLM, head_dim_of, kv_heads_of
 from .sampler import Sampler
@@ -77,6 +79,15 @@ def _check_entry(seq: Sequence, n: int, block_size: int) -> None:
             f"{len(seq.block_table)} blocks of {block_size}")
 
 
+def _matchers(seqs: list[Sequence]) -> list[ConstraintMatcher | None]:
+    """Each sampling sequence's matcher (None: free), brought level with its output tokens
+    (rebuilt from them after a preemption by recompute or a fork)."""
+    for seq in seqs:
+        if seq.matcher is not None:
+            seq.matcher.sync(seq.output_token_ids)
+    return [seq.matcher for seq in seqs]
+
+
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, cfg: EngineConfig, num_blocks: int,
                  kernels: KernelBackend):
@@ -87,6 +98,8 @@ class ModelRunner:
         dtype = kernels.dtype
         self.block_size = cfg.block_size
         self.sampler = Sampler(cfg.seed, kernels)
+        # constrained rows' bitmask, filled on a worker while the forward runs
+        self.grammar_bitmask = StepBitmask(model.config.vocab_size, cfg.max_num_seqs)
         self.prompt_tokens_computed = 0  # prompt positions run through the model, ever
         for attn in model.attention_layers():
             shape = (num_blocks, cfg.block_size, attn.num_kv_heads, attn.head_dim)
@@ -148,9 +161,12 @@ class ModelRunner:
         """One forward pass; returns the sequences that sampled and their new tokens (None
         where the sequence's logits were not finite)."""
         inputs = self.prepare(batch, adapter_slots)
+        pending = self.grammar_bitmask.start(_matchers(inputs.sample_seqs))
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
         if not inputs.sample_rows:
             return [], []
         rows = torch.tensor(inputs.sample_rows, dtype=torch.int64, device=self.device)
         logits = self.model.compute_logits(hidden[rows])  # [N, vocab] float32
-        return inputs.sample_seqs, self.sampler(logits, inputs.sample_seqs)
+        mask = None if pending is None else \
+            (lambda lg: self.grammar_bitmask.apply(lg, pending))
+        return inputs.sample_seqs, self.sampler(logits, inputs.sample_seqs, mask)

@@ -6,6 +6,8 @@ same tokens alone or inside any batch.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from ..kernels.backend import KernelBackend
@@ -33,13 +35,18 @@ class Sampler:
     def forget(self, request_id: str) -> None:
         self.seeded.pop(request_id, None)
 
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int | None]:
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence],
+                 grammar_mask: Callable[[torch.Tensor], None] | None = None
+                 ) -> list[int | None]:
         """logits: [N, vocab] float32, one row per sequence that samples this step.
         A row holding NaN or Inf samples nothing (None): that request has failed, the
-        others are unaffected."""
+        others are unaffected. ``grammar_mask`` sets the logits of tokens the constrained
+        rows' grammars refuse to -inf, in place (structured/bitmask.py)."""
         logits = logits.cpu()
         finite = _finite_rows(logits)  # before the -inf masking below
         self._mask_banned(logits, seqs)
+        if grammar_mask is not None:
+            grammar_mask(logits)
         greedy = self.kernels.argmax_rows(logits).tolist()
         return [
             None if not finite[i] else greedy[i] if seq.params.greedy

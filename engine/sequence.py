@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from .logprobs import TokenLogprob
 from .sampling_params import SamplingParams
@@ -51,6 +52,8 @@ class Sequence:
     # with params.prompt_logprobs set: one per prompt token computed so far, the first None
     prompt_logprobs: list[TokenLogprob | None] | None = None
     bad_words_ids: list[list[int]] = field(default_factory=list)  # params.bad_words, tokenized
+    # with params.structured_outputs: its structured.matcher.ConstraintMatcher (else None)
+    matcher: Any = None
 
     def __post_init__(self) -> None:
         if self.params.logprobs is not None and self.logprobs is None:

@@ -19,6 +19,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import xgrammar
 
@@ -127,7 +128,7 @@ class GrammarCompiler:
             if kind in ("json", "json_object"):
                 ws = c.max_whitespace
                 return compiler.compile_json_schema(
-                    c.schema(), any_whitespace=ws != 0, separators=(",", ":") if ws == 0 else None,
+                    _strict_strings(c.schema()), any_whitespace=ws != 0, separators=(",", ":") if ws == 0 else None,
                     max_whitespace_cnt=ws or None)
             if kind == "regex":
                 return compiler.compile_regex(c.regex)
@@ -140,6 +141,25 @@ class GrammarCompiler:
         except (RuntimeError, ValueError) as e:
             raise ValueError(f"structured_outputs.{kind}: the {c.describe()} does not compile: "
                              f"{_clean(str(e))}") from None
+
+
+def _strict_strings(node: Any) -> Any:
+    """``node`` with every length-bounded string (minLength / maxLength, no pattern or
+    format) given as the equivalent pattern. xgrammar 0.2.9 writes such a string's
+    characters as ``[^"\\\r\n]``, which lets raw control characters (U+0000-U+001F) into
+    the answer, and strict JSON parsers refuse them; its pattern path excludes them."""
+    if isinstance(node, list):
+        return [_strict_strings(x) for x in node]
+    if not isinstance(node, dict):
+        return node
+    out = {k: _strict_strings(v) for k, v in node.items()}
+    types = out.get("type")
+    is_string = types == "string" or (isinstance(types, list) and "string" in types)
+    if is_string and ("minLength" in out or "maxLength" in out) and not (
+            {"pattern", "format", "enum", "const"} & out.keys()):
+        low, high = out.pop("minLength", 0), out.pop("maxLength", "")
+        out["pattern"] = f'^[^"\\\\\\x00-\\x1f]{{{low},{high}}}$'
+    return out
 
 
 def _ebnf_literal(s: str) -> str:
