@@ -31,6 +31,17 @@ class PendingMask:
     seconds: float = 0.0  # the fill's own time (set when it ends)
 
 
+@dataclass(frozen=True)
+class MaskTiming:
+    """One step's mask: rows filled, the fill's time on the worker, how long the engine
+    thread waited for it at the join (0 when it overlapped the forward), the apply's time."""
+
+    rows: int
+    fill_s: float
+    wait_s: float
+    apply_s: float
+
+
 class StepBitmask:
     def __init__(self, vocab_size: int, rows: int = 8):
         self.vocab_size = vocab_size
@@ -38,7 +49,7 @@ class StepBitmask:
         self._batch = xgrammar.BatchGrammarMatcher(max_threads=1)
         self._pool = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="loraplex-mask", initializer=intra_op.serial_thread)
-        self.fill_seconds: list[float] = []  # every fill's time, for benches (bounded)
+        self.timings: list[MaskTiming] = []  # the latest steps', for benches (bounded)
 
     def start(self, matchers: Sequence[ConstraintMatcher | None]) -> PendingMask | None:
         """Start filling the rows of the constrained sequences (``matchers[i]`` is row i's,
@@ -64,14 +75,18 @@ class StepBitmask:
         a disallowed token's logit becomes -inf, on the logits' device."""
         if pending is None:
             return
+        start = time.perf_counter()
         pending.future.result()
-        if len(self.fill_seconds) < 100_000:
-            self.fill_seconds.append(pending.seconds)
+        joined = time.perf_counter()
         mask = self.bitmask[: logits.shape[0]]
         if mask.device != logits.device:
             mask = mask.to(logits.device, non_blocking=True)
         xgrammar.apply_token_bitmask_inplace(logits, mask, vocab_size=self.vocab_size,
                                              indices=pending.rows)
+        if len(self.timings) >= 100_000:
+            del self.timings[:50_000]
+        self.timings.append(MaskTiming(len(pending.rows), pending.seconds, joined - start,
+                                       time.perf_counter() - joined))
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
