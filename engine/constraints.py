@@ -64,7 +64,7 @@ class Constraints:
     def attach(seq: Sequence, compiled: object | None) -> None:
         """Give ``seq`` its matcher, at the place of its output tokens so far."""
         if compiled is not None:
-            seq.matcher = ConstraintMatcher(compiled)
+            seq.matcher = ConstraintMatcher(compiled, seq.seq_id)
             seq.matcher.sync(seq.output_token_ids)
 
     @staticmethod

@@ -80,10 +80,11 @@ def _check_entry(seq: Sequence, n: int, block_size: int) -> None:
 
 
 def _matchers(seqs: list[Sequence]) -> list[ConstraintMatcher | None]:
-    """Each sampling sequence's matcher (None: free), brought level with its output tokens
-    (rebuilt from them after a preemption by recompute or a fork)."""
+    """Each sampling sequence's matcher (None: free), its own (a forked sequence that holds
+    its parent's gets one) and level with its output tokens (rebuilt from them if behind)."""
     for seq in seqs:
         if seq.matcher is not None:
+            seq.matcher = seq.matcher.own(seq.seq_id, seq.output_token_ids)
             seq.matcher.sync(seq.output_token_ids)
     return [seq.matcher for seq in seqs]
 

@@ -6,7 +6,9 @@ copied for a fork of the sequence (``fork``: n > 1 samples of one prompt), and i
 from the sequence's tokens when it is behind them (``sync``: after preemption by
 recompute, or for a sequence built with tokens already generated).
 
-Invariant: ``num_tokens`` is the number of the sequence's output tokens it has accepted.
+Invariant: ``num_tokens`` is the number of the sequence's output tokens it has accepted;
+``owner`` names the one sequence that advances it (a copy of a sequence that still holds
+its parent's matcher gets its own: ``own``).
 """
 
 from __future__ import annotations
@@ -18,11 +20,21 @@ import xgrammar
 
 
 class ConstraintMatcher:
-    def __init__(self, compiled: xgrammar.CompiledGrammar,
+    def __init__(self, compiled: xgrammar.CompiledGrammar, owner: str = "",
                  _matcher: xgrammar.GrammarMatcher | None = None, _num_tokens: int = 0):
         self.compiled = compiled
+        self.owner = owner
         self._m = _matcher if _matcher is not None else xgrammar.GrammarMatcher(compiled)
         self.num_tokens = _num_tokens
+
+    def own(self, owner: str, tokens: Sequence[int]) -> ConstraintMatcher:
+        """This matcher if ``owner`` owns it; else a new one for ``owner``, at the place of
+        its ``tokens`` (a sequence forked or copied with its parent's matcher)."""
+        if owner == self.owner:
+            return self
+        mine = ConstraintMatcher(self.compiled, owner)
+        mine.sync(tokens)
+        return mine
 
     def accept(self, token: int) -> bool:
         """Advance by one generated token; False (the state unchanged) if the grammar
@@ -48,9 +60,9 @@ class ConstraintMatcher:
         word w allows token 32·w + j)."""
         self._m.fill_next_token_bitmask(bitmask, row)
 
-    def fork(self) -> ConstraintMatcher:
-        """An independent copy at the same place (the grammar itself is shared)."""
-        return ConstraintMatcher(self.compiled, self._m.fork(), self.num_tokens)
+    def fork(self, owner: str = "") -> ConstraintMatcher:
+        """An independent copy at the same place for ``owner`` (the grammar is shared)."""
+        return ConstraintMatcher(self.compiled, owner, self._m.fork(), self.num_tokens)
 
     @property
     def handle(self) -> xgrammar.GrammarMatcher:

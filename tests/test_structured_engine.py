@@ -6,6 +6,7 @@ the matchers right; bad constraints are refused naming what is wrong."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -138,6 +139,28 @@ def test_preemption_keeps_the_matchers_right(json_model):
     for (_, schema), seq in zip(jobs, seqs):
         jsonschema.validate(json.loads(done[seq.request_id].text), schema)
     assert_clean(tight)
+
+
+def test_a_copied_sequence_gets_its_own_matcher(json_model):
+    """A sequence copied with its parent's matcher (as an n > 1 fork is) gets a matcher of
+    its own at its first step; both answer validly, sampled from their own seeds."""
+    engine = engine_for(json_model)
+    schema = cases.SCHEMAS[2][1]
+    parent = engine.make_sequence("the cat", constrained({"json": schema}, seed=1))
+    child = dataclasses.replace(parent, request_id="child", output_token_ids=[], block_table=[],
+                                params=dataclasses.replace(parent.params, seed=2))
+    assert child.matcher is parent.matcher
+    for seq in (parent, child):
+        engine.add_sequence(seq)
+    done = {}
+    while len(done) < 2:
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    assert child.matcher is not parent.matcher or child.is_finished
+    for out in done.values():
+        assert out.finish_reason == "eos"
+        jsonschema.validate(json.loads(out.text), schema)
+    assert done["child"].token_ids != done[parent.request_id].token_ids
+    assert_clean(engine)
 
 
 @pytest.mark.parametrize(("c", "message"), [
