@@ -1,16 +1,19 @@
 """What a JSON schema costs a decode: 32 concurrent constrained requests against 32 free ones.
 
-    .venv/bin/python -m loraplex.bench.structured [--requests 64] [--concurrency 32]
+    .venv/bin/python -m loraplex.bench.structured [--requests 32] [--concurrency 32]
+        [--rounds 4]
 
 The embedded SmolLM2-135M, greedy, prefix cache off. A constrained run keeps
 ``--concurrency`` requests in flight (a finished one is replaced at once) until
 ``--requests`` have answered, each a JSON schema of the checks (structured/testing.py,
-the schemas compiled before the clock starts); the free run then replays the same prompts
-with ``max_new_tokens`` set to each constrained answer's length (``ignore_eos``), so both
-decode the same number of tokens in the same batches. Two pairs, constrained first then
-free, then the other way round. Prints output tokens per second, the ratio, the mask's
-time per token (fill on the worker, its p50 / p99; the engine thread's wait at the join;
-the apply), the compile time per schema, and the library version, ISA, dtype and backend.
+the schemas compiled before the clock starts); a free run replays fresh prompts with
+``max_new_tokens`` set to the constrained answers' lengths (``ignore_eos``), so both decode
+the same number of tokens in the same batches. ``--rounds`` pairs, in alternating order
+(constrained then free, free then constrained). Prints output tokens per second and the
+ratio per pair and their median; the mask's share of the constrained runs' time (the
+apply, and the engine thread's wait at the join: what the forward did not hide); the
+mask's time per token (the fill on the worker, p50 / p99); the compile time per schema;
+the library version, ISA, dtype and backend.
 """
 
 from __future__ import annotations
@@ -82,8 +85,9 @@ def compile_times(engine: LLMEngine) -> list[tuple[str, float]]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--concurrency", type=int, default=32)
+    ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--out", type=Path, help="also write the report here")
     args = ap.parse_args()
     engine = LLMEngine(model=default_model_dir(), max_num_seqs=args.concurrency,
@@ -103,13 +107,23 @@ def main() -> None:
     closed_loop(engine, constrained("warm")[:8], 8)  # warm-up; compiles every schema
     engine.runner.grammar_bitmask.timings.clear()
     n = args.concurrency
-    t_con, lengths = closed_loop(engine, constrained("a"), n)
-    t_free, _ = closed_loop(engine, free("a-free", lengths), n)
-    pairs = [("constrained, then free", sum(lengths) / t_con, sum(lengths) / t_free)]
-    t_free, _ = closed_loop(engine, free("b-free", lengths), n)  # the first answers' lengths
-    t_con, lengths_b = closed_loop(engine, constrained("b"), n)
-    pairs.append(("free, then constrained", sum(lengths_b) / t_con, sum(lengths) / t_free))
+    pairs, con_seconds, lengths = [], 0.0, []
+    for r in range(args.rounds):
+        if r % 2 == 0:
+            t_con, lengths = closed_loop(engine, constrained(f"{r}"), n)
+            t_free, _ = closed_loop(engine, free(f"{r}-free", lengths), n)
+            tok_con = tok_free = sum(lengths)
+        else:  # free first, with the previous answers' lengths
+            tok_free = sum(lengths)
+            t_free, _ = closed_loop(engine, free(f"{r}-free", lengths), n)
+            t_con, lengths = closed_loop(engine, constrained(f"{r}"), n)
+            tok_con = sum(lengths)
+        con_seconds += t_con
+        order = "constrained, then free" if r % 2 == 0 else "free, then constrained"
+        pairs.append((order, tok_con / t_con, tok_free / t_free))
+    ratio = statistics.median(c / f for _, c, f in pairs)
     timings = engine.runner.grammar_bitmask.timings
+    share = sum(t.apply_s + t.wait_s for t in timings) / con_seconds
     per_token_fill = [t.fill_s / t.rows * 1e6 for t in timings for _ in range(t.rows)]
     kernels, dtype = engine.base.kernels.name, str(engine.base.dtype).removeprefix("torch.")
     lines = ["# Structured outputs: 32 JSON-schema requests against 32 free ones", "",
@@ -117,8 +131,11 @@ def main() -> None:
               f"SmolLM2-135M-Instruct, greedy, {args.requests} requests, "
               f"{args.concurrency} in flight, prefix cache off; mean answer "
               f"{statistics.fmean(lengths):.0f} tokens."), "",
-             "| order | constrained tok/s | free tok/s | ratio |", "|---|---|---|---|"]
+             "| pair (order) | constrained tok/s | free tok/s | ratio |", "|---|---|---|---|"]
     lines += [f"| {o} | {c:.1f} | {f:.1f} | {c / f:.3f} |" for o, c, f in pairs]
+    lines += [f"| **median** | | | **{ratio:.3f}** |", "",
+              (f"The mask's share of the constrained runs' time (apply + the wait at the join): "
+               f"{share * 100:.1f} %.")]
     waits = [t.wait_s * 1e3 for t in timings]
     lines += ["", (f"Mask per token (fill on the worker thread, {len(per_token_fill)} tokens): "
                    f"p50 {np.percentile(per_token_fill, 50):.1f} µs, "
