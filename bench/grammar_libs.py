@@ -1,5 +1,6 @@
 """llguidance against xgrammar on our tokenizers: how the grammar library was chosen.
 
+    .venv/bin/pip install llguidance  # the library not chosen is no dependency
     .venv/bin/python -m loraplex.bench.grammar_libs [--out FILE.md]
 
 For each library and tokenizer (the embedded SmolLM2's, 49,152 tokens, and the tests' tiny
