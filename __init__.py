@@ -15,12 +15,14 @@ _EXPORTS = {
     "RequestOutput": ".engine.output_processor",
     "SamplingParams": ".engine.sampling_params",
     "StructuredOutputs": ".structured.constraint",
+    "TokenLogprob": ".engine.logprobs",
 }
 __all__ = list(_EXPORTS)
 
 if TYPE_CHECKING:
     from .engine.config import EngineConfig as EngineConfig
     from .engine.llm_engine import LLMEngine as LLMEngine
+    from .engine.logprobs import TokenLogprob as TokenLogprob
     from .engine.output_processor import RequestOutput as RequestOutput
     from .engine.sampling_params import SamplingParams as SamplingParams
     from .structured.constraint import StructuredOutputs as StructuredOutputs

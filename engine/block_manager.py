@@ -50,7 +50,7 @@ class BlockManager:
 
     # ---- prefix cache -------------------------------------------------------------------
     def _chain(self, seq: Sequence, num_full_blocks: int) -> list[bytes]:
-        hashes = self.seq_hashes.setdefault(seq.request_id, [])
+        hashes = self.seq_hashes.setdefault(seq.seq_id, [])
         bs = self.block_size
         while len(hashes) < num_full_blocks:
             i = len(hashes)
@@ -60,11 +60,16 @@ class BlockManager:
 
     def match_prefix(self, seq: Sequence) -> None:
         """On a sequence's first schedule: take the cached blocks of its longest cached
-        prefix. At least one token is always left to compute (its logits are needed)."""
+        prefix. At least one token is always left to compute (its logits are needed), and a
+        sequence that asks for prompt logprobs takes no block past the first prompt token
+        whose logprob it still lacks (the logits of the positions before it are needed)."""
         assert not seq.block_table and seq.num_computed_tokens == 0
         if not self.enable_prefix_caching:
             return
         max_blocks = (seq.num_tokens - 1) // self.block_size
+        have = seq.prompt_logprobs
+        if have is not None and len(have) < len(seq.prompt_token_ids):
+            max_blocks = min(max_blocks, (len(have) - 1) // self.block_size)
         for h in self._chain(seq, max_blocks):
             self.prefix_queries += 1
             block = self.cached.get(h)
@@ -111,6 +116,28 @@ class BlockManager:
         for _ in range(need):
             seq.block_table.append(self._fresh_block())
 
+    def fork(self, parent: Sequence, child: Sequence) -> tuple[int, int] | None:
+        """Give ``child`` the blocks of ``parent``'s computed prompt: the full blocks shared
+        (ref counts), the last partial one copied on write into a fresh block. Returns the
+        (src, dst) block copy the KV cache must make (or (-1, -1): none); None when no
+        block is free for the copy (``child`` then recomputes, as after a preemption)."""
+        assert not child.block_table
+        computed = parent.num_computed_tokens
+        full, partial = divmod(computed, self.block_size)
+        if partial and not self.free:
+            return None
+        for block in parent.block_table[:full]:
+            self._take(block)
+            child.block_table.append(block)
+        copy = (-1, -1)
+        if partial:
+            copy = (parent.block_table[full], self._fresh_block())
+            child.block_table.append(copy[1])
+        child.num_computed_tokens = computed
+        if self.enable_prefix_caching:
+            self.seq_hashes[child.seq_id] = list(self.seq_hashes.get(parent.seq_id, []))
+        return copy
+
     def free_seq(self, seq: Sequence) -> None:
         """Release every block of ``seq``; tail blocks become the first to be reused."""
         for block in reversed(seq.block_table):
@@ -120,7 +147,7 @@ class BlockManager:
                 self.free[block] = None
         seq.block_table.clear()
         seq.num_computed_tokens = 0
-        self.seq_hashes.pop(seq.request_id, None)
+        self.seq_hashes.pop(seq.seq_id, None)
 
     def check(self, holders: list[Sequence]) -> None:
         """Assert the books: each block's ref count is the number of ``holders`` (the

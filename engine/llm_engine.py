@@ -9,8 +9,6 @@ from collections.abc import Callable, Iterable
 from collections.abc import Sequence as Seq
 from pathlib import Path
 
-from tqdm import tqdm
-
 from ..kernels import intra_op
 from ..lora.cache import AdapterCache
 from ..lora.cached_adapter import AdapterInfo
@@ -26,6 +24,7 @@ from ..lora.rank_pool import RankPool
 from ..lora.slots import SlotBuffers
 from .base_model import BaseModel, load_base_model
 from .block_manager import BlockManager
+from .choices import choices_to_fork, report_choices, run_to_completion
 from .config import EngineConfig
 from .constraints import Constraints
 from .errors import AdapterNotFoundError, InvalidRequestError
@@ -81,7 +80,7 @@ class LLMEngine:
         self.outputs = OutputProcessor(self.tokenizer)
         self.constraints = Constraints(self.tokenizer, self.base.hf_config.vocab_size,
                                        self.base.eos_token_ids)  # structured outputs
-        self.requests: dict[str, Sequence] = {}
+        self.requests: dict[str, list[Sequence]] = {}  # request id -> its live choices
         self._ids = itertools.count()
         for name, path in cfg.lora_modules.items():
             self.add_adapter(name, path, preloaded=True)
@@ -181,7 +180,7 @@ class LLMEngine:
             if seq.adapter_id not in self.lora.by_id:
                 raise AdapterNotFoundError(f"adapter {seq.adapter_name!r} was unloaded")
             self.lora.request_started(seq.adapter_id)
-        self.requests[seq.request_id] = seq
+        self.requests[seq.request_id] = [seq]
         self.scheduler.add(seq)
         return seq.request_id
 
@@ -192,19 +191,24 @@ class LLMEngine:
                                                     grammar))
 
     def abort(self, request_id: str) -> bool:
-        """Stop a request at once and free its KV blocks; False if it was not running."""
-        seq = self.requests.get(request_id)
-        if seq is None or seq.is_finished:
+        """Stop every choice of a request and free their KV blocks; False if none runs."""
+        choices = self.requests.get(request_id)
+        if not choices:
             return False
-        self._finish(seq, "abort")
+        for seq in list(choices):
+            self._finish(seq, "abort")
         return True
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         self.scheduler.finish(seq, reason)
-        self.runner.sampler.forget(seq.request_id)
-        self.requests.pop(seq.request_id, None)
-        if seq.adapter_id:
-            self.lora.request_done(seq.adapter_id)
+        self.runner.sampler.forget(seq.seq_id)
+        choices = self.requests.get(seq.request_id, [])
+        if seq in choices:
+            choices.remove(seq)
+        if not choices:  # the request's last live choice
+            self.requests.pop(seq.request_id, None)
+            if seq.adapter_id:
+                self.lora.request_done(seq.adapter_id)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0
@@ -216,16 +220,22 @@ class LLMEngine:
         if batch.empty:  # requests wait on adapter reads: block briefly rather than spin
             self.lora.wait_for_loads(0.01)
             return outputs
-        seqs, tokens = self.runner.run(batch, self._adapter_slots(batch))
+        batch.forks = choices_to_fork(batch)
+        seqs, sampled = self.runner.run(batch, self._adapter_slots(batch))
         self.scheduler.postprocess(batch)
+        for parent_id, children in batch.forks.items():
+            parent = next(s for s in seqs if s.seq_id == parent_id)
+            self.runner.copy_blocks(self.scheduler.fork(parent, children))
+            self.requests[parent.request_id] += children
         if self.config.debug_checks:
             self.check()
-        for seq, token in zip(seqs, tokens):
+        for seq, token, logprob in zip(seqs, sampled.tokens, sampled.logprobs):
             reason = self._fail_non_finite(seq) if token is None else \
-                self.constraints.advance(seq, token) or self.outputs.append(seq, token)
+                self.constraints.advance(seq, token) or \
+                self.outputs.append(seq, token, logprob)
             if reason is not None:
                 self._finish(seq, reason)
-            outputs.append(self.outputs.report(seq))
+            outputs += report_choices(self.outputs, seq)
         return outputs
 
     @staticmethod
@@ -250,16 +260,7 @@ class LLMEngine:
                                                                     adapter_list)]
         for seq in seqs:
             self.add_sequence(seq)
-        total = sum(s.params.n for s in seqs)
-        done: dict[tuple[str, int], RequestOutput] = {}
-        with tqdm(total=total, disable=not use_tqdm, desc="generating") as bar:
-            while len(done) < total:
-                for out in self.step():
-                    if out.finished:
-                        done[out.request_id, out.index] = out
-                        bar.update(1)
-        return [done[s.request_id, 0] if s.params.n == 1 else
-                [done[s.request_id, i] for i in range(s.params.n)] for s in seqs]
+        return run_to_completion(self.step, seqs, use_tqdm)
 
     def _fail_broken_adapters(self) -> list[RequestOutput]:
         """Waiting requests whose adapter could not be reloaded from disk end with an error."""
@@ -269,7 +270,7 @@ class LLMEngine:
             if error:
                 seq.error = error
                 self._finish(seq, "error")
-                outputs.append(self.outputs.report(seq))
+                outputs += report_choices(self.outputs, seq)
         return outputs
 
     def _adapter_slots(self, batch: ScheduledBatch) -> dict[int, int]:
@@ -327,9 +328,7 @@ class LLMEngine:
         bm = self.block_manager
         return {
             "num_waiting": len(self.scheduler.waiting),
-            # prompt tokens the forward pass computed, ever (prefix-cache hits and the
-            # choices forked from one prefill are not computed again; recompute after
-            # preemption is)
+            # ever; prefix-cache hits and forked choices are not computed, recomputes are
             "prompt_tokens_computed": self.runner.prompt_tokens_computed,
             "num_running": len(self.scheduler.running),
             "kv_blocks_total": bm.num_blocks,

@@ -16,8 +16,9 @@ from ..kernels.step_metadata import AttentionMetadata, StepMetadata
 from ..structured.bitmask import StepBitmask
 from ..structured.matcher import ConstraintMatcher
 from .config import DEFAULT_CPU_KV_BYTES, EngineConfig
+from .logprob_ops import token_logprobs
 from .models.llama import LlamaForCausalLM, head_dim_of, kv_heads_of
-from .sampler import Sampler
+from .sampler import Sampler, SamplerOutput
 from .scheduler import ScheduledBatch
 from .sequence import Sequence
 
@@ -31,6 +32,22 @@ class StepInputs:
     meta: StepMetadata
     sample_rows: list[int]  # rows of the flat batch whose logits are sampled
     sample_seqs: list[Sequence]
+    # (seq, first flat row, first position): rows whose logits give seq's prompt logprobs
+    prompt_lp: list[tuple[Sequence, int, int, int]]  # (seq, row, position, count)
+
+
+PROMPT_LOGPROB_ROWS = 256  # prompt-logprob rows turned into logits at once (memory bound)
+
+
+def prompt_logprob_span(seq: Sequence, c: int, n: int) -> tuple[int, int]:
+    """The positions p in [c, c + n) whose logits give the prompt logprob of token p + 1
+    that ``seq`` still lacks: (first position, count). Its ``prompt_logprobs`` holds the
+    tokens 0..L-1 (the first None), so p runs from L - 1 up to the prompt's last but one."""
+    if seq.prompt_logprobs is None:
+        return c, 0
+    first = max(c, len(seq.prompt_logprobs) - 1)
+    end = min(c + n, len(seq.prompt_token_ids) - 1)
+    return first, max(0, end - first)
 
 
 def kv_bytes_per_block(config: PretrainedConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -98,7 +115,7 @@ class ModelRunner:
         self.device = device = kernels.device
         dtype = kernels.dtype
         self.block_size = cfg.block_size
-        self.sampler = Sampler(cfg.seed, kernels)
+        self.sampler = Sampler(cfg.seed, kernels, cfg.logprobs_mode)
         # constrained rows' bitmask, filled on a worker while the forward runs
         self.grammar_bitmask = StepBitmask(model.config.vocab_size, cfg.max_num_seqs)
         self.prompt_tokens_computed = 0  # prompt positions run through the model, ever
@@ -118,11 +135,15 @@ class ModelRunner:
         token_slots: list[int] = []  # [T], LoRA slot of every token, -1 = base
         sample_rows: list[int] = []
         sample_seqs: list[Sequence] = []
+        prompt_lp: list[tuple[Sequence, int, int, int]] = []
         starts = [0]
         for seq, n in prefills + decodes:
             _check_entry(seq, n, self.block_size)
             c = seq.num_computed_tokens
             self.prompt_tokens_computed += max(0, min(c + n, len(seq.prompt_token_ids)) - c)
+            first, count = prompt_logprob_span(seq, c, n)
+            if count:
+                prompt_lp.append((seq, len(ids) + first - c, first, count))
             ids += seq.token_slice(c, c + n)
             positions += range(c, c + n)
             bt, bs = seq.block_table, self.block_size
@@ -153,21 +174,54 @@ class ModelRunner:
             input_ids=torch.tensor(ids, dtype=torch.int64, device=dev),
             positions=torch.tensor(positions, dtype=torch.int64, device=dev),
             meta=StepMetadata(attn, self.kernels.lora_segments(token_slots)),
-            sample_rows=sample_rows, sample_seqs=sample_seqs,
+            sample_rows=sample_rows, sample_seqs=sample_seqs, prompt_lp=prompt_lp,
         )
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch, adapter_slots: Mapping[int, int]
-            ) -> tuple[list[Sequence], list[int | None]]:
-        """One forward pass; returns the sequences that sampled and their new tokens (None
-        where the sequence's logits were not finite)."""
+            ) -> tuple[list[Sequence], SamplerOutput]:
+        """One forward pass; returns the sequences that sampled and what they sampled (a
+        None token where the sequence's logits were not finite). ``batch.forks``' choices
+        sample from their parent's logits row, after it."""
         inputs = self.prepare(batch, adapter_slots)
-        pending = self.grammar_bitmask.start(_matchers(inputs.sample_seqs))
+        seqs, forks = inputs.sample_seqs, batch.forks
+        expand = [i for i, s in enumerate(seqs) for _ in range(1 + len(forks.get(s.seq_id, ())))]
+        if forks:
+            seqs = [c for s in seqs for c in [s, *forks.get(s.seq_id, ())]]
+        pending = self.grammar_bitmask.start(_matchers(seqs))  # forks included
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
+        for seq, row, first, count in inputs.prompt_lp:
+            self._prompt_logprobs(hidden, seq, row, first, count)
         if not inputs.sample_rows:
-            return [], []
+            return [], SamplerOutput([], [])
         rows = torch.tensor(inputs.sample_rows, dtype=torch.int64, device=self.device)
         logits = self.model.compute_logits(hidden[rows])  # [N, vocab] float32
+        if forks:
+            logits = logits.index_select(0, torch.tensor(expand, device=self.device))
         mask = None if pending is None else \
             (lambda lg: self.grammar_bitmask.apply(lg, pending))
-        return inputs.sample_seqs, self.sampler(logits, inputs.sample_seqs, mask)
+        return seqs, self.sampler(logits, seqs, mask)
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, seq: Sequence, row: int, first: int,
+                         count: int) -> None:
+        """Append the logprobs of prompt tokens first+1 .. first+count to ``seq``'s, from
+        the hidden rows ``row`` .. ``row + count - 1`` (raw values: no sampling happened)."""
+        k = seq.params.prompt_logprobs
+        prompt = seq.prompt_token_ids
+        for off in range(0, count, PROMPT_LOGPROB_ROWS):
+            m = min(PROMPT_LOGPROB_ROWS, count - off)
+            logits = self.model.compute_logits(hidden[row + off: row + off + m])
+            targets = torch.tensor(prompt[first + off + 1: first + off + m + 1],
+                                   dtype=torch.int64, device=self.device)
+            seq.prompt_logprobs.extend(token_logprobs(logits, targets, [k] * m,
+                                                      self.sampler.mode_kind))
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy the KV of block src into block dst, in every layer (copy on write)."""
+        if not pairs:
+            return
+        src = torch.tensor([s for s, _ in pairs], dtype=torch.int64, device=self.device)
+        dst = torch.tensor([d for _, d in pairs], dtype=torch.int64, device=self.device)
+        for attn in self.model.attention_layers():
+            attn.k_cache.index_copy_(0, dst, attn.k_cache.index_select(0, src))
+            attn.v_cache.index_copy_(0, dst, attn.v_cache.index_select(0, src))

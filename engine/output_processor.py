@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .detokenizer import detokenize, flush
 from .logprobs import TokenLogprob
 from .sequence import Sequence
 
@@ -36,25 +37,30 @@ class OutputProcessor:
     def __init__(self, tokenizer: object | None):
         self.tokenizer = tokenizer
 
-    def append(self, seq: Sequence, token: int) -> str | None:
-        """Add ``token`` to ``seq``; return the finish reason if it must stop now."""
+    def append(self, seq: Sequence, token: int, logprob: TokenLogprob | None = None
+               ) -> str | None:
+        """Add ``token`` (and its logprob, when asked for) to ``seq``; return the finish
+        reason if it must stop now."""
         seq.append_token(token)
+        if seq.logprobs is not None and logprob is not None:
+            seq.logprobs.append(logprob)
+            seq.cumulative_logprob += logprob.logprob
         p = seq.params
         if self.tokenizer is not None:
-            self._detokenize(seq)
+            detokenize(self.tokenizer, seq)
         allowed_to_stop = seq.num_output_tokens >= p.min_new_tokens
+        reason = None
         if allowed_to_stop and not p.ignore_eos and token in seq.eos_token_ids:
-            return "eos"
-        if allowed_to_stop and token in p.stop_token_ids:
+            reason = "eos"
+        elif allowed_to_stop and token in p.stop_token_ids:
+            reason = "stop"
+        elif allowed_to_stop and p.stop and self._cut_stop_string(seq):
             return "stop"
-        if allowed_to_stop and p.stop and self._cut_stop_string(seq):
-            return "stop"
-        if seq.num_output_tokens >= p.max_new_tokens or seq.num_tokens >= seq.max_tokens:
-            return "length"
-        return None
-
-    def _detokenize(self, seq: Sequence) -> None:
-        seq.text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+        elif seq.num_output_tokens >= p.max_new_tokens or seq.num_tokens >= seq.max_tokens:
+            reason = "length"
+        if reason is not None and self.tokenizer is not None:
+            flush(self.tokenizer, seq)  # the text of a half character, as the full decode
+        return reason
 
     @staticmethod
     def _cut_stop_string(seq: Sequence) -> bool:

@@ -4,23 +4,9 @@ vocabulary, the tokenizer): LLMEngine.make_sequence runs them after
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from .config import EngineConfig
 from .errors import InvalidRequestError
 from .sampling_params import SamplingParams
-
-# request fields accepted by SamplingParams that this engine does not honour yet: refused
-NOT_YET: dict[str, Callable[[SamplingParams], bool]] = {
-    "n > 1": lambda p: p.n > 1,
-    "logprobs": lambda p: p.logprobs is not None,
-    "prompt_logprobs": lambda p: p.prompt_logprobs is not None,
-    "presence_penalty / frequency_penalty / repetition_penalty": lambda p: p.has_penalties,
-    "logit_bias": lambda p: bool(p.logit_bias),
-    "min_p": lambda p: p.min_p > 0.0,
-    "allowed_token_ids": lambda p: p.allowed_token_ids is not None,
-    "bad_words": lambda p: bool(p.bad_words),
-}
 
 
 def check_vocab(ids: list[int], what: str, vocab: int) -> None:
@@ -45,9 +31,6 @@ def check_sampling(params: SamplingParams, config: EngineConfig, vocab: int) -> 
         check_vocab(list(params.logit_bias), "logit_bias", vocab)
     if params.allowed_token_ids is not None:
         check_vocab(params.allowed_token_ids, "allowed_token_ids", vocab)
-    unsupported = [name for name, on in NOT_YET.items() if on(params)]
-    if unsupported:
-        raise InvalidRequestError(f"{', '.join(unsupported)}: not supported by this engine yet")
 
 
 def tokenize_bad_words(tokenizer: object | None, words: list[str] | None,

@@ -1,96 +1,214 @@
-"""Sampler: greedy, temperature, top-k, top-p, and per-request seeds.
+"""Sampler: one step's tokens from its logits, as whole-batch tensor work on the logits'
+device (nano-vllm's layers/sampler.py, vLLM V1's sample/sampler.py).
 
-A seeded request draws from its own generator, advanced once per token, so it gets the
-same tokens alone or inside any batch.
+In order: allowed-token and banned-token masks (min_new_tokens, bad words), logit bias,
+penalties (counts on the device: PenaltyState), then greedy rows take the argmax; the others
+take temperature, min-p, top-k and top-p, and an inverse-CDF draw from the resulting
+distribution (one uniform a row: far cheaper on a CPU than a vocabulary of exponentials).
+Only the chosen ids, the finite flags and the requested logprobs
+go to the host.
+
+A seeded sequence draws its uniform from its own generator, advanced once per token, so
+it gets the same tokens alone or inside any batch; the others share the engine's generator.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 from ..kernels.backend import KernelBackend
-from .sampling_params import SamplingParams
+from .logprob_ops import token_logprobs
+from .logprobs import TokenLogprob
+from .penalty_state import PenaltyState, apply_penalties
+from .sampling_batch import SamplingBatch, build_batch
 from .sequence import Sequence
 
+NEG_INF = float("-inf")
+TOP_K_SHORTCUT = 8  # top-k <= vocab / 8 in every row: top-p sorts only the kept tokens
 
-def _finite_rows(logits: torch.Tensor) -> list[bool]:
+
+@dataclass
+class SamplerOutput:
+    tokens: list[int | None]  # None: the row's logits were not finite (the request fails)
+    logprobs: list[TokenLogprob | None]  # per row; None where not asked for
+
+
+def finite_rows(logits: torch.Tensor) -> list[bool]:
     """Whether each row holds only finite values. A row's sum is finite unless the row
-    holds NaN or ±Inf (or overflows): one fast reduction, and the exact test only for the
-    rows whose sum is not finite (far cheaper than isfinite(...).all() on every row)."""
-    finite = torch.isfinite(logits.sum(dim=-1)).tolist()
-    for i, ok in enumerate(finite):
-        if not ok:
-            finite[i] = bool(torch.isfinite(logits[i]).all())
-    return finite
+    holds NaN or ±Inf (or overflows): one fast reduction, and the exact test only when
+    some sum is not."""
+    ok = torch.isfinite(logits.sum(dim=-1)).tolist()
+    return ok if all(ok) else torch.isfinite(logits).all(dim=-1).tolist()
+
+
+_finite_rows = finite_rows
+
+
+def apply_top_k_top_p(x: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor | None
+                      ) -> torch.Tensor:
+    """x: [R, vocab]; k: [R] in [1, vocab] or None; p: [R] in (0, 1] or None. Tokens below
+    the k-th largest, and outside the smallest set whose probability reaches p (transformers'
+    TopPLogitsWarper rule), become -inf."""
+    if k is not None:
+        k_max = int(k.max())
+        if p is None or k_max * TOP_K_SHORTCUT <= x.shape[-1]:  # no top-p, or small ks
+            kth = x.topk(k_max, dim=-1).values.gather(1, (k - 1).unsqueeze(1))
+            x = x.masked_fill(x < kth, NEG_INF)
+            return x if p is None else _top_p_of_the_kept(x, p)
+    x_sort, order = x.sort(dim=-1, descending=False)
+    if k is not None:
+        kth = x_sort.gather(1, (x.shape[-1] - k).unsqueeze(1))
+        x_sort = x_sort.masked_fill(x_sort < kth, NEG_INF)
+    cum = x_sort.softmax(dim=-1).cumsum(dim=-1)
+    drop = cum <= 1 - p.unsqueeze(1)
+    drop[:, -1] = False  # the most likely token always stays
+    x_sort = x_sort.masked_fill(drop, NEG_INF)
+    return torch.empty_like(x).scatter_(-1, order, x_sort)
+
+
+def _top_p_of_the_kept(x: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """Top-p over the tokens top-k kept (ties at the k-th included), without sorting the
+    vocabulary: the same rule as the sorting path, on the few finite logits."""
+    width = int(torch.isfinite(x).sum(dim=-1).max())
+    vals, idx = x.topk(width, dim=-1)  # descending; rows with fewer finite pad with -inf
+    asc, asc_idx = vals.flip(-1), idx.flip(-1)
+    drop = asc.softmax(dim=-1).cumsum(dim=-1) <= 1 - p.unsqueeze(1)
+    drop[:, -1] = False  # the most likely token always stays
+    return x.scatter(-1, asc_idx, asc.masked_fill(drop, NEG_INF))
+
+
+def apply_min_p(x: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Tokens whose probability is below min_p × the largest become -inf (transformers'
+    MinPLogitsWarper)."""
+    probs = x.softmax(dim=-1)
+    low = probs < min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
+    return x.masked_fill(low, NEG_INF)
+
+
+def _on_rows(x: torch.Tensor, rows: torch.Tensor, fn, *args) -> None:
+    x.index_copy_(0, rows, fn(x.index_select(0, rows), *args))
 
 
 class Sampler:
-    def __init__(self, seed: int, kernels: KernelBackend):
-        self.kernels = kernels  # argmax_rows on the host copy of the logits
-        self.generator = torch.Generator().manual_seed(seed)  # for unseeded requests
-        self.seeded: dict[str, torch.Generator] = {}  # request_id -> its own generator
+    def __init__(self, seed: int, kernels: KernelBackend, logprobs_mode: str = "raw_logprobs"):
+        self.kernels = kernels  # argmax_rows for greedy rows
+        self.device = kernels.device
+        self.generator = torch.Generator(self.device).manual_seed(seed)  # unseeded requests
+        self.seeded: dict[str, torch.Generator] = {}  # seq_id -> its own generator
+        self.penalties: PenaltyState | None = None  # made on the first penalised row
+        self.processed = logprobs_mode.startswith("processed")
+        self.mode_kind = logprobs_mode.rsplit("_", 1)[1]  # "logprobs" | "logits"
 
-    def forget(self, request_id: str) -> None:
-        self.seeded.pop(request_id, None)
+    def forget(self, seq_id: str) -> None:
+        self.seeded.pop(seq_id, None)
+        if self.penalties is not None:
+            self.penalties.forget(seq_id)
 
+    @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence],
-                 grammar_mask: Callable[[torch.Tensor], None] | None = None
-                 ) -> list[int | None]:
-        """logits: [N, vocab] float32, one row per sequence that samples this step.
-        A row holding NaN or Inf samples nothing (None): that request has failed, the
-        others are unaffected. ``grammar_mask`` sets the logits of tokens the constrained
-        rows' grammars refuse to -inf, in place (structured/bitmask.py)."""
-        logits = logits.cpu()
-        finite = _finite_rows(logits)  # before the -inf masking below
-        self._mask_banned(logits, seqs)
+                 grammar_mask: Callable[[torch.Tensor], None] | None = None) -> SamplerOutput:
+        """logits: [N, vocab] float32 on the device, one row per sequence that samples.
+        ``grammar_mask`` sets the logits of tokens the constrained rows' grammars refuse to
+        -inf, in place (structured/bitmask.py), before any other processing."""
+        ok = finite_rows(logits)
         if grammar_mask is not None:
             grammar_mask(logits)
-        greedy = self.kernels.argmax_rows(logits).tolist()
-        return [
-            None if not finite[i] else greedy[i] if seq.params.greedy
-            else self._sample(logits[i], seq)
-            for i, seq in enumerate(seqs)
-        ]
+        batch = build_batch(seqs, logits.shape[-1], logits.device)
+        if batch.penalties is not None and self.penalties is None:
+            self.penalties = PenaltyState(logits.shape[-1], logits.device)
+        lp_rows = torch.tensor(batch.logprob_rows, dtype=torch.int64, device=logits.device) \
+            if batch.logprob_rows else None
+        raw = None if self.processed or lp_rows is None else \
+            logits.index_select(0, lp_rows)  # a copy: processing works in place
+        x = self._process(logits, batch)
+        tokens = self.kernels.argmax_rows(x)
+        if not batch.all_greedy:
+            x = self._warp(x, batch)
+            tokens = torch.where(batch.greedy, tokens, self._draw(x, seqs))
+        if batch.penalties is not None and self.penalties is not None:
+            pen_seqs, rs = batch.penalties[0], batch.penalties[1]
+            counted = torch.tensor([ok[i] for i in rs.index], device=logits.device)
+            self.penalties.add(self.penalties.rows_of(pen_seqs), tokens[rs.rows], counted)
+        logprobs: list[TokenLogprob | None] = [None] * len(seqs)
+        if lp_rows is not None:
+            values = raw if raw is not None else x.index_select(0, lp_rows)
+            for i, lp in zip(batch.logprob_rows, token_logprobs(
+                    values, tokens.index_select(0, lp_rows), batch.logprob_ks,
+                    self.mode_kind)):
+                logprobs[i] = lp
+        return SamplerOutput([t if good else None for t, good in zip(tokens.tolist(), ok)],
+                             logprobs)
+
+    def _process(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """Masks, bias and penalties (in place on ``logits``, which the caller gave up)."""
+        x = logits
+        if batch.allowed is not None:
+            rs, mask = batch.allowed
+            _on_rows(x, rs.rows, lambda sub: sub.masked_fill(~mask, NEG_INF))
+        if batch.banned is not None:
+            x.index_put_(batch.banned, torch.tensor(NEG_INF, device=x.device))
+        if batch.bias is not None:
+            rows, cols, vals = batch.bias
+            x.index_put_((rows, cols), vals, accumulate=True)
+        if batch.penalties is not None and self.penalties is not None:
+            pen_seqs, rs, rep, freq, pres = batch.penalties
+            state = self.penalties.rows_of(pen_seqs)
+            _on_rows(x, rs.rows, apply_penalties, self.penalties.counts[state],
+                     self.penalties.in_prompt[state], rep, freq, pres)
+        return x
 
     @staticmethod
-    def _mask_banned(logits: torch.Tensor, seqs: list[Sequence]) -> None:
-        """Below min_new_tokens, EOS and stop token ids may not be drawn."""
-        for i, seq in enumerate(seqs):
-            p = seq.params
-            if seq.num_output_tokens < p.min_new_tokens:
-                banned = set(p.stop_token_ids) | (set() if p.ignore_eos else seq.eos_token_ids)
-                if banned:
-                    logits[i, list(banned)] = float("-inf")
+    def _warp(x: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """Temperature (greedy rows: 1), min-p, top-k, top-p: the distribution sampled from."""
+        if batch.temperature is not None:
+            x = x / batch.temperature.unsqueeze(1)
+        if batch.min_p is not None:
+            rs, m = batch.min_p
+            _on_rows(x, rs.rows, apply_min_p, m)
+        if batch.top_k is not None or batch.top_p is not None:
+            idx = sorted(set((batch.top_k[0].index if batch.top_k else [])
+                             + (batch.top_p[0].index if batch.top_p else [])))
+            rows = torch.tensor(idx, dtype=torch.int64, device=x.device)
+            k = _spread(batch.top_k, idx, x.shape[-1], x.device, torch.int64)
+            p = _spread(batch.top_p, idx, 1.0, x.device, torch.float32)
+            _on_rows(x, rows, apply_top_k_top_p, k, p)
+        return x
+
+    def _draw(self, x: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """One token per row from softmax(x) by inverse CDF: one uniform u per row (a
+        seeded row's from its own generator), the first token whose float64 cumulative
+        probability passes u × the total. A token of probability 0 is never drawn."""
+        probs = x.softmax(dim=-1)
+        u = torch.empty(len(seqs), 1, dtype=torch.float64, device=x.device)
+        seeded = [i for i, s in enumerate(seqs) if s.params.seed is not None]
+        if len(seeded) < len(seqs):
+            u.uniform_(generator=self.generator)
+        for i in seeded:  # one draw per seeded row from its own generator
+            u[i].uniform_(generator=self._generator(seqs[i]))
+        cdf = probs.to(torch.float64).cumsum_(dim=-1)
+        idx = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp_(max=x.shape[-1] - 1)
+        zero = probs.gather(1, idx) == 0  # u × total rounded up to the total: rare
+        return torch.where(zero, probs.argmax(dim=-1, keepdim=True), idx).squeeze(1)
 
     def _generator(self, seq: Sequence) -> torch.Generator:
-        if seq.params.seed is None:
-            return self.generator
-        gen = self.seeded.get(seq.request_id)
+        gen = self.seeded.get(seq.seq_id)
         if gen is None:
-            gen = self.seeded[seq.request_id] = torch.Generator().manual_seed(seq.params.seed)
+            seed = (seq.params.seed + seq.index) % 2**63  # choice i: seed + i (vLLM's)
+            gen = self.seeded[seq.seq_id] = torch.Generator(self.device).manual_seed(seed)
         return gen
 
-    def _sample(self, logits: torch.Tensor, seq: Sequence) -> int:
-        """logits: [vocab]. Exponential race (= Gumbel-max) on the filtered distribution."""
-        probs = filtered_probs(logits, seq.params)
-        noise = torch.empty_like(probs).exponential_(generator=self._generator(seq))
-        return int((probs / noise).argmax())
 
-
-def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Softmax of logits / temperature restricted to the top-k and the top-p nucleus."""
-    logits = logits / params.temperature
-    if params.top_k_enabled and params.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, params.top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    if params.top_p is not None and params.top_p < 1.0:
-        sorted_probs, order = probs.sort(descending=True)
-        cumulative = sorted_probs.cumsum(-1)
-        drop = cumulative - sorted_probs > params.top_p  # keep the smallest set reaching top_p
-        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
-        probs = probs / probs.sum()
-    return probs
+def _spread(part: tuple | None, rows: list[int], neutral: float, device: torch.device,
+            dtype: torch.dtype) -> torch.Tensor | None:
+    """A filter's per-row values over ``rows`` (the neutral value where it is off)."""
+    if part is None:
+        return None
+    rs, values = part
+    out = torch.full((len(rows),), neutral, dtype=dtype, device=device)
+    pos = {r: j for j, r in enumerate(rows)}
+    out[torch.tensor([pos[r] for r in rs.index], dtype=torch.int64, device=device)] = \
+        values.to(dtype)
+    return out

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections import Counter, deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from .block_manager import BlockManager
@@ -63,6 +63,9 @@ class ScheduledBatch:
     entries: list[tuple[Sequence, int]]  # (sequence, number of new tokens to compute)
     num_tokens: int
     preempted: list[Sequence]
+    # seq_id -> choices 1..n-1 of a sequence whose prompt completes in this step: they
+    # sample from its logits row (set by the engine before the step runs)
+    forks: dict[str, list[Sequence]] = field(default_factory=dict)
 
     @property
     def empty(self) -> bool:
@@ -158,8 +161,9 @@ class Scheduler:
         last_admitted = -1
         order = sorted(self.waiting, key=lambda s: (starving is None or s.adapter_id != starving,
                                                     not self._on_device(s)))
+        seats = sum(s.seats for s in self.running)
         for seq in order:  # the starving adapter's, then those on the device, then the rest
-            if budget == 0 or len(self.running) >= self.max_num_seqs:
+            if budget == 0 or seats + seq.seats > self.max_num_seqs:
                 break
             if not allowed(seq.adapter_id):
                 continue
@@ -170,6 +174,7 @@ class Scheduler:
                     self.adapters.release(seq.adapter_id)  # type: ignore[union-attr]
                 break  # out of blocks: keep arrival order for the rest
             budget -= entries[-1][1]
+            seats += seq.seats
             last_admitted = max(last_admitted, arrival[id(seq)])
         self._count_overtaken(last_admitted, arrival)
         return budget
@@ -218,6 +223,29 @@ class Scheduler:
                     and seq.waiting_steps >= self.starvation_steps):
                 return seq.adapter_id
         return None
+
+    # ---- n choices ----------------------------------------------------------------------
+    def fork(self, parent: Sequence, children: list[Sequence]) -> list[tuple[int, int]]:
+        """``parent`` computed its prompt this step and samples for ``children`` too: they
+        run from now on sharing its prompt's blocks (their seats were held by ``parent``
+        since admission). A child no block is free for waits to recompute, as a preempted
+        sequence does. Returns the KV block copies to make (copy on write)."""
+        parent.forked = True
+        copies = []
+        for child in children:
+            copy = self.blocks.fork(parent, child)
+            if copy is None:
+                child.status = SequenceStatus.WAITING
+                self.waiting.appendleft(child)
+                continue
+            if copy[0] >= 0:
+                copies.append(copy)
+            if child.adapter_id and self.adapters is not None:
+                pinned = self.adapters.acquire(child.adapter_id)
+                assert pinned, "the parent's adapter is resident: its choices pin it"
+            child.status = SequenceStatus.RUNNING
+            self.running.append(child)
+        return copies
 
     # ---- after the step -----------------------------------------------------------------
     def postprocess(self, batch: ScheduledBatch) -> None:

@@ -45,7 +45,10 @@ class Sequence:
     text: str = ""  # detokenized output (stop strings already cut)
     sent_tokens: int = 0  # output tokens already reported to the caller
     sent_text: int = 0  # characters of ``text`` already reported
+    prefix_offset: int = 0  # output tokens: the detokenizer's context starts here
+    read_offset: int = 0  # output tokens: ``text`` holds the text up to here
     index: int = 0  # the choice (0..n-1) of the request this sequence samples
+    forked: bool = False  # choice 0 of n > 1: choices 1..n-1 exist (forked at its 1st token)
     # with params.logprobs set: one per output token (else None), and their sum
     logprobs: list[TokenLogprob] | None = None
     cumulative_logprob: float | None = None
@@ -65,6 +68,23 @@ class Sequence:
     def seq_id(self) -> str:
         """Unique among live sequences: the request id, with ``/i`` for choice i > 0."""
         return self.request_id if self.index == 0 else f"{self.request_id}/{self.index}"
+
+    @property
+    def seats(self) -> int:
+        """Running seats this sequence holds: n for choice 0 of n before it forks (its
+        choices will run beside it), else 1."""
+        return self.params.n if self.index == 0 and not self.forked else 1
+
+    def fork(self, index: int) -> Sequence:
+        """Choice ``index`` of this request: the same prompt and params, no tokens yet (the
+        caller gives it blocks, progress and its first token)."""
+        return Sequence(
+            request_id=self.request_id, prompt_token_ids=self.prompt_token_ids,
+            params=self.params, adapter_name=self.adapter_name, adapter_id=self.adapter_id,
+            eos_token_ids=self.eos_token_ids, max_tokens=self.max_tokens,
+            arrival_time=self.arrival_time, num_cached_tokens=self.num_cached_tokens,
+            index=index, prompt_logprobs=self.prompt_logprobs, bad_words_ids=self.bad_words_ids,
+            matcher=self.matcher)  # the parent's: the choice gets its own at its first step
 
     @property
     def num_tokens(self) -> int:

@@ -163,6 +163,24 @@ def test_a_copied_sequence_gets_its_own_matcher(json_model):
     assert_clean(engine)
 
 
+def test_n_choices_each_hold_their_own_matcher(json_model):
+    """n > 1 forks from one prefill: every choice answers the schema from its own seed, in a
+    batch with a free request and an adapter."""
+    engine = engine_for(json_model)
+    schema = cases.SCHEMAS[0][1]
+    params = SamplingParams(temperature=1.0, seed=11, n=4, max_new_tokens=300,
+                            structured_outputs={"json": schema})
+    outs = engine.generate(["the cat", "one two"], [params, free()], [None, "extract"])
+    choices = outs[0]
+    assert [c.index for c in choices] == [0, 1, 2, 3]
+    for c in choices:
+        assert c.finish_reason == "eos", c.text
+        jsonschema.validate(json.loads(c.text), schema)
+    assert len({tuple(c.token_ids) for c in choices}) > 1
+    assert outs[1].token_ids == engine.generate(["one two"], free(), ["extract"])[0].token_ids
+    assert_clean(engine)
+
+
 @pytest.mark.parametrize(("c", "message"), [
     ({"json": {"type": "object", "properties": {"a": {"type": "strin"}}}},
      r"structured_outputs\.json: the JSON schema does not compile: .*strin"),

@@ -1,0 +1,117 @@
+"""SamplingBatch: one step's per-row sampling parameters as tensors on the logits' device.
+
+Built once per step from the sampling sequences (a host loop over the params, as the step
+metadata is built); the sampler then works on whole-batch tensors. A filter a row does not
+use is neutral for it (temperature 1, top-k = vocab, top-p = 1, min-p = 0), and a filter no
+row uses is not run at all. Greedy rows (temperature 0) take no temperature, top-k, top-p
+or min-p (vLLM's rule), but do take penalties, bias and masks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .sequence import Sequence
+
+
+@dataclass
+class RowSet:
+    """Rows of the batch that use a filter, and its per-row parameters."""
+
+    rows: torch.Tensor  # [R] int64
+    index: list[int]  # the same rows, on the host
+
+
+@dataclass
+class SamplingBatch:
+    greedy: torch.Tensor | None  # [N] bool; None when every row is greedy
+    all_greedy: bool
+    temperature: torch.Tensor | None  # [N]; None when every row is greedy or at 1
+    top_k: tuple[RowSet, torch.Tensor] | None  # [R] int64 in [1, vocab]
+    top_p: tuple[RowSet, torch.Tensor] | None  # [R] float32 in (0, 1)
+    min_p: tuple[RowSet, torch.Tensor] | None  # [R] float32 in (0, 1]
+    # (seqs, rows, repetition, frequency, presence); a penalty no row uses is None
+    penalties: tuple[list[Sequence], RowSet, torch.Tensor | None, torch.Tensor | None,
+                     torch.Tensor | None] | None
+    bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # rows, token ids, values
+    banned: tuple[torch.Tensor, torch.Tensor] | None  # rows, token ids -> -inf
+    allowed: tuple[RowSet, torch.Tensor] | None  # [R, vocab] bool: True = may be sampled
+    logprob_rows: list[int]  # rows whose sampled token's logprobs are asked for
+    logprob_ks: list[int]
+
+
+def _rowset(index: list[int], device: torch.device) -> RowSet:
+    return RowSet(torch.tensor(index, dtype=torch.int64, device=device), index)
+
+
+def _used(values: list[float], neutral: float, device: torch.device) -> torch.Tensor | None:
+    """A penalty's per-row values, or None when every row has it off."""
+    if all(v == neutral for v in values):
+        return None
+    return torch.tensor(values, dtype=torch.float32, device=device)
+
+
+def banned_tokens(seq: Sequence) -> list[int]:
+    """Tokens ``seq`` may not draw next: EOS and stop ids below min_new_tokens, and the last
+    token of every bad word whose other tokens end the output (vLLM's rule)."""
+    p = seq.params
+    out: list[int] = []
+    if seq.num_output_tokens < p.min_new_tokens:
+        out += set(p.stop_token_ids) | (set() if p.ignore_eos else seq.eos_token_ids)
+    outputs = seq.output_token_ids
+    for word in seq.bad_words_ids:
+        prefix = len(word) - 1
+        if prefix <= len(outputs) and (prefix == 0 or outputs[-prefix:] == word[:-1]):
+            out.append(word[-1])
+    return out
+
+
+def build_batch(seqs: list[Sequence], vocab: int, device: torch.device) -> SamplingBatch:
+    params = [s.params for s in seqs]
+    greedy = [p.greedy for p in params]
+    temps = [1.0 if g else float(p.temperature) for g, p in zip(greedy, params)]
+    f32 = {"dtype": torch.float32, "device": device}
+    k_rows = [i for i, p in enumerate(params)
+              if not greedy[i] and p.top_k_enabled and p.top_k < vocab]
+    p_rows = [i for i, p in enumerate(params)
+              if not greedy[i] and p.top_p is not None and p.top_p < 1.0]
+    m_rows = [i for i, p in enumerate(params) if not greedy[i] and p.min_p > 0.0]
+    pen_rows = [i for i, p in enumerate(params) if p.has_penalties]
+    bias = [(i, t, b) for i, p in enumerate(params) for t, b in (p.logit_bias or {}).items()]
+    banned = [(i, t) for i, s in enumerate(seqs) for t in banned_tokens(s)]
+    a_rows = [i for i, p in enumerate(params) if p.allowed_token_ids is not None]
+    lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+    allowed = None
+    if a_rows:
+        mask = torch.zeros(len(a_rows), vocab, dtype=torch.bool, device=device)
+        r = [j for j, i in enumerate(a_rows) for _ in params[i].allowed_token_ids]
+        c = [t for i in a_rows for t in params[i].allowed_token_ids]
+        mask[torch.tensor(r, device=device), torch.tensor(c, device=device)] = True
+        allowed = (_rowset(a_rows, device), mask)
+    return SamplingBatch(
+        greedy=None if all(greedy) else torch.tensor(greedy, dtype=torch.bool, device=device),
+        all_greedy=all(greedy),
+        temperature=None if all(t == 1.0 for t in temps) else torch.tensor(temps, **f32),
+        top_k=(_rowset(k_rows, device), torch.tensor([params[i].top_k for i in k_rows],
+                                                     dtype=torch.int64, device=device))
+        if k_rows else None,
+        top_p=(_rowset(p_rows, device), torch.tensor([params[i].top_p for i in p_rows], **f32))
+        if p_rows else None,
+        min_p=(_rowset(m_rows, device), torch.tensor([params[i].min_p for i in m_rows], **f32))
+        if m_rows else None,
+        penalties=([seqs[i] for i in pen_rows], _rowset(pen_rows, device),
+                   _used([params[i].repetition_penalty for i in pen_rows], 1.0, device),
+                   _used([params[i].frequency_penalty for i in pen_rows], 0.0, device),
+                   _used([params[i].presence_penalty for i in pen_rows], 0.0, device))
+        if pen_rows else None,
+        bias=(torch.tensor([b[0] for b in bias], dtype=torch.int64, device=device),
+              torch.tensor([b[1] for b in bias], dtype=torch.int64, device=device),
+              torch.tensor([b[2] for b in bias], **f32)) if bias else None,
+        banned=(torch.tensor([b[0] for b in banned], dtype=torch.int64, device=device),
+                torch.tensor([b[1] for b in banned], dtype=torch.int64, device=device))
+        if banned else None,
+        allowed=allowed,
+        logprob_rows=lp_rows, logprob_ks=[params[i].logprobs for i in lp_rows],
+    )
