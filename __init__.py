@@ -14,6 +14,7 @@ _EXPORTS = {
     "LLMEngine": ".engine.llm_engine",
     "RequestOutput": ".engine.output_processor",
     "SamplingParams": ".engine.sampling_params",
+    "StructuredOutputs": ".structured.constraint",
     "TokenLogprob": ".engine.logprobs",
 }
 __all__ = list(_EXPORTS)
@@ -24,6 +25,7 @@ if TYPE_CHECKING:
     from .engine.logprobs import TokenLogprob as TokenLogprob
     from .engine.output_processor import RequestOutput as RequestOutput
     from .engine.sampling_params import SamplingParams as SamplingParams
+    from .structured.constraint import StructuredOutputs as StructuredOutputs
 
 
 def __getattr__(name: str) -> Any:

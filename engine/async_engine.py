@@ -116,6 +116,9 @@ class AsyncEngine:
         rid = request_id or f"req-{uuid.uuid4().hex}"
         if rid in self._streams:
             raise InvalidRequestError(f"request_id {rid!r} is already in use")
+        # a grammar compiles on the compiler's threads: the request waits here, the engine
+        # steps on, and the processor's thread stays free for other requests
+        grammar = await self.engine.constraints.compile_async(params)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._streams[rid] = stream  # the id is taken from here on
         finished = False
@@ -123,7 +126,8 @@ class AsyncEngine:
         self.engine.prefetch_adapter(adapter)  # the read overlaps the step in progress
         try:
             # tokenized and checked on the processor's thread: off this loop and the engine's
-            seq = await self.processor.sequence(self.engine, prompt, params, adapter, rid)
+            seq = await self.processor.sequence(self.engine, prompt, params, adapter, rid,
+                                                 grammar)
             await self.run(lambda e: e.add_sequence(seq))
             while not finished:
                 item = await stream.queue.get()

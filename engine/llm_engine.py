@@ -18,6 +18,7 @@ from .base_model import BaseModel, load_base_model
 from .block_manager import BlockManager
 from .choices import choices_to_fork, report_choices, run_to_completion
 from .config import EngineConfig
+from .constraints import Constraints
 from .engine_adapters import EngineAdapters
 from .errors import AdapterNotFoundError, InvalidRequestError
 from .lora_capacity import LoRACapacity
@@ -74,6 +75,8 @@ class LLMEngine(EngineAdapters):
                                    cfg.max_num_batched_tokens, self.lora,
                                    cfg.adapter_starvation_steps)
         self.outputs = OutputProcessor(self.tokenizer)
+        self.constraints = Constraints(self.tokenizer, self.base.hf_config.vocab_size,
+                                       self.base.eos_token_ids)  # structured outputs
         self.requests: dict[str, list[Sequence]] = {}  # request id -> its live choices
         self._ids = itertools.count()
         for name, path in cfg.lora_modules.items():
@@ -100,8 +103,11 @@ class LLMEngine(EngineAdapters):
         return [int(t) for t in prompt]
 
     def make_sequence(self, prompt: Prompt, params: SamplingParams | None = None,
-                      adapter: str | None = None, request_id: str | None = None) -> Sequence:
-        """Validate a request and build its Sequence (does not touch engine state)."""
+                      adapter: str | None = None, request_id: str | None = None,
+                      grammar: object | None = None) -> Sequence:
+        """Validate a request and build its Sequence (does not touch engine state). A
+        constrained request's grammar is compiled here (blocking) unless ``grammar``, its
+        compiled grammar, is given (``AsyncEngine`` compiles it off the engine thread)."""
         params = (params or SamplingParams()).with_defaults(self.base.sampling_defaults)
         try:
             params.validate()
@@ -124,11 +130,13 @@ class LLMEngine(EngineAdapters):
         vocab = self.base.hf_config.vocab_size
         check_sampling(params, self.config, vocab)
         bad_words_ids = tokenize_bad_words(self.tokenizer, params.bad_words, vocab)
+        self.constraints.check(params)
+        grammar = grammar if grammar is not None else self.constraints.compile(params)
         params.max_new_tokens = max_new
         if params.temperature is None:
             params.temperature = 1.0
         adapter_id = self._adapter_id(adapter)
-        return Sequence(
+        seq = Sequence(
             request_id=request_id if request_id is not None else f"req-{next(self._ids)}",
             prompt_token_ids=ids, params=params, adapter_name=adapter or None,
             adapter_id=adapter_id,
@@ -136,6 +144,8 @@ class LLMEngine(EngineAdapters):
             eos_token_ids=self.base.eos_token_ids,
             max_tokens=len(ids) + max_new, bad_words_ids=bad_words_ids,
         )
+        self.constraints.attach(seq, grammar)
+        return seq
 
     def _check_prompt(self, ids: list[int]) -> None:
         if not ids:
@@ -174,8 +184,10 @@ class LLMEngine(EngineAdapters):
         return seq.request_id
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
-                    adapter: str | None = None, request_id: str | None = None) -> str:
-        return self.add_sequence(self.make_sequence(prompt, params, adapter, request_id))
+                    adapter: str | None = None, request_id: str | None = None,
+                    grammar: object | None = None) -> str:
+        return self.add_sequence(self.make_sequence(prompt, params, adapter, request_id,
+                                                    grammar))
 
     def abort(self, request_id: str) -> bool:
         """Stop every choice of a request and free their KV blocks; False if none runs."""
@@ -218,6 +230,7 @@ class LLMEngine(EngineAdapters):
             self.check()
         for seq, token, logprob in zip(seqs, sampled.tokens, sampled.logprobs):
             reason = self._fail_non_finite(seq) if token is None else \
+                self.constraints.advance(seq, token) or \
                 self.outputs.append(seq, token, logprob)
             if reason is not None:
                 self._finish(seq, reason)

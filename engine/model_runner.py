@@ -14,6 +14,8 @@ from transformers import PretrainedConfig
 from ..kernels import host_pages
 from ..kernels.backend import KernelBackend
 from ..kernels.step_metadata import AttentionMetadata, StepMetadata
+from ..structured.bitmask import StepBitmask
+from ..structured.matcher import ConstraintMatcher
 from .config import DEFAULT_CPU_KV_BYTES, EngineConfig
 from .logprob_ops import token_logprobs
 from .models.llama import LlamaForCausalLM, head_dim_of, kv_heads_of
@@ -95,6 +97,16 @@ def _check_entry(seq: Sequence, n: int, block_size: int) -> None:
             f"{len(seq.block_table)} blocks of {block_size}")
 
 
+def _matchers(seqs: list[Sequence]) -> list[ConstraintMatcher | None]:
+    """Each sampling sequence's matcher (None: free), its own (a forked sequence that holds
+    its parent's gets one) and level with its output tokens (rebuilt from them if behind)."""
+    for seq in seqs:
+        if seq.matcher is not None:
+            seq.matcher = seq.matcher.own(seq.seq_id, seq.output_token_ids)
+            seq.matcher.sync(seq.output_token_ids)
+    return [seq.matcher for seq in seqs]
+
+
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, cfg: EngineConfig, num_blocks: int,
                  kernels: KernelBackend):
@@ -105,6 +117,8 @@ class ModelRunner:
         dtype = kernels.dtype
         self.block_size = cfg.block_size
         self.sampler = Sampler(cfg.seed, kernels, cfg.logprobs_mode)
+        # constrained rows' bitmask, filled on a worker while the forward runs
+        self.grammar_bitmask = StepBitmask(model.config.vocab_size, cfg.max_num_seqs)
         self.prompt_tokens_computed = 0  # prompt positions run through the model, ever
         for attn in model.attention_layers():
             shape = (num_blocks, cfg.block_size, attn.num_kv_heads, attn.head_dim)
@@ -172,6 +186,11 @@ class ModelRunner:
         None token where the sequence's logits were not finite). ``batch.forks``' choices
         sample from their parent's logits row, after it."""
         inputs = self.prepare(batch, adapter_slots)
+        seqs, forks = inputs.sample_seqs, batch.forks
+        expand = [i for i, s in enumerate(seqs) for _ in range(1 + len(forks.get(s.seq_id, ())))]
+        if forks:
+            seqs = [c for s in seqs for c in [s, *forks.get(s.seq_id, ())]]
+        pending = self.grammar_bitmask.start(_matchers(seqs))  # forks included
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
         for seq, row, first, count in inputs.prompt_lp:
             self._prompt_logprobs(hidden, seq, row, first, count)
@@ -179,13 +198,11 @@ class ModelRunner:
             return [], SamplerOutput([], [])
         rows = torch.tensor(inputs.sample_rows, dtype=torch.int64, device=self.device)
         logits = self.model.compute_logits(hidden[rows])  # [N, vocab] float32
-        seqs, forks = inputs.sample_seqs, batch.forks
         if forks:
-            expand = [i for i, s in enumerate(seqs) for _ in range(1 + len(forks.get(s.seq_id,
-                                                                                      ())))]
-            seqs = [c for s in seqs for c in [s, *forks.get(s.seq_id, ())]]
             logits = logits.index_select(0, torch.tensor(expand, device=self.device))
-        return seqs, self.sampler(logits, seqs)
+        mask = None if pending is None else \
+            (lambda lg: self.grammar_bitmask.apply(lg, pending))
+        return seqs, self.sampler(logits, seqs, mask)
 
     def _prompt_logprobs(self, hidden: torch.Tensor, seq: Sequence, row: int, first: int,
                          count: int) -> None:

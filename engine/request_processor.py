@@ -49,10 +49,13 @@ class RequestProcessor:
         return await loop.run_in_executor(self._pool, functools.partial(fn, *args, **kwargs))
 
     async def sequence(self, engine: LLMEngine, prompt: Prompt, params: SamplingParams | None,
-                       adapter: str | None, request_id: str) -> Sequence:
+                       adapter: str | None, request_id: str,
+                       grammar: object | None = None) -> Sequence:
         """The checked Sequence for one request (raises what ``make_sequence`` raises:
-        InvalidRequestError naming the field, AdapterNotFoundError)."""
-        return await self.run(engine.make_sequence, prompt, params, adapter, request_id)
+        InvalidRequestError naming the field, AdapterNotFoundError); ``grammar``: its
+        constraint, compiled already."""
+        return await self.run(engine.make_sequence, prompt, params, adapter, request_id,
+                              grammar)
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -14,6 +14,7 @@ it gets the same tokens alone or inside any batch; the others share the engine's
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -107,9 +108,14 @@ class Sampler:
             self.penalties.forget(seq_id)
 
     @torch.inference_mode()
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
-        """logits: [N, vocab] float32 on the device, one row per sequence that samples."""
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence],
+                 grammar_mask: Callable[[torch.Tensor], None] | None = None) -> SamplerOutput:
+        """logits: [N, vocab] float32 on the device, one row per sequence that samples.
+        ``grammar_mask`` sets the logits of tokens the constrained rows' grammars refuse to
+        -inf, in place (structured/bitmask.py), before any other processing."""
         ok = finite_rows(logits)
+        if grammar_mask is not None:
+            grammar_mask(logits)
         batch = build_batch(seqs, logits.shape[-1], logits.device)
         if batch.penalties is not None and self.penalties is None:
             self.penalties = PenaltyState(logits.shape[-1], logits.device)

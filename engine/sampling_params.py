@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
+from typing import Any
+
+from ..structured.constraint import StructuredOutputs
 
 PENALTY_RANGE = 2.0  # presence / frequency penalties lie in [-2, 2] (OpenAI's range)
 LOGIT_BIAS_RANGE = 100.0  # logit_bias values lie in [-100, 100] (OpenAI's range)
@@ -35,6 +38,9 @@ class SamplingParams:
     min_p: float = 0.0  # drop tokens below min_p × the most likely token's probability
     allowed_token_ids: list[int] | None = None  # only these may be sampled
     bad_words: list[str] | None = None  # words that may not be generated (vLLM's meaning)
+    # what the answer must match: a JSON schema, regex, choice or grammar (structured/);
+    # a dict is taken as StructuredOutputs' fields
+    structured_outputs: StructuredOutputs | dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -49,6 +55,11 @@ class SamplingParams:
             self.bad_words = [self.bad_words]
         if self.bad_words is not None:
             self.bad_words = list(self.bad_words)
+        if isinstance(self.structured_outputs, dict):
+            try:
+                self.structured_outputs = StructuredOutputs(**self.structured_outputs)
+            except TypeError as e:
+                raise ValueError(f"structured_outputs: {e}") from None
 
     def validate(self) -> None:
         """Raise ValueError naming the field and the allowed range."""
@@ -105,6 +116,11 @@ class SamplingParams:
                 raise ValueError("allowed_token_ids must be token ids >= 0")
         if self.bad_words is not None and any(not w.strip() for w in self.bad_words):
             raise ValueError("bad_words must be non-empty words")
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputs):
+                raise ValueError("structured_outputs must be a StructuredOutputs or a dict of "
+                                 "its fields")
+            self.structured_outputs.validate()
 
     def with_defaults(self, defaults: dict) -> SamplingParams:
         """A copy whose unset (None) fields take ``defaults`` (from generation_config.json)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from .logprobs import TokenLogprob
 from .sampling_params import SamplingParams
@@ -55,6 +56,8 @@ class Sequence:
     # with params.prompt_logprobs set: one per prompt token computed so far, the first None
     prompt_logprobs: list[TokenLogprob | None] | None = None
     bad_words_ids: list[list[int]] = field(default_factory=list)  # params.bad_words, tokenized
+    # with params.structured_outputs: its structured.matcher.ConstraintMatcher (else None)
+    matcher: Any = None
 
     def __post_init__(self) -> None:
         if self.params.logprobs is not None and self.logprobs is None:
@@ -81,7 +84,8 @@ class Sequence:
             params=self.params, adapter_name=self.adapter_name, adapter_id=self.adapter_id,
             eos_token_ids=self.eos_token_ids, max_tokens=self.max_tokens,
             arrival_time=self.arrival_time, num_cached_tokens=self.num_cached_tokens,
-            index=index, prompt_logprobs=self.prompt_logprobs, bad_words_ids=self.bad_words_ids)
+            index=index, prompt_logprobs=self.prompt_logprobs, bad_words_ids=self.bad_words_ids,
+            matcher=self.matcher)  # the parent's: the choice gets its own at its first step
 
     @property
     def num_tokens(self) -> int:

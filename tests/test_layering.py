@@ -1,5 +1,5 @@
-"""The package's layers: imports point one way (errors, flag, kernels ← lora ← engine ←
-server), no module imports itself back through others, nothing below cli.py parses flags,
+"""The package's layers: imports point one way (errors, flag, kernels ← lora, structured ←
+engine ← server), no module imports itself back through others, nothing below cli.py parses flags,
 the backends stand apart, and the engine runs with kernels/cpu deleted."""
 
 from __future__ import annotations
@@ -17,8 +17,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 ROOT = Path(__file__).resolve().parents[1]  # the repository root is the package `loraplex`
-PACKAGES = ["kernels", "lora", "engine", "server", "proto", "bench"]
-LAYERS = {"errors": 0, "flag": 0, "kernels": 1, "lora": 2, "engine": 3, "server": 4}
+PACKAGES = ["kernels", "lora", "structured", "engine", "server", "proto", "bench"]
+LAYERS = {"errors": 0, "flag": 0, "kernels": 1, "lora": 2, "structured": 2, "engine": 3,
+          "server": 4}
 # The modules that may parse flags: the command line (cli.py and the modules it owns), and
 # the tools that are their own entry points (python -m loraplex.bench.*, the client's
 # health probe, the stubs' generator). The layers and the config tree never do: their
