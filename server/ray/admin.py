@@ -32,7 +32,9 @@ UPLOADS_NEED_A_SHARED_DIR = (
     "UploadAdapter with --ray needs --upload-dir: every replica loads the uploaded adapter "
     "from that directory, so it must be storage every node reads at the same path; restart "
     "with --upload-dir DIR, or use LoadAdapter with a path every node reads")
-REGISTRY_RETRY_S = 10.0  # how long a registry call is retried while Ray restarts the actor
+REGISTRY_RETRY_S = 30.0  # how long a registry call is retried while Ray restarts the actor
+# (a replica's handle can see the restarted actor as unavailable for over 10 s on a
+# loaded machine after the driver already reaches it: seen in make test)
 # replica id -> {adapter name: (state name, active requests)}
 ReplicaTiers = dict[str, dict[str, tuple[str, int]]]
 # the top-level state of a cluster listing: the best tier any replica holds, worst first

@@ -1,7 +1,7 @@
 """A loop as a trainer drives it: twenty versions of a rank-16 adapter are swapped in
 place (loaded from disk and uploaded, in turn) while 8 clients sample continuously from a
 real server. Every response's tokens are exact against PEFT on the version named in its
-response, no stream mixes versions, a request sent after a load answered runs on that
+response, and so are its logprobs (PEFT's float32 log_softmax), no stream mixes versions, a request sent after a load answered runs on that
 version or a later one, and no KV block, pool row, retired adapter or upload is left over."""
 
 from __future__ import annotations
@@ -31,17 +31,23 @@ def versions(tiny_llama: Path, tmp_path_factory) -> list[Path]:
                          seed=100 + i) for i in range(VERSIONS)]
 
 
-def peft_tokens(base: Path, adapter: Path, prompt: list[int]) -> list[int]:
+def peft_tokens(base: Path, adapter: Path, prompt: list[int]
+                ) -> tuple[list[int], list[float]]:
+    """PEFT's greedy tokens and each one's float32 log_softmax value."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     model = PeftModel.from_pretrained(model, adapter).eval()
     seq = torch.tensor([prompt])  # greedy with EOS allowed, as ignore_eos samples
+    logprobs: list[float] = []
     with torch.no_grad():
         for _ in range(NEW):
-            seq = torch.cat([seq, model(seq).logits[0, -1].argmax().view(1, 1)], dim=1)
-    return seq[0, len(prompt):].tolist()
+            logits = model(seq).logits[0, -1].float()
+            token = logits.argmax()
+            logprobs.append(torch.log_softmax(logits, dim=-1)[token].item())
+            seq = torch.cat([seq, token.view(1, 1)], dim=1)
+    return seq[0, len(prompt):].tolist(), logprobs
 
 
 async def trainer_loop(target: str, versions: list[Path], served: dict[int, int],
@@ -74,9 +80,10 @@ async def sampler(target: str, k: int, loaded: list[int], served: dict[int, int]
                 continue
             msgs = [m async for m in c.generate_stream(
                 prompt_token_ids=prompt, adapter="policy", temperature=0.0,
-                max_new_tokens=NEW, ignore_eos=True)]
+                max_new_tokens=NEW, ignore_eos=True, logprobs=0)]
             seen = {m.adapter_version for m in msgs}
-            results.append((floor, seen, prompt, [t for m in msgs for t in m.token_ids]))
+            results.append((floor, seen, prompt, [t for m in msgs for t in m.token_ids],
+                            [lp.logprob for m in msgs for lp in m.logprobs]))
             if len(seen) == 1:
                 v = next(iter(seen))
                 served[v] = served.get(v, 0) + 1
@@ -101,9 +108,9 @@ def test_twenty_versions_in_place_under_eight_samplers(serve, make_engine, tiny_
                                                        versions) -> None:
     server = serve(lambda: make_engine(tiny_llama))
     results = asyncio.run(drive(server.target, versions))
-    assert all(len(seen) == 1 for _, seen, _, _ in results)  # no stream mixes versions
+    assert all(len(r[1]) == 1 for r in results)  # no stream mixes versions
     by_version: dict[int, set[tuple[int, ...]]] = {}
-    for floor, seen, prompt, toks in results:
+    for floor, seen, prompt, toks, _ in results:
         v = next(iter(seen))
         assert floor <= v <= VERSIONS  # accepted after load ``floor`` answered: not older
         assert len(toks) == NEW
@@ -111,8 +118,10 @@ def test_twenty_versions_in_place_under_eight_samplers(serve, make_engine, tiny_
     assert set(by_version) == set(range(1, VERSIONS + 1))
     refs = {(v, p): peft_tokens(tiny_llama, versions[v - 1], list(p))
             for v, prompts in by_version.items() for p in prompts}
-    for _, seen, prompt, toks in results:
-        assert toks == refs[(next(iter(seen)), tuple(prompt))]
+    for _, seen, prompt, toks, logprobs in results:
+        ref_toks, ref_logprobs = refs[(next(iter(seen)), tuple(prompt))]
+        assert toks == ref_toks
+        assert logprobs == pytest.approx(ref_logprobs, abs=2e-4)
     engine: Any = server.engine
     assert engine.block_manager.num_used_blocks == 0
     assert len(engine.lora.by_id) == len(engine.lora.names) == 1  # no retired version kept
