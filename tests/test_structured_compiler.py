@@ -12,7 +12,7 @@ from pathlib import Path
 import jsonschema
 import pytest
 import torch
-from loraplex.structured import testing as cases
+from loraplex.bench import structured_fixtures as cases
 from loraplex.structured.bitmask import StepBitmask
 from loraplex.structured.compiler import CacheStats, GrammarCompiler
 from loraplex.structured.constraint import StructuredOutputs
