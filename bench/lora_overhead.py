@@ -80,13 +80,15 @@ def _timed_tps(run: Callable[[], list]) -> float:
 
 def hf_tps(model_dir: Path, prompts: list[list[int]], dtype: str, rounds: int,
            new_tokens: int) -> list[float]:
-    """HF ``generate`` on the base model: output tok/s per round (one untimed warm-up)."""
+    """HF ``generate`` on the base model: output tok/s per round, after one untimed round of
+    the same shapes (oneDNN builds its kernels per shape on first use: a short warm-up left
+    the first timed rounds at a tenth of HF's speed on a Xeon with AMX)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
     ids = torch.tensor(prompts)
     with torch.inference_mode():
-        model.generate(ids[:2], max_new_tokens=2, do_sample=False, pad_token_id=0)
+        _hf_round(model, ids, new_tokens)
         return [_hf_round(model, ids, new_tokens) for _ in range(rounds)]
 
 
@@ -113,10 +115,12 @@ def load_peft(model_dir: Path, adapters: dict[str, Path], dtype: str) -> object:
 
 def peft_tps(model_dir: Path, adapters: dict[str, Path], prompts: list[list[int]],
              names: list[str], new_tokens: int, dtype: str, rounds: int) -> list[float]:
-    """Output tok/s of PEFT's mixed-adapter batched greedy generate, once per round."""
+    """Output tok/s of PEFT's mixed-adapter batched greedy generate, once per round, after
+    one untimed round (as HF's)."""
     model = load_peft(model_dir, adapters, dtype)
     ids = torch.tensor(prompts)
     with torch.inference_mode():
+        _hf_round(model, ids, new_tokens, adapter_names=names)
         return [_hf_round(model, ids, new_tokens, adapter_names=names) for _ in range(rounds)]
 
 

@@ -2,7 +2,8 @@
 
 A block is *used* while its ref count is > 0. A free block may still hold the KV of a
 full, hashed block: it stays findable by its hash (prefix cache) until it is handed out
-again, least recently freed first. The hash chain of a sequence is seeded with its adapter
+again (free_blocks.py: plain blocks first, most recently freed first; then cached ones,
+least recently freed first). The hash chain of a sequence is seeded with its adapter
 id, so two adapters (or two loads of one adapter) never share KV.
 """
 
@@ -10,8 +11,7 @@ from __future__ import annotations
 
 import hashlib
 from array import array
-from collections import OrderedDict
-
+from .free_blocks import FreeBlocks
 from .sequence import Sequence
 
 
@@ -31,7 +31,7 @@ class BlockManager:
         self.ref_counts = [0] * num_blocks
         self.block_hashes: list[bytes | None] = [None] * num_blocks
         self.cached: dict[bytes, int] = {}  # hash -> block id holding that block's KV
-        self.free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
+        self.free = FreeBlocks(num_blocks)
         self.seq_hashes: dict[str, list[bytes]] = {}  # request_id -> hashes of its full blocks
         self.prefix_hits = 0  # blocks served from the prefix cache, ever
         self.prefix_queries = 0  # full prompt blocks looked up, ever
@@ -86,6 +86,7 @@ class BlockManager:
         use keep their KV, and their owners may register them again)."""
         self.cached.clear()
         self.block_hashes = [None] * self.num_blocks
+        self.free.forget_cached()
 
     def register_full_blocks(self, seq: Sequence) -> None:
         """After a step: make the sequence's newly full, computed blocks findable."""
@@ -101,11 +102,11 @@ class BlockManager:
     # ---- allocation ---------------------------------------------------------------------
     def _take(self, block: int) -> None:
         if self.ref_counts[block] == 0:
-            del self.free[block]
+            self.free.remove(block)
         self.ref_counts[block] += 1
 
     def _fresh_block(self) -> int:
-        block, _ = self.free.popitem(last=False)  # least recently freed
+        block, _ = self.free.pop()
         old = self.block_hashes[block]
         if old is not None:
             if self.cached.get(old) == block:
@@ -145,12 +146,13 @@ class BlockManager:
         return copy
 
     def free_seq(self, seq: Sequence) -> None:
-        """Release every block of ``seq``; tail blocks become the first to be reused."""
+        """Release every block of ``seq``; its first blocks become the first to be reused
+        (freed last: a new sequence's prompt lands where this one's did)."""
         for block in reversed(seq.block_table):
             self.ref_counts[block] -= 1
             assert self.ref_counts[block] >= 0, f"block {block} freed twice"
             if self.ref_counts[block] == 0:
-                self.free[block] = None
+                self.free.add(block, self.block_hashes[block] is not None)
         seq.block_table.clear()
         seq.num_computed_tokens = 0
         self.seq_hashes.pop(seq.seq_id, None)

@@ -67,6 +67,36 @@ def test_freed_cached_blocks_are_reused_least_recently_freed_first():
     assert again.block_table == [cached[0]]  # block 0 survived, block 1 was evicted
 
 
+def test_a_steady_load_reuses_the_blocks_it_freed():
+    """Plain freed blocks go out again most recently freed first: a steady load keeps to the
+    blocks it needs instead of walking the whole pool (which commits every page of the KV
+    budget and writes into memory long out of the CPU's caches)."""
+    bm = BlockManager(num_blocks=64, block_size=4, enable_prefix_caching=False)
+    seen: set[int] = set()
+    for i in range(20):
+        s = seq(f"r{i}", [i] * 10)
+        compute_all(bm, s)
+        seen.update(s.block_table)
+        bm.free_seq(s)
+    assert seen == {0, 1, 2}
+
+
+def test_plain_blocks_go_out_before_cached_ones():
+    bm = BlockManager(num_blocks=4, block_size=4)
+    a = seq("a", list(range(8)))
+    compute_all(bm, a)
+    blocks = list(a.block_table)
+    bm.free_seq(a)  # two full blocks: cached
+    for i in range(6):  # one partial block each: plain
+        s = seq(f"p{i}", [100 + i, 1, 2])
+        compute_all(bm, s)
+        bm.free_seq(s)
+    again = seq("b", list(range(8)) + [1])
+    bm.match_prefix(again)
+    assert again.block_table == blocks  # the cached prefix outlived the plain traffic
+    bm.check([again])
+
+
 def step(sched: Scheduler) -> list[tuple[str, int]]:
     """One scheduler step; sequences that finished their tokens 'sample' token 7."""
     batch = sched.schedule()
