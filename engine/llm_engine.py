@@ -66,7 +66,8 @@ class LLMEngine(EngineAdapters):
         self.uploads = UploadStore()  # adapters given as tensors or bytes, as PEFT dirs
         self.lora = AdapterCache(self.lora_capacity.max_loras, self.resolved.max_cpu_loras,
                                  RankPool(self.lora_capacity.num_units, kernels.rank_unit),
-                                 read=self._read_registered,
+                                 read=lambda meta: self.read_adapter(meta.path, meta.name,
+                                                                     meta),
                                  load_slot=self._load_slot, clear_slot=self.slot_buffers.clear,
                                  move_slot=self.slot_buffers.move,
                                  max_concurrent_reads=cfg.max_adapter_reads,

@@ -250,7 +250,7 @@ def test_host_copies_are_held_in_the_pool_dtype(tiny_llama, adapters, hot_load):
     while engine.has_unfinished_requests():
         engine.step()
     full = read_peft_adapter(path, engine.base_shapes, 64)
-    held = engine.lora.names["p"].weights
+    held = engine.lora.host.weights(engine.lora.names["p"])
     assert engine.lora_dtype == torch.bfloat16 and held.meta.dtype == torch.bfloat16
     [info] = engine.list_adapters()
     assert info.size_bytes * 2 == full.size_bytes
