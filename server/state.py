@@ -75,7 +75,8 @@ class ServerState:
         """Serve ``engine``; its loop's death turns health NOT_SERVING (from any thread)."""
         self.engine = engine
         self.loop = asyncio.get_running_loop()
-        self.model_name = engine.engine.model_name
+        # the engine's rule (LLMEngine.model_name); this server's alias first
+        self.model_name = self.options.served_model_name or engine.engine.model_name
         self.metrics.bind(self.model_name, engine.engine.lora_capacity.max_loras)
         engine.engine.adapter_load_observers.append(self.metrics.adapter_loaded)
         loop = self.loop
