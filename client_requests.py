@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from json import dumps
+from typing import Any
 
 from .proto import loraplex_pb2 as pb
 
@@ -42,14 +44,44 @@ def sampling_params(temperature: float | None = None, top_p: float | None = None
     return msg
 
 
+def structured_outputs_message(json: Mapping[str, Any] | str | None = None, json_object: bool = False,
+                       regex: str | None = None, choice: Sequence[str] | None = None,
+                       grammar: str | None = None, max_whitespace: int | None = -1
+                       ) -> pb.StructuredOutputs:
+    """A StructuredOutputs message from vLLM's names (one of json, json_object, regex, choice,
+    grammar); ``max_whitespace`` None allows any whitespace in JSON, -1 leaves the server's
+    default."""
+    msg = pb.StructuredOutputs(any_whitespace=max_whitespace is None)
+    if max_whitespace is not None and max_whitespace >= 0:
+        msg.max_whitespace = max_whitespace
+    if json is not None:
+        msg.json_schema = json if isinstance(json, str) else dumps(json)
+    elif json_object:
+        msg.json_object = True
+    elif regex is not None:
+        msg.regex = regex
+    elif choice is not None:
+        msg.choice.SetInParent()  # set even when empty (the server says so)
+        msg.choice.choices.extend(choice)
+    elif grammar is not None:
+        msg.grammar = grammar
+    return msg
+
+
 def generate_request(prompt: str | None = None, *, prompt_token_ids: Sequence[int] | None = None,
                      adapter: str = "", request_id: str = "", apply_chat_template: bool = False,
                      messages: Sequence[Mapping[str, str]] | None = None,
+                     structured_outputs: Mapping[str, Any] | None = None,
                      **sampling: object) -> pb.GenerateRequest:
     """``messages`` ({"role", "content"} dicts, as OpenAI's) go through the chat template:
-    the way to prompt an Instruct model."""
+    the way to prompt an Instruct model. ``structured_outputs``: vLLM's dict (``{"json":
+    schema}``, ``{"regex": ...}``, ``{"choice": [...]}``, ``{"grammar": ...}``)."""
     turns = [pb.ChatMessage(role=m["role"], content=m["content"]) for m in messages or ()]
-    return pb.GenerateRequest(
+    request = pb.GenerateRequest(
         request_id=request_id, adapter=adapter, prompt=prompt or "",
         prompt_token_ids=list(prompt_token_ids or ()), apply_chat_template=apply_chat_template,
         messages=turns, params=sampling_params(**sampling))  # type: ignore[arg-type]
+    if structured_outputs is not None:
+        request.structured_outputs.CopyFrom(structured_outputs_message(**structured_outputs))
+    return request
+

@@ -14,10 +14,13 @@ CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 @dataclass(frozen=True)
 class ChatTurn:
     role: str
-    content: str
+    content: str | None
+    # OpenAI's other message fields, as the template reads them: an assistant turn's
+    # ``tool_calls`` (arguments as objects), a tool turn's ``tool_call_id`` and ``name``
+    extra: tuple[tuple[str, Any], ...] = ()
 
 
-def check_turns(turns: Sequence[ChatTurn]) -> list[dict[str, str]]:
+def check_turns(turns: Sequence[ChatTurn]) -> list[dict[str, Any]]:
     """The turns as the template's ``messages``; ValueError naming a bad role or no turns."""
     if not turns:
         raise ValueError("messages is empty: give at least one {role, content} message")
@@ -25,12 +28,14 @@ def check_turns(turns: Sequence[ChatTurn]) -> list[dict[str, str]]:
         if turn.role not in CHAT_ROLES:
             raise ValueError(f"messages[{i}].role is {turn.role[:64]!r}; allowed: "
                              f"{', '.join(CHAT_ROLES)}")
-    return [{"role": t.role, "content": t.content} for t in turns]
+    return [{"role": t.role, "content": t.content, **dict(t.extra)} for t in turns]
 
 
-def chat_ids(tokenizer: Any | None, turns: Sequence[ChatTurn]) -> list[int]:
-    """``turns`` through the chat template plus the generation prompt; ValueError if the
-    model has no tokenizer or no chat template, or a turn is bad."""
+def chat_ids(tokenizer: Any | None, turns: Sequence[ChatTurn],
+             tools: list[dict[str, Any]] | None = None) -> list[int]:
+    """``turns`` through the chat template plus the generation prompt, with ``tools`` (OpenAI's
+    tool objects) when given; ValueError if the model has no tokenizer or no chat template,
+    or a turn is bad."""
     messages = check_turns(turns)
     if tokenizer is None:
         raise ValueError("this model has no tokenizer, so no chat template: send "
@@ -38,7 +43,8 @@ def chat_ids(tokenizer: Any | None, turns: Sequence[ChatTurn]) -> list[int]:
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("this model's tokenizer has no chat template: send a plain prompt "
                          "(apply_chat_template false; `loraplex generate --no-chat-template`)")
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    text = tokenizer.apply_chat_template(messages, tools=tools or None,
+                                         add_generation_prompt=True, tokenize=False)
     # The template writes any BOS itself; tokenizing must not add another.
     return list(tokenizer(text, add_special_tokens=False).input_ids)
 

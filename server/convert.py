@@ -7,6 +7,7 @@ from typing import Any
 
 from ..engine.sampling_params import SamplingParams
 from ..proto import loraplex_pb2 as pb
+from ..structured.constraint import DEFAULT_MAX_WHITESPACE, StructuredOutputs
 from .chat import ChatTurn
 from .generation import GenerateInput
 from .prompt import Prompt, resolve_prompt
@@ -32,6 +33,23 @@ def sampling_params(msg: pb.SamplingParams) -> SamplingParams:
                           bad_words=list(msg.bad_words) or None)
 
 
+def structured_outputs(msg: pb.StructuredOutputs) -> StructuredOutputs:
+    """The oneof as the engine's constraint (the engine checks and compiles it)."""
+    kind = msg.WhichOneof("constraint")
+    if kind is None:
+        raise ValueError("structured_outputs gives no constraint: set one of json_schema, "
+                         "json_object, regex, choice, grammar")
+    max_ws = None if msg.any_whitespace else (
+        msg.max_whitespace if msg.HasField("max_whitespace") else DEFAULT_MAX_WHITESPACE)
+    value = {"json_schema": ("json", msg.json_schema), "json_object": ("json_object",
+             msg.json_object), "regex": ("regex", msg.regex),
+             "choice": ("choice", list(msg.choice.choices)), "grammar": ("grammar", msg.grammar)
+             }[kind]
+    if kind == "json_object" and not msg.json_object:
+        raise ValueError("structured_outputs.json_object must be true when set")
+    return StructuredOutputs(**{value[0]: value[1]}, max_whitespace=max_ws)
+
+
 def prompt_of(request: pb.GenerateRequest, tokenizer: Any | None) -> Prompt:
     """The prompt as text or token ids; exactly one of prompt, prompt_token_ids and
     messages must be set."""
@@ -49,8 +67,11 @@ def request_id_of(request: pb.GenerateRequest) -> str | None:
 
 def generate_input(request: pb.GenerateRequest, tokenizer: Any | None) -> GenerateInput:
     """A GenerateRequest checked and converted for server/generation.py."""
-    return GenerateInput(prompt_of(request, tokenizer), sampling_params(request.params),
-                         request.adapter, request_id_of(request))
+    params = sampling_params(request.params)
+    if request.HasField("structured_outputs"):
+        params.structured_outputs = structured_outputs(request.structured_outputs)
+    return GenerateInput(prompt_of(request, tokenizer), params, request.adapter,
+                         request_id_of(request))
 
 
 def state_number(state: str) -> int:

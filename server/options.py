@@ -15,6 +15,8 @@ DEFAULT_GRACE_S = 20.0
 DEFAULT_MAX_UPLOAD_BYTES = 1 << 30
 NETWORK = "network and security"
 ADAPTERS = "adapters (training loops)"
+TOOLS = "tool calls"
+TOOL_CALL_PARSERS = ("hermes",)  # server/http/tool_calls.py reads each
 
 
 @dataclass(frozen=True)
@@ -63,10 +65,23 @@ class ServerOptions:
         None, group=ADAPTERS, metavar="DIR",
         help="a request naming an unregistered adapter ORG/NAME loads that Hugging Face "
         "repo from this local Hub cache (e.g. ~/.cache/huggingface/hub), offline")
+    enable_auto_tool_choice: bool = flag(  # vLLM's flag: tool_choice "auto" is a 400 without
+        False, group=TOOLS,
+        help='let chat tool_choice "auto" (the default with tools) read the model\'s own tool '
+        "calls with --tool-call-parser")
+    tool_call_parser: str | None = flag(
+        None, group=TOOLS, choices=TOOL_CALL_PARSERS, metavar="NAME",
+        help="the model's tool-call format for --enable-auto-tool-choice: hermes "
+        "(<tool_call>{json}</tool_call>, Qwen 2.5/3 and Hermes)")
     # alias of the base model besides "": the engine's --served-model-name (config.py's
     # ServeConfig passes it on), not a flag of its own
     served_model_name: str | None = None
     warmup: bool = True  # one tiny generate before SERVING
+
+    @property
+    def auto_tool_parser(self) -> str | None:
+        """The parser of tool_choice "auto"; None: auto is refused."""
+        return self.tool_call_parser if self.enable_auto_tool_choice else None
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -75,6 +90,12 @@ class ServerOptions:
             raise ValueError(f"http_port={self.http_port} must be in [0, 65535]")
         if self.max_queue < 1:
             raise ValueError(f"max_queue={self.max_queue} must be >= 1")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("enable_auto_tool_choice needs tool_call_parser (--tool-call-parser "
+                             f"{'|'.join(TOOL_CALL_PARSERS)})")
+        if self.tool_call_parser not in (None, *TOOL_CALL_PARSERS):
+            raise ValueError(f"tool_call_parser={self.tool_call_parser!r}; known: "
+                             f"{', '.join(TOOL_CALL_PARSERS)}")
         if self.max_upload_bytes < 1:
             raise ValueError(f"max_upload_bytes={self.max_upload_bytes} must be >= 1")
         for name in ("upload_dir", "lora_resolver_dir", "lora_resolver_hf_cache"):

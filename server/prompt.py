@@ -16,9 +16,11 @@ __all__ = ["Prompt", "resolve_prompt"]
 def resolve_prompt(tokenizer: Any | None, text: str | None = None,
                    token_ids: Sequence[int] | None = None,
                    turns: Sequence[ChatTurn] | None = None,
-                   apply_chat_template: bool = False) -> Prompt:
+                   apply_chat_template: bool = False,
+                   tools: list[dict[str, Any]] | None = None) -> Prompt:
     """Exactly one of ``text``, ``token_ids`` and ``turns`` (empty counts as unset); chat
-    turns, or text with ``apply_chat_template``, go through the chat template. ValueError
+    turns, or text with ``apply_chat_template``, go through the chat template (with the
+    ``tools`` it offers the model, if any). ValueError
     (INVALID_ARGUMENT) saying what to send otherwise."""
     given = [name for name, value in (("prompt", text), ("prompt_token_ids", token_ids),
                                       ("messages", turns)) if value]
@@ -30,7 +32,7 @@ def resolve_prompt(tokenizer: Any | None, text: str | None = None,
         raise ValueError("the request has no prompt: set prompt (text), prompt_token_ids or "
                          "messages (chat)")
     if turns:
-        return chat_ids(tokenizer, turns)
+        return chat_ids(tokenizer, turns, tools)
     if apply_chat_template:
         if not text:
             raise ValueError("apply_chat_template needs a text prompt, not prompt_token_ids")

@@ -5,6 +5,7 @@ RequestProcessor thread, off the event loop."""
 
 from __future__ import annotations
 
+import functools
 import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -37,7 +38,9 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
 
 @router.post("/v1/chat/completions")
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
-    return await _serve(request, body, chat_input, f"chatcmpl-{uuid.uuid4().hex}")
+    parser = server_state(request).options.auto_tool_parser
+    return await _serve(request, body, functools.partial(chat_input, auto_tool_parser=parser),
+                        f"chatcmpl-{uuid.uuid4().hex}")
 
 
 async def _serve(request: Request, body: SamplingFields, convert: Converter, rid: str

@@ -10,6 +10,7 @@ made with vLLM's rules (``max_tokens`` against the context, ``best_of``, ``echo`
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from ...engine.sampling_params import SamplingParams
@@ -19,6 +20,8 @@ from ..prompt import resolve_prompt
 from .fields import CHAT_REFUSED, COMPLETION_REFUSED, check_fields
 from .protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields
 from .responses import View
+from .structured import request_constraint
+from .tools import plan_tools
 
 _OPTIONAL = ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p")
 
@@ -29,6 +32,7 @@ def sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: int |
     top_k = None if req.top_k in (None, -1, 0) else req.top_k
     given = {name: getattr(req, name) for name in _OPTIONAL if getattr(req, name) is not None}
     return SamplingParams(
+        structured_outputs=request_constraint(req.response_format, req.structured_outputs),
         temperature=req.temperature, top_p=req.top_p, top_k=top_k, seed=req.seed,
         max_new_tokens=max_tokens, min_new_tokens=req.min_tokens,
         stop=[req.stop] if isinstance(req.stop, str) else list(req.stop or []),
@@ -137,11 +141,39 @@ def _decode(tokenizer: Any | None, ids: list[int]) -> str:
 
 
 def chat_turns(messages: list[ChatMessage]) -> list[ChatTurn]:
-    return [ChatTurn(m.role, m.text()) for m in messages]
+    return [_turn(i, m) for i, m in enumerate(messages)]
+
+
+def _turn(i: int, m: ChatMessage) -> ChatTurn:
+    """An assistant's calls reach the template with their arguments as objects (what
+    templates such as Qwen's write back with ``tojson``), as vLLM passes them."""
+    extra: dict[str, Any] = {k: v for k, v in (("tool_call_id", m.tool_call_id),
+                                               ("name", m.name)) if v is not None}
+    if m.tool_calls:
+        extra["tool_calls"] = [_template_call(i, call) for call in m.tool_calls]
+    content = None if m.content is None and m.tool_calls else m.text()
+    return ChatTurn(m.role, content, tuple(extra.items()))
+
+
+def _template_call(i: int, call: dict[str, Any]) -> dict[str, Any]:
+    function = call.get("function")
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise ValueError(f"messages[{i}].tool_calls: each call needs function.name")
+    arguments = function.get("arguments", "{}")
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments or "{}")
+        except json.JSONDecodeError:
+            raise ValueError(f"messages[{i}].tool_calls: function.arguments of "
+                             f"{function['name'][:64]!r} is not valid JSON") from None
+    return {**call, "function": {**function, "arguments": arguments}}
 
 
 def chat_input(req: ChatCompletionRequest, tokenizer: Any | None, max_model_len: int,
-               request_id: str) -> tuple[GenerateInput, View]:
+               request_id: str, auto_tool_parser: str | None = None
+               ) -> tuple[GenerateInput, View]:
+    """``auto_tool_parser``: the server's --tool-call-parser with --enable-auto-tool-choice
+    (tools.py)."""
     check_fields(req, CHAT_REFUSED)
     _check_common(req)
     if not req.messages:
@@ -152,12 +184,19 @@ def chat_input(req: ChatCompletionRequest, tokenizer: Any | None, max_model_len:
         raise ValueError(f"top_logprobs={req.top_logprobs} must be >= 0")
     name, max_tokens = ("max_completion_tokens", req.max_completion_tokens) \
         if req.max_completion_tokens is not None else ("max_tokens", req.max_tokens)
-    ids = resolve_prompt(tokenizer, turns=chat_turns(req.messages))
+    tools = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, auto_tool_parser)
+    ids = resolve_prompt(tokenizer, turns=chat_turns(req.messages),
+                         tools=tools.template_tools if tools is not None else None)
     assert isinstance(ids, list)  # chat turns come back as token ids
     _check_max_tokens(name, max_tokens, ids, max_model_len)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    params = sampling_params(req, max_tokens, logprobs)
+    if tools is not None and tools.constraint is not None:
+        if params.structured_outputs is not None:
+            raise ValueError("tool_choice already constrains the answer to a tool call: leave "
+                             "response_format and structured_outputs unset")
+        params.structured_outputs = tools.constraint
     view = View(chat=True, logprobs=logprobs, prompt_logprobs=req.prompt_logprobs is not None,
                 token_ids_as_text=bool(req.return_tokens_as_token_ids),
-                continuous_usage=_continuous_usage(req))
-    return GenerateInput(ids, sampling_params(req, max_tokens, logprobs), req.model or "",
-                         request_id), view
+                continuous_usage=_continuous_usage(req), tools=tools)
+    return GenerateInput(ids, params, req.model or "", request_id), view

@@ -19,13 +19,12 @@ log = logging.getLogger(__name__)
 
 # name -> the neutral values (JSON null is always neutral: it means unset)
 SHARED_REFUSED: dict[str, tuple[Any, ...]] = {
-    # structured outputs (its own issue)
-    "response_format": ({"type": "text"},),
-    "structured_outputs": (),
+    # vLLM 0.12 replaced these with structured_outputs (honoured: structured.py)
     "guided_json": (),
     "guided_regex": (),
     "guided_choice": (),
     "guided_grammar": (),
+    "guided_whitespace_pattern": (),
     "structural_tag": (),
     # vLLM's sampling extras not implemented
     "use_beam_search": (False,),
@@ -46,9 +45,7 @@ COMPLETION_REFUSED: dict[str, tuple[Any, ...]] = {
 }
 CHAT_REFUSED: dict[str, tuple[Any, ...]] = {
     **SHARED_REFUSED,
-    "tools": ([],),
-    "tool_choice": ("none",),
-    "functions": ([],),
+    "functions": ([],),  # OpenAI's deprecated forms of tools and tool_choice
     "function_call": ("none",),
     "echo": (False,),  # vLLM's chat echo: the last message's content prepended
     "add_generation_prompt": (True,),
@@ -67,8 +64,8 @@ CHAT_REFUSED: dict[str, tuple[Any, ...]] = {
 # known names that cannot change the output: accepted and not used
 IGNORED = frozenset({
     "user", "service_tier", "store", "metadata", "priority", "request_id", "cache_salt",
-    "kv_transfer_params", "prediction", "parallel_tool_calls", "guided_decoding_backend",
-    "guided_whitespace_pattern", "disable_fallback", "return_reasoning",
+    "kv_transfer_params", "prediction", "guided_decoding_backend", "disable_fallback",
+    "return_reasoning",
 })
 
 
@@ -86,6 +83,15 @@ def check_fields(body: RequestBody, refused: dict[str, tuple[Any, ...]]) -> None
         log.warning("the request's fields %s are unknown to loraplex and ignored", unknown)
 
 
+# refused names that have a successor: the hint names it
+REPLACED = {"guided_json": "structured_outputs.json", "guided_regex": "structured_outputs.regex",
+            "guided_choice": "structured_outputs.choice",
+            "guided_grammar": "structured_outputs.grammar",
+            "functions": "tools", "function_call": "tool_choice"}
+
+
 def _hint(name: str, neutral: tuple[Any, ...]) -> str:
+    if name in REPLACED:
+        return f"send {REPLACED[name]} instead"
     values = " or ".join(repr(v) for v in neutral)
     return f"leave {name} unset" + (f" or send {values}" if values else "")

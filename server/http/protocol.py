@@ -9,9 +9,12 @@ logprobs, lengths) are the engine's checks, shared with gRPC.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from .structured import ResponseFormat
+from .tools import Tool, ToolChoice
 
 TokenId = Annotated[int, Field(ge=0)]
 Stop = str | list[str] | None
@@ -53,6 +56,9 @@ class SamplingFields(RequestBody):
     bad_words: list[str] | None = None
     prompt_logprobs: int | None = None
     return_tokens_as_token_ids: bool | None = None
+    # what the answer must match (structured.py): OpenAI's and vLLM's forms
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None
 
 
 class CompletionRequest(SamplingFields):
@@ -74,6 +80,9 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow")
     role: str
     content: str | list[TextPart] | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant turn's calls
+    tool_call_id: str | None = None  # a tool turn's answer to that call
+    name: str | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -87,6 +96,9 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None  # with logprobs: the k most likely per token
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None  # None: "auto" with tools, else "none"
+    parallel_tool_calls: bool | None = None  # false: at most one call (required: exactly one)
 
 
 class LoadLoRAAdapterRequest(RequestBody):

@@ -13,14 +13,20 @@ from typing import Any
 
 from ...engine.output_processor import RequestOutput
 from .logprobs import TokenText, chat_logprobs, completion_logprobs, prompt_logprobs
+from .tool_calls import ToolCallStream, whole_message
+from .tools import ToolPlan
 
 # the engine's finish reasons -> OpenAI's ("eos" is a "stop" there); vLLM adds "abort"
 FINISH_REASON = {"eos": "stop", "stop": "stop", "length": "length", "abort": "abort"}
 
 
-def finish_reason(out: RequestOutput) -> str | None:
-    return FINISH_REASON.get(out.finish_reason or "", out.finish_reason) if out.finished \
-        else None
+def finish_reason(out: RequestOutput, called: bool = False) -> str | None:
+    """OpenAI's finish reason; ``called``: the answer holds tool calls, so a stop at the
+    grammar's end (or the model's EOS) is ``"tool_calls"``."""
+    if not out.finished:
+        return None
+    reason = FINISH_REASON.get(out.finish_reason or "", out.finish_reason)
+    return "tool_calls" if called and reason == "stop" else reason
 
 
 def sse(payload: dict[str, Any] | str) -> bytes:
@@ -44,6 +50,7 @@ class View:
     prompt_logprobs: bool = False  # vLLM's prompt_logprobs field
     token_ids_as_text: bool = False  # vLLM's return_tokens_as_token_ids
     continuous_usage: bool = False  # stream_options.continuous_usage_stats
+    tools: ToolPlan | None = None  # chat: how the answer's tool calls are read
 
 
 @dataclass
@@ -57,6 +64,7 @@ class Reply:
     created: int = field(default_factory=lambda: int(time.time()))
     _tokens: dict[int, int] = field(default_factory=dict)  # choice -> generated so far
     _offset: dict[int, int] = field(default_factory=dict)  # choice -> text_offset reached
+    _calls: dict[int, ToolCallStream] = field(default_factory=dict)  # choice -> tool calls sent
     _prompt_tokens: int = 0
 
     @property
@@ -94,10 +102,14 @@ class Reply:
 
     def _chat_choice(self, out: RequestOutput) -> dict[str, Any]:
         k = self.view.logprobs
-        return {"index": out.index, "message": {"role": "assistant", "content": out.text},
+        message: dict[str, Any] = {"role": "assistant", "content": out.text}
+        if self.view.tools is not None:
+            message["content"], message["tool_calls"] = whole_message(self.view.tools, out.text)
+        return {"index": out.index, "message": message,
                 "logprobs": None if k is None else
                 chat_logprobs(out.logprobs or [], k, self._text),
-                "finish_reason": finish_reason(out), "stop_reason": None}
+                "finish_reason": finish_reason(out, bool(message.get("tool_calls"))),
+                "stop_reason": None}
 
     def _text_choice(self, out: RequestOutput) -> dict[str, Any]:
         text, ids, lps = self._completion_part(out, out.text, out.token_ids, out.logprobs,
@@ -147,8 +159,14 @@ class Reply:
                 or wants_logprobs and out.new_token_ids):
             return None
         choice: dict[str, Any] = {"index": out.index}
-        if self.chat:
+        called = False
+        if self.chat and self.view.tools is not None:
+            choice["delta"], called = self._tool_delta(out)
+            if not (choice["delta"] or out.finished or wants_logprobs and out.new_token_ids):
+                return None
+        elif self.chat:
             choice["delta"] = {"content": out.new_text}
+        if self.chat:
             choice["logprobs"] = chat_logprobs(out.new_logprobs or [], self.view.logprobs,
                                                self._text) if wants_logprobs else None
         else:
@@ -163,13 +181,25 @@ class Reply:
             shown = logprobs["tokens"] if logprobs is not None else []
             self._offset[out.index] = offset + sum(len(t) for t in shown)
         self._offset.setdefault(out.index, 0)
-        choice["finish_reason"] = finish_reason(out)
+        choice["finish_reason"] = finish_reason(out, called)
         if out.finished:
             choice["stop_reason"] = None
         chunk = {**self._head(self._chunk_object), "choices": [choice]}
         if self.view.continuous_usage:
             chunk["usage"] = self.usage()
         return chunk
+
+    def _tool_delta(self, out: RequestOutput) -> tuple[dict[str, Any], bool]:
+        """The chat delta of a request with tools: new content and tool-call entries."""
+        assert self.view.tools is not None
+        stream = self._calls.setdefault(out.index, ToolCallStream(self.view.tools))
+        content, calls = stream.feed(out.text)
+        delta: dict[str, Any] = {}
+        if content:
+            delta["content"] = content
+        if calls:
+            delta["tool_calls"] = calls
+        return delta, stream.called
 
     def usage_chunk(self) -> dict[str, Any]:
         """``stream_options.include_usage``: the last chunk, with no choices."""

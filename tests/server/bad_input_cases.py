@@ -40,6 +40,9 @@ def load(id: str, code: str, fragment: str, name: str = "new", path: str = "@ok"
 
 
 INVALID, NOT_FOUND = "INVALID_ARGUMENT", "NOT_FOUND"
+BAD_SCHEMA = {"type": "object", "properties": {"a": {"type": "strin"}}}  # no such type
+TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
 NAN, INF = math.nan, math.inf
 
 GENERATE_CASES = [
@@ -84,6 +87,20 @@ GENERATE_CASES = [
     gen("min_p-over-one", INVALID, "min_p", min_p=1.5),
     gen("allowed_token_ids-equal-vocab", INVALID, "allowed_token_ids",
         allowed_token_ids=[5, VOCAB]),
+    # structured outputs (issue 30)
+    gen("structured_outputs-json-does-not-compile", INVALID, "does not compile",
+        structured_outputs={"json": BAD_SCHEMA}),
+    gen("structured_outputs-json-not-json", INVALID, "not valid JSON",
+        structured_outputs={"json": '{"type": '}),
+    gen("structured_outputs-bad-regex", INVALID, "regex does not compile",
+        structured_outputs={"regex": "[0-9"}),
+    gen("structured_outputs-empty-choice", INVALID, "choice is empty",
+        structured_outputs={"choice": []}),
+    gen("structured_outputs-bad-grammar", INVALID, "grammar", structured_outputs={
+        "grammar": "root ::= nothing"}),
+    gen("structured_outputs-no-constraint", INVALID, "no constraint", structured_outputs={}),
+    gen("structured_outputs-with-ignore_eos", INVALID, "ignore_eos",
+        structured_outputs={"regex": "[a-z]+"}, ignore_eos=True),
     # prompts
     gen("prompt-missing", INVALID, "no prompt", prompt=None),
     gen("prompt-only-spaces", INVALID, "prompt is empty", prompt="   "),
@@ -225,12 +242,43 @@ HTTP_CASES = [
                prompt=[5] * 10, max_tokens=250),
     chat("chat-max_completion_tokens-past-max_model_len", 400, "max_completion_tokens",
          max_completion_tokens=MAX_MODEL_LEN),
-    completion("response_format-json", 400, "response_format",
-               response_format={"type": "json_object"}),
-    chat("chat-tools", 400, "tools",
-         tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]),
-    chat("chat-structured_outputs", 400, "structured_outputs",
-         structured_outputs={"choice": ["a", "b"]}),
+    # structured outputs and tool calls (issue 30)
+    completion("response_format-schema-does-not-compile", 400, "does not compile",
+               response_format={"type": "json_schema",
+                                "json_schema": {"name": "x", "schema": BAD_SCHEMA}}),
+    chat("chat-response_format-json_schema-missing", 400, "json_schema",
+         response_format={"type": "json_schema"}),
+    chat("chat-response_format-type-unknown", 400, "response_format",
+         response_format={"type": "yaml"}),
+    chat("chat-structured_outputs-bad-regex", 400, "regex does not compile",
+         structured_outputs={"regex": "[0-9"}),
+    completion("structured_outputs-empty-choice", 400, "choice is empty",
+               structured_outputs={"choice": []}),
+    completion("structured_outputs-two-constraints", 400, "exactly one",
+               structured_outputs={"regex": "a", "choice": ["a"]}),
+    completion("structured_outputs-unknown-field", 400, "jsonschema",
+               structured_outputs={"jsonschema": {}}),
+    completion("structured_outputs-whitespace_pattern", 400, "whitespace_pattern",
+               structured_outputs={"json_object": True, "whitespace_pattern": " ?"}),
+    completion("structured_outputs-and-response_format", 400, "give one of them",
+               structured_outputs={"regex": "a"}, response_format={"type": "json_object"}),
+    completion("guided_json-replaced", 400, "structured_outputs.json", guided_json={}),
+    chat("chat-tool_choice-not-among-tools", 400, "not among tools", tools=[TOOL],
+         tool_choice={"type": "function", "function": {"name": "get_time"}}),
+    chat("chat-tool_choice-without-tools", 400, "tools is empty", tool_choice="required"),
+    chat("chat-tool_choice-unknown", 400, "tool_choice", tools=[TOOL],
+         tool_choice="sometimes"),
+    chat("chat-tools-auto-without-the-flag", 400, "--enable-auto-tool-choice", tools=[TOOL]),
+    chat("chat-tools-duplicate-names", 400, "two functions", tools=[TOOL, TOOL],
+         tool_choice="required"),
+    chat("chat-tool_choice-and-response_format", 400, "leave response_format", tools=[TOOL],
+         tool_choice="required", response_format={"type": "json_object"}),
+    chat("chat-tool_calls-arguments-not-json", 400, "not valid JSON", messages=[
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function",
+             "function": {"name": "get_weather", "arguments": "{bad"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]),
     completion("max_tokens-negative", 400, "max_tokens", max_tokens=-1),
     completion("prompt-over-max_model_len", 400, "max_model_len", prompt="the " * 300),
     completion("prompt-ids-over-max_model_len", 400, "max_model_len",

@@ -19,12 +19,11 @@ BASE = {"max_tokens": 4, "temperature": 0, "ignore_eos": True}
 
 # a value each refused field would change the output with
 CHANGING: dict[str, Any] = {
-    "response_format": {"type": "json_object"},
-    "structured_outputs": {"json": {"type": "object"}},
     "guided_json": {"type": "object"},
     "guided_regex": "[a-z]+",
     "guided_choice": ["yes", "no"],
     "guided_grammar": "root ::= 'a'",
+    "guided_whitespace_pattern": " ?",
     "structural_tag": "{}",
     "use_beam_search": True,
     "length_penalty": 0.5,
@@ -38,8 +37,6 @@ CHANGING: dict[str, Any] = {
     "prompt_embeds": "AAAA",
     "suffix": " end",
     "add_special_tokens": None,  # per route: the other route's default
-    "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
-    "tool_choice": "auto",
     "functions": [{"name": "f", "parameters": {}}],
     "function_call": "auto",
     "echo": True,
