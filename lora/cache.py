@@ -4,13 +4,15 @@
                          ->  device pool (DeviceTier, max_loras, rank units)
 
 Registering an adapter costs its metadata; its weights are read when a request needs them.
+On the device an adapter of rank r owns ``ceil(r / rank_unit)`` units of the rank-row pool
+(``RankPool``), and at most ``max_loras`` adapters are resident.
 
 Who owns what: the cache owns the adapter records (``names``, ``by_id``; it alone writes
 them), the queue's next uses (``next_use``, lent to the tiers per call) and the lookup
 counts; ``HostTier`` owns the host copies, the reads in flight and its LRU, ``DeviceTier``
-the runs (slot <-> adapter) and its LRU; each counts its own loads.
-On the device an adapter of rank r owns ``ceil(r / rank_unit)`` units of the rank-row pool
-(``RankPool``), and at most ``max_loras`` adapters are resident.
+the runs (slot <-> adapter) and its LRU; each counts its own loads. A use (``acquire``,
+``release``) stamps both tiers' LRUs; a tier also stamps what it just took in (a read
+taken, a run placed).
 
 Invariants (``check`` asserts them; the engine's debug mode runs it after every step):
 - an adapter on the device is also held in host memory (host ⊇ device);
