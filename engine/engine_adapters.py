@@ -41,21 +41,15 @@ class EngineAdapters:
     adapter_load_observers: list[Callable[[str, float], None]]
     is_base_model: Callable[[str | None], bool]
 
-    def read_adapter(self, path: str | Path, name: str = "") -> LoRAWeights:
-        """Read and validate a PEFT adapter dir for this base model (safe on any thread)."""
+    def read_adapter(self, path: str | Path, name: str = "",
+                     meta: AdapterMeta | None = None) -> LoRAWeights:
+        """Read and validate a PEFT adapter dir for this base model (safe on any thread; the
+        loader threads' read of a registered adapter passes its ``meta``, so its checks are
+        not redone while the files are unchanged). Timed for ``adapter_load_observers``."""
         start = time.perf_counter()
         with intra_op.serial():  # callers' threads start no OpenMP pool (kernels/intra_op.py)
             weights = read_peft_adapter(path, self.base_shapes, self.config.max_lora_rank,
-                                        name, dtype=self.lora_dtype)
-        self._observe_adapter_load("host", time.perf_counter() - start)
-        return weights
-
-    def _read_registered(self, meta: AdapterMeta) -> LoRAWeights:
-        """The loader threads' read of a registered adapter (its checks are not redone
-        while the files are unchanged)."""
-        start = time.perf_counter()
-        weights = read_peft_adapter(meta.path, self.base_shapes, self.config.max_lora_rank,
-                                    meta.name, meta=meta, dtype=self.lora_dtype)
+                                        name, meta=meta, dtype=self.lora_dtype)
         self._observe_adapter_load("host", time.perf_counter() - start)
         return weights
 

@@ -33,7 +33,13 @@ from .sequence import Sequence
 
 log = logging.getLogger(__name__)
 
-Prompt = str | list[int]
+Prompt = str | list[int]  # text, or token ids (the one alias: server/prompt.py uses it)
+
+
+def names_base_model(name: str | None, served_model_name: str | None, model_name: str) -> bool:
+    """The one rule for the base model's names (engine and servers): empty or None, the
+    served model name, or ``model_name`` (``LLMEngine.model_name``)."""
+    return not name or name in (served_model_name, model_name)
 
 
 class LLMEngine(EngineAdapters):
@@ -66,7 +72,8 @@ class LLMEngine(EngineAdapters):
         self.uploads = UploadStore()  # adapters given as tensors or bytes, as PEFT dirs
         self.lora = AdapterCache(self.lora_capacity.max_loras, self.resolved.max_cpu_loras,
                                  RankPool(self.lora_capacity.num_units, kernels.rank_unit),
-                                 read=self._read_registered,
+                                 read=lambda meta: self.read_adapter(meta.path, meta.name,
+                                                                     meta),
                                  load_slot=self._load_slot, clear_slot=self.slot_buffers.clear,
                                  move_slot=self.slot_buffers.move,
                                  max_concurrent_reads=cfg.max_adapter_reads,
@@ -159,9 +166,15 @@ class LLMEngine(EngineAdapters):
     def _check_vocab(self, ids: list[int], what: str) -> None:
         check_vocab(ids, what, self.base.hf_config.vocab_size)
 
+    @property
+    def model_name(self) -> str:
+        """The base model's name for clients (vLLM's rule): the served model name, else the
+        --model argument as given, else (the embedded default) its directory name."""
+        return self.config.served_model_name or self.config.model or self.base.path.name
+
     def is_base_model(self, name: str | None) -> bool:
-        """Whether ``name`` names the base model: empty, None, or the served model name."""
-        return not name or name == self.config.served_model_name
+        """Whether ``name`` names the base model (``names_base_model``)."""
+        return names_base_model(name, self.config.served_model_name, self.model_name)
 
     def prefetch_adapter(self, adapter: str | None) -> None:
         """Any thread: start reading ``adapter`` from disk ahead of its request, which is on

@@ -7,6 +7,13 @@ Registering an adapter costs its metadata; its weights are read when a request n
 On the device an adapter of rank r owns ``ceil(r / rank_unit)`` units of the rank-row pool
 (``RankPool``), and at most ``max_loras`` adapters are resident.
 
+Who owns what: the cache owns the adapter records (``names``, ``by_id``; it alone writes
+them), the queue's next uses (``next_use``, lent to the tiers per call) and the lookup
+counts; ``HostTier`` owns the host copies, the reads in flight and its LRU, ``DeviceTier``
+the runs (slot <-> adapter) and its LRU; each counts its own loads. A use (``acquire``,
+``release``) stamps both tiers' LRUs; a tier also stamps what it just took in (a read
+taken, a run placed).
+
 Invariants (``check`` asserts them; the engine's debug mode runs it after every step):
 - an adapter on the device is also held in host memory (host ⊇ device);
 - at most ``max_cpu_loras`` adapters are held in host memory, at most ``max_loras`` on the
@@ -35,13 +42,24 @@ import itertools
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from ..errors import AdapterExistsError, AdapterNotFoundError
-from .cached_adapter import AdapterInfo, CachedAdapter
+from .cached_adapter import (
+    FAILED,
+    LOADING,
+    ON_CPU,
+    ON_DEVICE,
+    ON_DISK,
+    AdapterInfo,
+    CachedAdapter,
+)
 from .device_tier import DeviceTier
 from .host_tier import HostTier
 from .rank_pool import RankPool
+
+if TYPE_CHECKING:
+    from .peft_format import AdapterMeta, LoRAWeights
 
 
 class AdapterCache:
@@ -50,8 +68,8 @@ class AdapterCache:
         max_loras: int,
         max_cpu_loras: int,
         pool: RankPool,
-        read: Callable[[Any], Any],  # meta -> weights; raises on a bad adapter
-        load_slot: Callable[[int, Any], None],  # copy weights into the run at a slot
+        read: Callable[[AdapterMeta], LoRAWeights],  # raises on a bad adapter
+        load_slot: Callable[[int, LoRAWeights], None],  # copy weights into the run at a slot
         clear_slot: Callable[[int], None],
         move_slot: Callable[[int, int, int], None] | None = None,  # (src, dst, rank rows)
         max_concurrent_reads: int = 4,
@@ -66,14 +84,11 @@ class AdapterCache:
         self.names: dict[str, CachedAdapter] = {}  # live registrations
         self.by_id: dict[int, CachedAdapter] = {}  # live and retired-but-busy adapters
         self.next_use: dict[int, int] = {}  # adapter id -> queue position of its next request
-        self.counts: Counter[str] = Counter()  # lookups_<tier>, loads_<tier>, compactions
+        self.lookups: Counter[str] = Counter()  # tier -> requests that found their adapter there
         self.versions: Counter[str] = Counter()  # name -> its last load's version
         self._ids = itertools.count(1)  # 0 is the base model
-        self._clock = itertools.count(1)
-        self.device = DeviceTier(max_loras, pool, load_slot, clear_slot, move_slot,
-                                 self.counts, self._clock)
-        self.host = HostTier(max_cpu_loras, read, max_concurrent_reads, self.by_id,
-                             self.next_use, self.counts, self._clock, self.device.evict)
+        self.device = DeviceTier(max_loras, pool, load_slot, clear_slot, move_slot)
+        self.host = HostTier(max_cpu_loras, read, max_concurrent_reads, self.device.evict)
 
     # ---- registration (engine thread) ----------------------------------------------------
     def check_name(self, name: str, replace: bool) -> None:
@@ -86,9 +101,9 @@ class AdapterCache:
                 f"adapter {name!r} already exists; load it in place (replace / load_inplace) "
                 "to swap it for a new version")
 
-    def register(self, name: str, meta: Any, replace: bool = False, pin: bool = False,
-                 preloaded: bool = False, weights: Any = None, owned: bool = False,
-                 version: int | None = None) -> AdapterInfo:
+    def register(self, name: str, meta: AdapterMeta, replace: bool = False, pin: bool = False,
+                 preloaded: bool = False, weights: LoRAWeights | None = None,
+                 owned: bool = False, version: int | None = None) -> AdapterInfo:
         """Register an adapter under ``name`` from its validated ``meta`` (``path``, ``rank``,
         ``target_modules``, ``size_bytes``); ``weights``, when already read, go to host
         memory. The old adapter, if replaced, finishes its in-flight requests on its own
@@ -101,10 +116,9 @@ class AdapterCache:
             raise ValueError(f"at most max_loras={self.max_loras} adapters can be pinned")
         version = self.versions[name] + 1 if version is None else version
         self.versions[name] = max(self.versions[name], version)
-        a = CachedAdapter(name, Path(meta.path), next(self._ids), meta.rank,
-                          list(meta.target_modules), meta.size_bytes, pin, preloaded,
-                          meta=meta, weights=weights, last_used=next(self._clock),
-                          version=version, owned=owned)
+        a = CachedAdapter(name, meta, next(self._ids), version, pin, preloaded, owned)
+        if weights is not None:
+            self.host.put(a, weights)
         if old is not None:
             del self.names[name]
             old.retired = True
@@ -112,17 +126,14 @@ class AdapterCache:
         if old is not None:
             self._drop_if_idle(old)  # idle: its run goes to ``a`` at once
         if weights is not None:
-            self.host.trim(keep=a)
-        return a.info()
+            self.host.trim(a, self.next_use)
+        return self._info(a)
 
     def remove(self, name: str) -> None:
         """New requests get NOT_FOUND at once; in-flight ones finish first."""
         a = self.names.get(name)
         if a is None:
             raise AdapterNotFoundError(f"unknown adapter {name!r}; loaded: {sorted(self.names)}")
-        self._retire(a)
-
-    def _retire(self, a: CachedAdapter) -> None:
         del self.names[a.name]
         a.retired = True
         self._drop_if_idle(a)
@@ -130,10 +141,11 @@ class AdapterCache:
     def _drop_if_idle(self, a: CachedAdapter) -> None:
         if a.retired and a.active == 0:
             successor = self.names.get(a.name)
-            if successor is not None and successor.weights is not None:
-                self.device.hand_over(a, successor)  # same shape: the new version's run
+            weights = None if successor is None else self.host.weights(successor)
+            if successor is not None and weights is not None:
+                self.device.hand_over(a, successor, weights)  # same shape: its run
             self.device.evict(a)
-            a.weights = None
+            self.host.drop(a)
             self.by_id.pop(a.adapter_id, None)
             self.next_use.pop(a.adapter_id, None)
             if a.owned and self._on_drop is not None:
@@ -164,10 +176,11 @@ class AdapterCache:
         hit rate per tier) and starts its read when a reader is free."""
         a = self.by_id[adapter_id]
         a.active += 1
-        tier = "device" if a.slot is not None else "host" if a.weights is not None else "disk"
-        self.counts[f"lookups_{tier}"] += 1
+        tier = "device" if self.device.slot(a) is not None else \
+            "host" if self.host.weights(a) is not None else "disk"
+        self.lookups[tier] += 1
         if tier == "disk":
-            self.host.start_read(a)
+            self.host.start_read(a, self.next_use)
 
     def request_done(self, adapter_id: int) -> None:
         a = self.by_id.get(adapter_id)
@@ -199,51 +212,61 @@ class AdapterCache:
         ones onto the device where that evicts nothing needed sooner. Engine thread, before
         a step."""
         self.host.drop_stale_early()
-        self.next_use.clear()  # the tiers hold this dict: updated in place
+        self.next_use = {}
         for pos, adapter_id in enumerate(queue):
             if adapter_id and adapter_id in self.by_id:
                 self.next_use.setdefault(adapter_id, pos)
-        reads = self.host.read_room()
+        reads = self.host.read_room(self.next_use)
         device_loads = 0
         for adapter_id, pos in self.next_use.items():  # insertion order: nearest first
             a = self.by_id[adapter_id]
-            if a.loading is not None:
-                self.host.collect(a)
+            if self.host.reading(a):
+                self._collect(a)
+            weights = self.host.weights(a)
             if self.host.needs_read(a):
                 if not self.host.adopt_early(a) and reads > 0:
-                    a.loading = self.host.submit(a)
+                    self.host.begin_read(a)
                     reads -= 1
-            elif (place and a.weights is not None and a.slot is None
+            elif (place and weights is not None and self.device.slot(a) is None
                   and device_loads < self.look_ahead_loads
-                  and self.device.place(a, self.next_use, evict_for=pos)):
+                  and self.device.place(a, weights, self.next_use, evict_for=pos)):
                 device_loads += 1
+
+    def _collect(self, a: CachedAdapter) -> None:
+        error = self.host.collect(a, self.next_use)
+        if error is not None:
+            a.error = error
 
     def acquire(self, adapter_id: int) -> bool:
         a = self.by_id[adapter_id]
-        self.host.collect(a)
-        if a.slot is None:
-            if a.weights is None:
+        self._collect(a)
+        if self.device.slot(a) is None:
+            weights = self.host.weights(a)
+            if weights is None:
                 return False  # on disk or loading: a loader thread is on it
-            if not self.device.place(a, self.next_use):
+            if not self.device.place(a, weights, self.next_use):
                 return False
         a.running += 1
-        a.last_used = next(self._clock)
+        self._touch(a)
         return True
 
     def release(self, adapter_id: int) -> None:
         a = self.by_id[adapter_id]
         a.running -= 1
-        a.last_used = next(self._clock)
+        self._touch(a)
+
+    def _touch(self, a: CachedAdapter) -> None:
+        self.host.touch(a)
+        self.device.touch(a)
 
     def ready(self, adapter_id: int) -> bool:
         """In host memory (or on the device): what it may still lack is room there."""
         a = self.by_id.get(adapter_id)
-        return a is not None and (a.weights is not None
-                                  or (a.loading is not None and a.loading.done()))
+        return a is not None and self.host.ready(a)
 
     def on_device(self, adapter_id: int) -> bool:
         a = self.by_id.get(adapter_id)
-        return a is not None and a.slot is not None
+        return a is not None and self.device.slot(a) is not None
 
     def drain_for(self, adapter_id: int, running: list[int]) -> set[int]:
         """The fewest of the ``running`` adapters, taken in that order, whose runs (once
@@ -258,11 +281,32 @@ class AdapterCache:
         self.host.wait_for_loads(timeout)
 
     def slot_of(self, adapter_id: int) -> int:
-        return self.by_id[adapter_id].slot  # type: ignore[return-value]
+        """The slot of a resident adapter (one ``acquire`` placed)."""
+        return self.device.slots[self.by_id[adapter_id]]
 
     # ---- reporting ----------------------------------------------------------------------
+    def state_of(self, a: CachedAdapter) -> str:
+        if a.error is not None:
+            return FAILED
+        if self.device.slot(a) is not None:
+            return ON_DEVICE
+        if self.host.weights(a) is not None:
+            return ON_CPU
+        return LOADING if self.host.reading(a) else ON_DISK
+
+    def _info(self, a: CachedAdapter) -> AdapterInfo:
+        return a.info(self.state_of(a), self.device.slot(a))
+
     def list(self) -> list[AdapterInfo]:
-        return [a.info() for a in sorted(self.names.values(), key=lambda a: a.name)]
+        return [self._info(a) for a in sorted(self.names.values(), key=lambda a: a.name)]
+
+    @property
+    def counts(self) -> Counter[str]:
+        """lookups_<tier>, loads_host, loads_device, compactions: a snapshot."""
+        counts = Counter({f"lookups_{tier}": n for tier, n in self.lookups.items()})
+        counts.update(loads_host=self.host.loads, loads_device=self.device.loads,
+                      compactions=self.device.compactions)
+        return counts
 
     @property
     def slots_in_use(self) -> int:
@@ -280,10 +324,12 @@ class AdapterCache:
     def check(self) -> None:
         """Assert the invariants of the module docstring (debug mode: after every step)."""
         self.device.check()
-        assert self.host_count <= self.max_cpu_loras, f"{self.host_count} in host memory"
+        self.host.check()
+        assert self.device.slots.keys() <= self.host.copies.keys(), "on the device, not host"
+        assert self.host.copies.keys() <= set(self.by_id.values()), "held, but dropped"
         for a in self.by_id.values():
             assert a.running <= a.active, f"{a.name}: more running than active"
-            assert a.running == 0 or a.slot is not None, f"{a.name} runs off the device"
+            assert a.running == 0 or a in self.device.slots, f"{a.name} runs off the device"
 
     def shutdown(self) -> None:
         self.host.shutdown()

@@ -7,9 +7,7 @@ import re
 from collections.abc import Sequence
 from pathlib import Path
 
-import grpc
-
-from .status import ServiceError
+from .error_code import ErrorCode, ServiceError
 
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}")
 NAME_RULE = ("1 to 128 characters: letters, digits and . _ - : /, starting with a letter or "
@@ -36,7 +34,7 @@ def confine(path: str, roots: Sequence[Path]) -> Path:
     resolved = Path(path).expanduser().resolve()
     if roots and not any(resolved.is_relative_to(root) for root in roots):
         allowed = ", ".join(str(r) for r in roots)
-        raise ServiceError(grpc.StatusCode.PERMISSION_DENIED,
+        raise ServiceError(ErrorCode.PERMISSION_DENIED,
                            f"adapter path {path!r} resolves to {resolved}, outside the adapter "
                            f"roots; allowed: paths under {allowed}")
     return resolved

@@ -14,16 +14,14 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-import grpc
-
 from ..lora.cached_adapter import AdapterInfo
 from ..lora.peft_format import WEIGHTS_NAME
 from ..lora.upload_store import UploadStore, write_config
 from ..proto import loraplex_pb2 as pb
 from .adapter_ops import AdapterOps
 from .adapter_paths import check_adapter_name
+from .error_code import ErrorCode, ServiceError
 from .state import ServerState
-from .status import ServiceError
 
 
 def upload_store(state: ServerState) -> UploadStore:
@@ -42,7 +40,7 @@ async def receive_upload(state: ServerState, adapters: AdapterOps,
     name = check_adapter_name(header.name, state.options.served_model_name)
     limit = state.options.max_upload_bytes
     if header.size_bytes > limit:  # refused before a byte of the weights is read
-        raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+        raise ServiceError(ErrorCode.RESOURCE_EXHAUSTED,
                            f"header.size_bytes={header.size_bytes} is over --max-upload-bytes "
                            f"({limit}); send at most that")
     engine = state.require_engine()
@@ -80,8 +78,8 @@ async def _write_weights(requests: AsyncIterator[pb.UploadAdapterRequest], path:
             total += len(msg.chunk)
             if total > limit or (declared and total > declared):
                 raise ServiceError(
-                    grpc.StatusCode.RESOURCE_EXHAUSTED if total > limit else
-                    grpc.StatusCode.INVALID_ARGUMENT,
+                    ErrorCode.RESOURCE_EXHAUSTED if total > limit else
+                    ErrorCode.INVALID_ARGUMENT,
                     f"the upload's weights pass {min(limit, declared or limit)} bytes "
                     f"({'--max-upload-bytes' if total > limit else 'header.size_bytes'}); "
                     "send at most that")

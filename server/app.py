@@ -30,11 +30,13 @@ from ..engine.sampling_params import SamplingParams
 from ..proto import loraplex_pb2_grpc as pb_grpc
 from .adapter_admin import AdapterAdminServicer
 from .adapter_resolver import attach_resolver
-from .auth import TokenAuthInterceptor
+from .description import describe
+from .grpc_auth import TokenAuthInterceptor
+from .health import SERVICE_NAMES, PhaseHealth
 from .inference import InferenceServicer
 from .options import ServerOptions
-from .server_info import ServerInfoServicer, describe
-from .state import SERVICE_NAMES, Phase, ServerState
+from .server_info import ServerInfoServicer
+from .state import Phase, ServerState
 from .tls import server_credentials
 
 if TYPE_CHECKING:
@@ -49,6 +51,8 @@ class LoraplexServer:
     def __init__(self, options: ServerOptions, engine: EngineSource):
         self.options = options
         self.state = ServerState(options)
+        self.health = PhaseHealth()  # grpc.health.v1, following the phase
+        self.state.phase_observers.append(self.health.follow)
         self._engine_source = engine
         self._server: grpc.aio.Server | None = None
         self.http: HttpServer | None = None  # the OpenAI-compatible front, with --http-port
@@ -65,7 +69,7 @@ class LoraplexServer:
         pb_grpc.add_InferenceServicer_to_server(InferenceServicer(self.state), server)
         pb_grpc.add_AdapterAdminServicer_to_server(AdapterAdminServicer(self.state), server)
         pb_grpc.add_ServerInfoServicer_to_server(ServerInfoServicer(self.state), server)
-        health_pb2_grpc.add_HealthServicer_to_server(self.state.health, server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health.servicer, server)
         reflection.enable_server_reflection(
             (*SERVICE_NAMES, health_mod.SERVICE_NAME, reflection.SERVICE_NAME), server)
         self.port = _bind(server, options)
@@ -113,7 +117,7 @@ class LoraplexServer:
         grace = self.options.shutdown_grace_s if grace is None else grace
         if self.state.phase is not Phase.DEAD:
             await self.state.set_phase(Phase.DRAINING)
-        await self.state.health.enter_graceful_shutdown()
+        await self.health.servicer.enter_graceful_shutdown()
         log.info("draining: %d requests in flight, grace %.1fs", self.state.in_flight, grace)
         fronts = [f.stop(grace) for f in (self._server, self.http) if f is not None]
         await asyncio.gather(*fronts)  # both fronts drain at once, within the same grace

@@ -1,5 +1,6 @@
-"""Bearer-token auth: the rule both fronts share (``required_tokens``, ``refusal``) and the
-gRPC server interceptor (server/http/auth.py reads the same rule from HTTP headers).
+"""Bearer-token auth: the rule both fronts share (``required_tokens``, ``refusal``),
+front-neutral; server/grpc_auth.py applies it to gRPC calls, server/http/auth.py to HTTP
+routes.
 
 AdapterAdmin needs the admin token when one is set; Inference and ServerInfo need the API
 token when one is set (the admin token is accepted there too). Health and reflection stay
@@ -10,12 +11,7 @@ from __future__ import annotations
 
 import enum
 import hmac
-from collections.abc import Awaitable, Callable, Sequence
-
-import grpc
-
-ADMIN_PREFIX = "/loraplex.v1.AdapterAdmin/"
-API_PREFIXES = ("/loraplex.v1.Inference/", "/loraplex.v1.ServerInfo/")
+from collections.abc import Sequence
 
 
 def bearer_token(metadata: Sequence[tuple[str, str | bytes]] | None) -> str | None:
@@ -63,49 +59,3 @@ def refusal(token: str | None, scope: Scope, api_token: str | None, admin_token:
         return None
     why = "no bearer token was sent" if token is None else "the bearer token is wrong"
     return f"{what} needs authorization: Bearer <token> with the server's {flag}; {why}"
-
-
-def scope_of_method(method: str) -> Scope:
-    if method.startswith(ADMIN_PREFIX):
-        return Scope.ADMIN
-    return Scope.API if method.startswith(API_PREFIXES) else Scope.OPEN
-
-
-class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
-    def __init__(self, api_token: str | None, admin_token: str | None):
-        self.api_token = api_token
-        self.admin_token = admin_token
-
-    async def intercept_service(
-        self, continuation: Callable[[grpc.HandlerCallDetails],
-                                     Awaitable[grpc.RpcMethodHandler]],
-        details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
-        handler = await continuation(details)
-        if handler is None:
-            return handler
-        token = bearer_token(details.invocation_metadata)
-        why = refusal(token, scope_of_method(details.method), self.api_token,
-                      self.admin_token, details.method)
-        return handler if why is None else _refusal(handler, why)
-
-
-def _refusal(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
-    """A handler of the same shape as ``handler`` that fails with UNAUTHENTICATED."""
-
-    async def deny(request: object, context: grpc.aio.ServicerContext) -> None:
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
-
-    async def deny_stream(request: object, context: grpc.aio.ServicerContext):
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
-        yield  # pragma: no cover - makes this an async generator
-
-    kw = {"request_deserializer": handler.request_deserializer,
-              "response_serializer": handler.response_serializer}
-    if handler.unary_unary is not None:
-        return grpc.unary_unary_rpc_method_handler(deny, **kw)
-    if handler.unary_stream is not None:
-        return grpc.unary_stream_rpc_method_handler(deny_stream, **kw)
-    if handler.stream_unary is not None:
-        return grpc.stream_unary_rpc_method_handler(deny, **kw)
-    return grpc.stream_stream_rpc_method_handler(deny_stream, **kw)

@@ -74,13 +74,17 @@ def generate_input(request: pb.GenerateRequest, tokenizer: Any | None) -> Genera
                          request_id_of(request))
 
 
+def state_number(state: str) -> int:
+    """The proto's AdapterInfo.State for the cache's state name (ON_DISK, ..., FAILED);
+    STATE_UNSPECIFIED for any other."""
+    values = pb.AdapterInfo.State.DESCRIPTOR.values_by_name
+    return values[state].number if state in values else pb.AdapterInfo.STATE_UNSPECIFIED
+
+
 def adapter_info(info: Any) -> pb.AdapterInfo:
     """From the engine's AdapterInfo dataclass (name, path, state, rank, ...)."""
-    states = pb.AdapterInfo.State.DESCRIPTOR.values_by_name
-    state = states[info.state].number if info.state in states else \
-        pb.AdapterInfo.STATE_UNSPECIFIED
     return pb.AdapterInfo(
-        name=info.name, path=str(info.path), state=state, rank=info.rank or 0,
+        name=info.name, path=str(info.path), state=state_number(info.state), rank=info.rank or 0,
         target_modules=list(info.target_modules or []), size_bytes=info.size_bytes or 0,
         active_requests=info.active_requests or 0, pinned=bool(info.pinned),
         preloaded=bool(info.preloaded), error=info.error or "",

@@ -15,14 +15,12 @@ from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, aclosing
 from dataclasses import dataclass
 
-import grpc
-
 from ..engine.async_engine import AsyncEngine
 from ..engine.output_processor import RequestOutput
 from ..engine.sampling_params import SamplingParams
+from .error_code import ErrorCode, ServiceError
 from .prompt import Prompt
 from .state import ServerState
-from .status import ServiceError
 
 
 @dataclass
@@ -49,7 +47,7 @@ async def outputs(state: ServerState, engine: AsyncEngine, inp: GenerateInput
         async with aclosing(stream) as outs:
             async for out in outs:
                 if out.finish_reason == "error":
-                    raise ServiceError(grpc.StatusCode.INTERNAL,
+                    raise ServiceError(ErrorCode.INTERNAL,
                                        f"request {out.request_id} failed in the engine: "
                                        f"{out.error or 'no detail'}")
                 track.observe(out)

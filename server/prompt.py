@@ -7,9 +7,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from ..engine.llm_engine import Prompt
 from .chat import ChatTurn, chat_ids, chat_prompt_ids
 
-Prompt = str | list[int]
+__all__ = ["Prompt", "resolve_prompt"]
 
 
 def resolve_prompt(tokenizer: Any | None, text: str | None = None,

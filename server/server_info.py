@@ -2,52 +2,14 @@
 
 from __future__ import annotations
 
-from importlib import metadata
-from typing import Any
-
 import grpc
 
 from ..engine.llm_engine import LLMEngine
 from ..proto import loraplex_pb2 as pb
 from ..proto import loraplex_pb2_grpc as pb_grpc
-from .options import ServerOptions
+from .description import describe
 from .state import ServerState
 from .status import unary
-
-
-def version() -> str:
-    try:
-        return metadata.version("loraplex")
-    except metadata.PackageNotFoundError:
-        return "0+unknown"
-
-
-def describe(engine: LLMEngine, options: ServerOptions) -> dict[str, Any]:
-    """Every capacity knob, the KV-cache size in tokens and the pools' memory (reserved,
-    and committed now): GetServerInfo's fields, also logged at start. Reads what is fixed
-    once the engine is built, and the pools' page counts from the OS (any thread)."""
-    cfg = engine.config
-    memory = engine.memory_use()
-    return {
-        "version": version(), "model": str(engine.base.path),
-        "served_model_name": options.served_model_name or "",
-        "dtype": str(engine.base.dtype).removeprefix("torch."), "device": str(engine.base.device),
-        "max_model_len": engine.max_model_len, "kv_cache_tokens": engine.kv_cache_tokens,
-        "block_size": cfg.block_size, "max_num_seqs": cfg.max_num_seqs, "max_queue": options.max_queue,
-        "max_num_batched_tokens": cfg.max_num_batched_tokens,
-        "max_loras": engine.lora_capacity.max_loras, "max_loras_setting": str(cfg.max_loras),
-        "lora_memory": engine.lora_capacity.pool_bytes,
-        "lora_capacity": engine.lora_capacity.reason,
-        "lora_memory_committed": memory.lora_committed, "kv_cache_bytes": memory.kv_reserved,
-        "kv_cache_committed": memory.kv_committed,
-        "max_lora_rank": cfg.max_lora_rank, "max_cpu_loras": engine.resolved.max_cpu_loras,
-        "kv_cache_memory": cfg.kv_cache_memory or 0,
-        "gpu_memory_utilization": cfg.gpu_memory_utilization,
-        "vocab_size": engine.base.hf_config.vocab_size,
-        "api_token_required": options.api_token is not None,
-        "admin_token_required": options.admin_token is not None, "tls": options.tls,
-        "adapter_roots": [str(r) for r in options.adapter_roots],
-    }
 
 
 def _engine_stats(engine: LLMEngine) -> dict[str, int]:

@@ -1,9 +1,11 @@
-"""ServerState: the serving phase, the engine once loaded, admission and health.
+"""ServerState: the serving phase, the engine once loaded, admission. Front-neutral: each
+front follows the phase its own way (gRPC's health servicer through ``phase_observers``,
+server/health.py; HTTP's probes read ``phase``).
 
-Invariants: health says SERVING exactly while the phase is SERVING; ``in_flight`` counts the
-generate calls admitted and not yet finished and never exceeds ``options.max_queue``. All of
-it is touched from the server's event loop only (the engine thread reaches it through
-``call_soon_threadsafe``).
+Invariants: every phase observer has seen the phase once ``set_phase`` returns;
+``in_flight`` counts the generate calls admitted and not yet finished and never exceeds
+``options.max_queue``. All of it is touched from the server's event loop only (the engine
+thread reaches it through ``call_soon_threadsafe``).
 """
 
 from __future__ import annotations
@@ -11,25 +13,17 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-import grpc
-from grpc_health.v1 import health_pb2
-from grpc_health.v1._async import HealthServicer
-
 from ..engine.async_engine import AsyncEngine
-from ..engine.llm_engine import LLMEngine
+from ..engine.llm_engine import names_base_model
+from .error_code import ErrorCode, ServiceError
 from .metrics import ServerMetrics
 from .options import ServerOptions
-from .status import ServiceError
 
 log = logging.getLogger(__name__)
-
-SERVICE_NAMES = ("loraplex.v1.Inference", "loraplex.v1.AdapterAdmin", "loraplex.v1.ServerInfo")
-_SERVING = health_pb2.HealthCheckResponse.SERVING
-_NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 class Phase(enum.Enum):
@@ -53,7 +47,8 @@ class ServerState:
         self.options = options
         self.phase = Phase.STARTING
         self.engine: AsyncEngine | None = None
-        self.health = HealthServicer()
+        # told each new phase, in order (gRPC's health: server/health.py)
+        self.phase_observers: list[Callable[[Phase], Awaitable[None]]] = []
         self.in_flight = 0
         self.requests_total = 0
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -73,15 +68,15 @@ class ServerState:
         self.phase = phase
         if phase is Phase.DEAD:
             self.died.set()
-        status = _SERVING if phase is Phase.SERVING else _NOT_SERVING
-        for service in ("", *SERVICE_NAMES):
-            await self.health.set(service, status)
+        for observe in self.phase_observers:
+            await observe(phase)
 
     def attach(self, engine: AsyncEngine) -> None:
         """Serve ``engine``; its loop's death turns health NOT_SERVING (from any thread)."""
         self.engine = engine
         self.loop = asyncio.get_running_loop()
-        self.model_name = base_model_id(engine.engine, self.options)
+        # the engine's rule (LLMEngine.model_name); this server's alias first
+        self.model_name = self.options.served_model_name or engine.engine.model_name
         self.metrics.bind(self.model_name, engine.engine.lora_capacity.max_loras)
         engine.engine.adapter_load_observers.append(self.metrics.adapter_loaded)
         loop = self.loop
@@ -93,9 +88,9 @@ class ServerState:
         engine.on_death = on_death
 
     def adapter_of(self, model: str) -> str | None:
-        """None for the base model ("", the served model name or the base's id), else the
+        """None for the base model (the engine's rule, ``names_base_model``), else the
         adapter name (which the engine resolves, NOT_FOUND if unknown)."""
-        if model in ("", self.options.served_model_name, self.model_name):
+        if names_base_model(model, self.options.served_model_name, self.model_name):
             return None
         return model
 
@@ -105,8 +100,7 @@ class ServerState:
         ``while_draining``: read-only calls (info, stats) still work during a drain."""
         accepted = (Phase.SERVING, Phase.DRAINING) if while_draining else (Phase.SERVING,)
         if self.phase not in accepted or self.engine is None:
-            code = grpc.StatusCode.INTERNAL if self.phase is Phase.DEAD else \
-                grpc.StatusCode.UNAVAILABLE
+            code = ErrorCode.INTERNAL if self.phase is Phase.DEAD else ErrorCode.UNAVAILABLE
             raise ServiceError(code, _UNAVAILABLE_WHY.get(self.phase, "not serving"))
         return self.engine
 
@@ -116,7 +110,7 @@ class ServerState:
         engine = self.require_engine()
         limit = self.options.max_queue
         if self.in_flight >= limit:
-            raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+            raise ServiceError(ErrorCode.RESOURCE_EXHAUSTED,
                                f"the server has {self.in_flight} requests in flight, the most "
                                f"it takes (--max-queue {limit}); retry later")
         self.in_flight += 1
@@ -126,8 +120,3 @@ class ServerState:
         finally:
             self.in_flight -= 1
 
-
-def base_model_id(engine: LLMEngine, options: ServerOptions) -> str:
-    """The base model's name for clients (vLLM's rule): the served model name, else the
-    --model argument as given, else (the embedded default) its directory name."""
-    return options.served_model_name or engine.config.model or engine.base.path.name

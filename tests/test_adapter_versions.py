@@ -97,12 +97,13 @@ def test_an_idle_replace_of_the_same_shape_reuses_the_rows(tiny_llama, versions,
     engine.add_adapter("other", versions[2])
     engine.add_adapter("x", versions[0])
     engine.generate([PROMPT, PROMPT], greedy(), adapters=["other", "x"])
-    slot, used = engine.lora.names["x"].slot, engine.lora.pool.used_units
+    slot, used = engine.lora.device.slot(engine.lora.names["x"]), engine.lora.pool.used_units
     ids = {engine.lora.names["x"].adapter_id}
     for v in (versions[1], versions[0], versions[1]):
         info = engine.add_adapter("x", v, replace=True, weights=engine.read_adapter(v, "x"))
         a = engine.lora.names["x"]
-        assert a.slot == slot and engine.lora.pool.used_units == used  # written in place
+        # written in place
+        assert engine.lora.device.slot(a) == slot and engine.lora.pool.used_units == used
         ids.add(a.adapter_id)
         out = engine.generate([PROMPT], greedy(), adapters=["x"])[0]
         assert out.token_ids == reference(v, PROMPT) and out.adapter_version == info.version

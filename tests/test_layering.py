@@ -1,6 +1,7 @@
 """The package's layers: imports point one way (errors, flag, kernels ← lora, structured ←
 engine ← server), no module imports itself back through others, nothing below cli.py parses flags,
-the backends stand apart, and the engine runs with kernels/cpu deleted."""
+the backends stand apart, the front-neutral server layer speaks no gRPC, and the engine runs
+with kernels/cpu deleted."""
 
 from __future__ import annotations
 
@@ -141,6 +142,44 @@ def test_backends_stand_apart(graph: dict[str, set[str]]) -> None:
             backends = [d for d in deps if inside(d, cpu) or inside(d, triton)
                         or inside(d, torch_)]
             assert not backends, (module, backends)
+
+
+# The gRPC front (and the composition root, app.py): the only modules of server/, with
+# server/ray/ (which fronts Ray's gRPC proxy), that may speak gRPC. Everything else in
+# server/ (the front-neutral layer, and the HTTP front) raises ErrorCode, never a gRPC code.
+GRPC_FRONT = {f"loraplex.server.{m}" for m in (
+    "app", "inference", "adapter_admin", "server_info", "status", "grpc_auth", "health",
+    "tls", "convert", "grpc_outputs", "adapter_upload")}
+GRPC_PACKAGES = ("grpc", "grpc_health", "grpc_reflection")
+
+
+def absolute_imports(path: Path) -> set[str]:
+    """The top-level packages a file imports by absolute name (anywhere in it)."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            found.add(node.module.split(".")[0])
+    return found
+
+
+def test_the_front_neutral_layer_speaks_no_grpc(graph: dict[str, set[str]]) -> None:
+    """Below the fronts (generation, state, adapter_ops, ...) and in the HTTP front no
+    module imports grpc, the proto stubs or a gRPC front module: errors carry an ErrorCode
+    (server/error_code.py) that each front maps."""
+    files = module_files()
+    neutral = [m for m in files if m.startswith("loraplex.server.")
+               and m not in GRPC_FRONT and not m.startswith("loraplex.server.ray")]
+    assert {"loraplex.server.generation", "loraplex.server.state",
+            "loraplex.server.adapter_ops", "loraplex.server.http.errors"} <= set(neutral)
+    speaking = {m: sorted(absolute_imports(files[m]) & set(GRPC_PACKAGES)
+                          | {d for d in graph[m] if d in GRPC_FRONT
+                             or d.startswith("loraplex.proto")})
+                for m in neutral}
+    leaks = {m: s for m, s in speaking.items() if s}
+    assert not leaks, f"front-neutral modules speak gRPC: {leaks}"
+    assert set(GRPC_FRONT) <= set(files), sorted(set(GRPC_FRONT) - set(files))
 
 
 def _copy_without_cpu_kernels(dest: Path) -> Path:

@@ -250,7 +250,7 @@ def test_host_copies_are_held_in_the_pool_dtype(tiny_llama, adapters, hot_load):
     while engine.has_unfinished_requests():
         engine.step()
     full = read_peft_adapter(path, engine.base_shapes, 64)
-    held = engine.lora.names["p"].weights
+    held = engine.lora.host.weights(engine.lora.names["p"])
     assert engine.lora_dtype == torch.bfloat16 and held.meta.dtype == torch.bfloat16
     [info] = engine.list_adapters()
     assert info.size_bytes * 2 == full.size_bytes
@@ -268,4 +268,23 @@ def test_host_copies_are_held_in_the_pool_dtype(tiny_llama, adapters, hot_load):
             assert torch.equal(layer.lora_b[i][slot, :, :r], b.to(torch.bfloat16))
             pooled += 1
     assert pooled == len(full.layers) and rid
+    assert_clean(engine)
+
+
+def test_the_base_model_has_one_set_of_names(tiny_llama, adapters, peft_reference):
+    """``names_base_model`` is the engine's rule and the servers' (server/state.py):
+    empty, the served model name, and ``model_name`` (the --model argument here) all run
+    the base model, and none of them can name an adapter."""
+    from loraplex.engine.errors import InvalidRequestError
+    from loraplex.engine.llm_engine import names_base_model
+
+    engine = LLMEngine(model=tiny_llama, dtype="float32", max_model_len=128)
+    assert engine.model_name == str(tiny_llama)
+    prompt = [5, 6, 7]
+    for name in (None, "", engine.model_name):
+        out = engine.generate([prompt], greedy(), adapters=[name])[0]
+        assert out.token_ids == peft_reference(None, prompt) and out.adapter_version is None
+        with pytest.raises(InvalidRequestError, match="base model"):
+            engine.add_adapter(name, adapters["qv4"])  # type: ignore[arg-type]
+    assert names_base_model("alias", "alias", "m") and not names_base_model("x", "alias", "m")
     assert_clean(engine)

@@ -147,17 +147,17 @@ def test_look_ahead_reads_within_the_readers_and_the_host_tier():
     cache, _, ids = make_cache(units=8, max_loras=4, max_cpu=3, ranks=names, reads=2,
                                gate=gate)
     for name in names:  # registration kept no weights: every adapter is on disk
-        assert cache.names[name].info().state == "ON_DISK"
+        assert cache.state_of(cache.names[name]) == "ON_DISK"
     queue = [ids[f"a{i}"] for i in range(10)]
     cache.look_ahead(queue)
-    loading = [n for n, a in cache.names.items() if a.loading is not None]
+    loading = [n for n, a in cache.names.items() if cache.host.reading(a)]
     assert loading == ["a0", "a1"]  # two readers, nearest the head first
     gate.set()
     for _ in range(6):
         cache.wait_for_loads(5)
         cache.look_ahead(queue)
         cache.check()  # never more than max_cpu_loras in host memory
-    held = sorted(n for n, a in cache.names.items() if a.weights is not None)
+    held = sorted(n for n, a in cache.names.items() if cache.host.weights(a) is not None)
     assert held == ["a0", "a1", "a2"] and cache.counts["loads_host"] == 3
     assert sum(cache.on_device(ids[n]) for n in held) == 3  # copied ahead onto the device
 
@@ -170,7 +170,7 @@ def test_a_read_started_on_arrival_is_adopted_by_the_request(monkeypatch):
         cache.prefetch(name)
     assert sorted(cache.host.early) == [ids["a"], ids["b"]]  # unknown names and the bound
     cache.request_started(ids["a"])  # the engine thread takes the read in flight
-    assert cache.names["a"].loading is not None and ids["a"] not in cache.host.early
+    assert cache.host.reading(cache.names["a"]) and ids["a"] not in cache.host.early
     gate.set()
     cache.wait_for_loads(5)
     assert cache.acquire(ids["a"]) and cache.counts["loads_host"] == 1
@@ -178,7 +178,7 @@ def test_a_read_started_on_arrival_is_adopted_by_the_request(monkeypatch):
     assert ids["a"] not in cache.host.early
     monkeypatch.setattr("loraplex.lora.host_tier.EARLY_READ_TTL_S", 0.0)
     cache.look_ahead([])  # b's request never came (refused before it was queued): dropped
-    assert list(cache.host.early) == [] and cache.names["b"].weights is None
+    assert list(cache.host.early) == [] and cache.host.weights(cache.names["b"]) is None
     cache.check()
 
 

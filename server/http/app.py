@@ -10,7 +10,7 @@ from collections.abc import Awaitable, Callable
 from fastapi import FastAPI
 
 from ..adapter_ops import AdapterOps, LocalAdapters
-from ..server_info import version
+from ..description import version
 from ..state import ServerState
 from . import completions, errors, models, probes, tokens
 

@@ -5,12 +5,11 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 
-import grpc
 from fastapi import Request
 
 from ..auth import Scope, bearer_token, refusal
+from ..error_code import ErrorCode, ServiceError
 from ..state import ServerState
-from ..status import ServiceError
 
 
 def server_state(request: Request) -> ServerState:
@@ -27,6 +26,6 @@ def require(scope: Scope) -> Callable[[Request], Awaitable[None]]:
         why = refusal(token, scope, options.api_token, options.admin_token,
                       f"{request.method} {request.url.path}")
         if why is not None:
-            raise ServiceError(grpc.StatusCode.UNAUTHENTICATED, why)
+            raise ServiceError(ErrorCode.UNAUTHENTICATED, why)
 
     return check

@@ -1,32 +1,31 @@
 """Errors as OpenAI's body, ``{"error": {"message", "type", "param", "code"}}``, with the HTTP
-status of each gRPC code (docs/contracts.md "Status codes", mapped once here): every route
-raises what the gRPC servicers raise, and ``server/status.py``'s ``status_of`` picks the
-code."""
+status of each ``ErrorCode`` (docs/contracts.md "Status codes", mapped once here): every
+route raises what the gRPC servicers raise, and ``server/error_code.py``'s ``code_of``
+picks the code."""
 
 from __future__ import annotations
 
 from http import HTTPStatus
 from typing import Any
 
-import grpc
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..status import ServiceError, shorten, status_of
+from ..error_code import ErrorCode, ServiceError, code_of, shorten
 from .streaming import ClientGone
 
-HTTP_STATUS: dict[grpc.StatusCode, HTTPStatus] = {
-    grpc.StatusCode.INVALID_ARGUMENT: HTTPStatus.BAD_REQUEST,
-    grpc.StatusCode.NOT_FOUND: HTTPStatus.NOT_FOUND,
-    grpc.StatusCode.ALREADY_EXISTS: HTTPStatus.BAD_REQUEST,  # as vLLM does
-    grpc.StatusCode.RESOURCE_EXHAUSTED: HTTPStatus.TOO_MANY_REQUESTS,
-    grpc.StatusCode.UNAVAILABLE: HTTPStatus.SERVICE_UNAVAILABLE,
-    grpc.StatusCode.UNAUTHENTICATED: HTTPStatus.UNAUTHORIZED,
-    grpc.StatusCode.PERMISSION_DENIED: HTTPStatus.FORBIDDEN,
-    grpc.StatusCode.UNIMPLEMENTED: HTTPStatus.NOT_IMPLEMENTED,
-    grpc.StatusCode.INTERNAL: HTTPStatus.INTERNAL_SERVER_ERROR,
+HTTP_STATUS: dict[ErrorCode, HTTPStatus] = {  # any other code: 500
+    ErrorCode.INVALID_ARGUMENT: HTTPStatus.BAD_REQUEST,
+    ErrorCode.NOT_FOUND: HTTPStatus.NOT_FOUND,
+    ErrorCode.ALREADY_EXISTS: HTTPStatus.BAD_REQUEST,  # as vLLM does
+    ErrorCode.RESOURCE_EXHAUSTED: HTTPStatus.TOO_MANY_REQUESTS,
+    ErrorCode.UNAVAILABLE: HTTPStatus.SERVICE_UNAVAILABLE,
+    ErrorCode.UNAUTHENTICATED: HTTPStatus.UNAUTHORIZED,
+    ErrorCode.PERMISSION_DENIED: HTTPStatus.FORBIDDEN,
+    ErrorCode.UNIMPLEMENTED: HTTPStatus.NOT_IMPLEMENTED,
+    ErrorCode.INTERNAL: HTTPStatus.INTERNAL_SERVER_ERROR,
 }
 # OpenAI's error types, as its SDK and vLLM name them
 ERROR_TYPE: dict[HTTPStatus, str] = {
@@ -59,8 +58,8 @@ def error_response(status: HTTPStatus, message: str, param: str | None = None
 
 
 def http_status_of(exc: BaseException) -> tuple[HTTPStatus, str]:
-    """The HTTP status and message for ``exc``: its gRPC code, mapped."""
-    code, message = status_of(exc)
+    """The HTTP status and message for ``exc``: its ErrorCode, mapped."""
+    code, message = code_of(exc)
     return HTTP_STATUS.get(code, HTTPStatus.INTERNAL_SERVER_ERROR), message
 
 

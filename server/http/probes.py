@@ -10,8 +10,8 @@ from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from ...engine.errors import EngineDeadError
+from ..description import version
 from ..engine_snapshot import take_snapshot
-from ..server_info import version
 from ..state import Phase, ServerState
 from .auth import server_state
 from .errors import error_response

@@ -23,8 +23,9 @@ from ...lora.cached_adapter import AdapterInfo
 from ...proto import loraplex_pb2 as pb
 from .. import adapter_ops, convert
 from ..adapter_admin import AdapterAdminServicer
+from ..error_code import ErrorCode, ServiceError
 from ..state import ServerState
-from ..status import ServiceError, unary
+from ..status import unary
 from .follower import RegistryFollower
 
 APPLY_TIMEOUT_S = 120.0
@@ -63,7 +64,7 @@ class ClusterAdapters:
                 return await getattr(self.registry, method).remote(*args)
             except RayActorError as e:
                 if isinstance(e, ActorDiedError) or time.monotonic() > deadline:
-                    raise ServiceError(grpc.StatusCode.UNAVAILABLE,
+                    raise ServiceError(ErrorCode.UNAVAILABLE,
                                        f"the adapter registry is unavailable ({method}: "
                                        f"{type(e).__name__}); retry the call") from e
                 await asyncio.sleep(0.2)
@@ -71,7 +72,7 @@ class ClusterAdapters:
     async def load(self, name: str, path: str, replace: bool = False, pin: bool = False,
                    source: str = "path") -> AdapterInfo:
         if source == "upload" and self.state.options.upload_dir is None:
-            raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION, UPLOADS_NEED_A_SHARED_DIR)
+            raise ServiceError(ErrorCode.FAILED_PRECONDITION, UPLOADS_NEED_A_SHARED_DIR)
         info = await adapter_ops.load_adapter(self.state, name, path, replace=replace, pin=pin,
                                               source=source)
         change = await self.registry_call("register", info.name, str(info.path), replace, pin,
@@ -97,7 +98,7 @@ class ClusterAdapters:
     async def _wait_applied(self, version: int, done: str) -> None:
         behind = await self.registry_call("wait_applied", version, APPLY_TIMEOUT_S)
         if behind:
-            raise ServiceError(grpc.StatusCode.UNAVAILABLE,
+            raise ServiceError(ErrorCode.UNAVAILABLE,
                                f"{done}, but replicas {', '.join(behind)} have not applied it "
                                f"within {APPLY_TIMEOUT_S:.0f}s; they will when they can")
 
@@ -116,7 +117,7 @@ class ClusterAdminServicer(AdapterAdminServicer):
     async def UploadAdapter(self, requests: Any, context: grpc.aio.ServicerContext
                             ) -> pb.AdapterInfo:
         if self.state.options.upload_dir is None:  # refused before any byte is read
-            raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION, UPLOADS_NEED_A_SHARED_DIR)
+            raise ServiceError(ErrorCode.FAILED_PRECONDITION, UPLOADS_NEED_A_SHARED_DIR)
         return await AdapterAdminServicer.UploadAdapter.__wrapped__(self, requests, context)
 
     @unary
@@ -134,12 +135,12 @@ class ClusterAdminServicer(AdapterAdminServicer):
             states = []
             for replica, held in sorted(tiers.items()):
                 state, active = held.get(name, ("STATE_UNSPECIFIED", 0))
-                info.replicas.add(replica=replica, state=_state_number(state),
+                info.replicas.add(replica=replica, state=convert.state_number(state),
                                   active_requests=active)
                 info.active_requests += active
                 states.append(state)
             if states:  # else (no replica answered) this replica's own view stays
-                info.state = _state_number(best_state(states))
+                info.state = convert.state_number(best_state(states))
             adapters.append(info)
         return pb.ListAdaptersResponse(adapters=adapters)
 
@@ -148,11 +149,6 @@ def best_state(states: list[str]) -> str:
     """The cluster's state of one adapter: the best tier any replica holds (ON_DEVICE over
     ON_CPU over LOADING over ON_DISK over FAILED); FAILED only when every replica failed."""
     return max(states, key=lambda s: _TIER_ORDER.index(s) if s in _TIER_ORDER else 0)
-
-
-def _state_number(state: str) -> int:
-    values = pb.AdapterInfo.State.DESCRIPTOR.values_by_name
-    return values[state].number if state in values else pb.AdapterInfo.STATE_UNSPECIFIED
 
 
 def local_tiers(infos: list[Any], failures: dict[str, str]) -> dict[str, tuple[str, int]]:

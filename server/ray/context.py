@@ -17,9 +17,10 @@ from typing import Any
 
 import grpc
 
-from ..auth import bearer_token, refusal, scope_of_method
+from ..auth import bearer_token, refusal
+from ..error_code import shorten
+from ..grpc_auth import scope_of_method
 from ..options import ServerOptions
-from ..status import shorten
 
 REPLICA_TRAILER = "loraplex-replica"
 

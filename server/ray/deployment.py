@@ -44,11 +44,12 @@ from ...engine.llm_engine import LLMEngine
 from ...proto import loraplex_pb2 as pb
 from ..adapter_ops import list_adapters
 from ..app import LoraplexServer
+from ..health import SERVICE_NAMES
 from ..http.probes import local_exposition
 from ..inference import InferenceServicer
 from ..options import ServerOptions
 from ..server_info import ServerInfoServicer
-from ..state import SERVICE_NAMES, Phase
+from ..state import Phase
 from .admin import ClusterAdapters, ClusterAdminServicer, ReplicaTiers, local_tiers
 from .context import REPLICA_TRAILER, ProxyContext, authorize
 from .follower import RegistryFollower

@@ -122,7 +122,7 @@ def test_nan_in_a_resident_adapter_fails_its_requests_until_replaced(
         client.load_adapter("victim", adapters[GOOD])
 
         def poison(engine: Any) -> None:
-            weights = engine.lora.names["victim"].weights
+            weights = engine.lora.host.weights(engine.lora.names["victim"])
             a, _ = next(iter(weights.layers.values()))
             a.view(-1)[0] = math.nan
 
