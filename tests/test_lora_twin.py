@@ -314,3 +314,33 @@ def test_routes_skip_a_layer_no_present_adapter_targets(route: str) -> None:
     add_lora(out, x, pools.lora_a, pools.lora_b, pools.ranks, cpu_segments(slots),
              route=route)
     torch.testing.assert_close(out, before)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", ["decode-unsorted", "prefill-contiguous", "mixed-random"])
+def test_kernel_prefetch_changes_no_bit(case: str, dtype: torch.dtype, layout: str) -> None:
+    """The kernel's prefetch (a per-ISA choice) only hints the cache: every distance gives
+    distance 0's delta bit for bit, and that delta is the oracle's."""
+    pools = _case(576, 3, dtype, seed=4, layout=layout)
+    slots = pools.token_slots(CASES[case])
+    seg = cpu_segments(slots)
+    x = torch.randn(len(slots), 576).to(dtype)
+    outs = []
+    for distance in (0, 1, 2, 7):
+        out = torch.zeros(len(slots), sum(pools.outs), dtype=dtype)
+        extension.load().add_lora_gather(out, x, seg.lora_rows, seg.lora_row_slots,
+                                         pools.lora_a, pools.lora_b, pools.ranks, distance)
+        outs.append(out)
+    assert all(torch.equal(out, outs[0]) for out in outs[1:])
+    torch.testing.assert_close(outs[0].float(), pools.oracle(x, slots), **TOL[dtype])
+
+
+def test_kernel_prefetch_is_keyed_by_isa_and_dtype() -> None:
+    """Only AMX in bf16 prefetches (bench/results/2026-12-02-lora-amx.md); AVX-512 (EPYC)
+    and AVX2 keep the kernel as measured there."""
+    assert lora_routes.kernel_prefetch(torch.bfloat16, "AMX") == 1
+    assert lora_routes.kernel_prefetch(torch.float32, "AMX") == 0
+    for cpu in ("AVX512", "AVX2", "DEFAULT"):
+        for dtype in (torch.float32, torch.bfloat16):
+            assert lora_routes.kernel_prefetch(dtype, cpu) == 0

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from . import extension
-from .isa import HALF_NATIVE
+from .isa import HALF_NATIVE, cpu_isa
 from .segments import CPULoRASegments as LoRASegments
 
 Route = Callable[
@@ -29,6 +29,17 @@ Route = Callable[
 ]  # (out, x, lora_a, lora_b, ranks, group ranks (host, [slice][group]), seg, compute dtype)
 
 KERNEL_MAX_WORK = 4096  # tokens per adapter segment × rank up to which the kernel wins
+# Per (ISA, dtype): how many work items ahead the kernel prefetches each adapter's weights
+# into L2 (absent: none). AMX Xeon, bf16: a cold 30-layer decode step 12.7 -> 10.6-11.0 ms;
+# float32 there: no gain (16.1-16.6 ms either way). Not on AVX512: a next-block prefetch
+# gained nothing on an EPYC Zen 4 (2026-12-02-step-breakdown.md). Measured by
+# bench/lora_cold.py (bench/results/2026-12-02-lora-amx.md).
+KERNEL_PREFETCH = {("AMX", torch.bfloat16): 1}
+
+
+def kernel_prefetch(dtype: torch.dtype, cpu: str | None = None) -> int:
+    """The kernel's prefetch distance for ``dtype`` on ``cpu`` (default: this CPU's ISA)."""
+    return KERNEL_PREFETCH.get((cpu or cpu_isa(), dtype), 0)
 
 
 def _add_rows(out: torch.Tensor, rows_start: int, rows: torch.Tensor | None, col: int,
@@ -235,9 +246,12 @@ def add_lora(
     route = route or _memo_route(seg, ranks, cdt, lora_a[0].shape[1])
     if route == "kernel":  # the hot decode path: the kernel reads the ranks tensor itself
         extension.load().add_lora_gather(out, x, seg.lora_rows, seg.lora_row_slots, lora_a,
-                                         lora_b, ranks)
+                                         lora_b, ranks, _PREFETCH.get(x.dtype, 0))
         return
     ROUTES[route](out, x, lora_a, lora_b, ranks, group_ranks(ranks, seg), seg, cdt)
+
+
+_PREFETCH = {dt: kernel_prefetch(dt) for dt in (torch.float32, torch.bfloat16)}  # this CPU
 
 
 def _memo_route(seg: LoRASegments, ranks: torch.Tensor, cdt: torch.dtype,

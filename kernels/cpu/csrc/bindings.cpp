@@ -5,7 +5,7 @@
 
 void add_lora_gather(torch::Tensor out, torch::Tensor x, torch::Tensor rows,
                      torch::Tensor row_slots, std::vector<torch::Tensor> lora_a,
-                     std::vector<torch::Tensor> lora_b, torch::Tensor ranks);
+                     std::vector<torch::Tensor> lora_b, torch::Tensor ranks, int64_t prefetch);
 torch::Tensor paged_attention_decode(torch::Tensor q, torch::Tensor k_cache,
                                      torch::Tensor v_cache, torch::Tensor block_tables,
                                      torch::Tensor context_lens, double scale, double softcap,
@@ -31,7 +31,10 @@ torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels,
 // as torch's own ops do: the gRPC loop and the adapter loader thread keep running.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_lora_gather", &add_lora_gather,
-        "out[rows] += per-row LoRA delta of the row's slot (CPU, fp32 accumulation)",
+        "out[rows] += per-row LoRA delta of the row's slot (CPU, fp32 accumulation); "
+        "prefetch > 0: each thread prefetches the weights that many work items ahead",
+        py::arg("out"), py::arg("x"), py::arg("rows"), py::arg("row_slots"), py::arg("lora_a"),
+        py::arg("lora_b"), py::arg("ranks"), py::arg("prefetch") = 0,
         py::call_guard<py::gil_scoped_release>());
   m.def("paged_attention_decode", &paged_attention_decode,
         "one-token-per-sequence attention over the paged KV cache (CPU, fp32 softmax); "

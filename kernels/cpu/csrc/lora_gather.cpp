@@ -7,6 +7,8 @@
 // and columns of B_i[s] are read (the slot buffers are overlapping views of rank-row pools:
 // what lies past a slot's rank is the next adapter's). Accumulation in fp32, one rounding
 // into out.
+// prefetch > 0: each thread requests the weights of its work item that many items ahead
+// into L2 (a per-ISA choice, kernels/cpu/lora_routes.py); the result is the same.
 // A_i is a [units, r_max, in] view with unit stride along in (its slot and row strides are
 // read from the tensor); B_i a [units, out_i, r_max] view with unit stride along out
 // (r-major: [rows, out_i] pool storage, the engine's CPU slot layout, whose expand runs as
@@ -59,6 +61,12 @@ void expand_row(const scalar_t* b, int64_t ld, const float* h, int64_t r, int64_
     for (int64_t k = 0; k < r; ++k) acc += static_cast<float>(b_n[k]) * h[k];
     o[n] = static_cast<scalar_t>(static_cast<float>(o[n]) + acc);
   }
+}
+
+// Requests `bytes` from p on into L2 (prefetcht1 on x86), a line at a time; reads nothing.
+inline void prefetch_l2(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(c + o, 0, 2);
 }
 
 constexpr int64_t kBlock = 4;          // rows of one slot that share each weight read
@@ -253,7 +261,8 @@ inline void shrink_block_bf16_512(const c10::BFloat16* a, int64_t lda, int64_t i
 template <typename scalar_t>
 void add_lora_rows(torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& rows,
                    const torch::Tensor& row_slots, const std::vector<torch::Tensor>& lora_a,
-                   const std::vector<torch::Tensor>& lora_b, const torch::Tensor& ranks) {
+                   const std::vector<torch::Tensor>& lora_b, const torch::Tensor& ranks,
+                   int64_t prefetch) {
   const int64_t num_rows = rows.size(0), in = x.size(1), num_slices = lora_a.size();
   const int64_t units = ranks.size(1), ld_out = out.stride(0), ld_x = x.stride(0);
   const int64_t* row_p = rows.data_ptr<int64_t>();
@@ -296,6 +305,17 @@ void add_lora_rows(torch::Tensor& out, const torch::Tensor& x, const torch::Tens
       const int64_t blk = item / num_slices, i = item % num_slices;
       const int64_t j0 = block_start[blk], cnt = block_start[blk + 1] - j0;
       const int64_t s = slot_p[j0], r = rank_p[i * units + s];
+      if (prefetch > 0 && item + prefetch < end) {  // a later item's cold A and B into L2
+        const int64_t i2 = (item + prefetch) % num_slices;
+        const int64_t s2 = slot_p[block_start[(item + prefetch) / num_slices]];
+        const int64_t r2 = rank_p[i2 * units + s2], e = sizeof(scalar_t);
+        if ((s2 != s || i2 != i) && r2 > 0) {  // (the same slot and slice: in cache)
+          prefetch_l2(a_p[i2] + s2 * a_slot_stride[i2], ((r2 - 1) * lda[i2] + in) * e);
+          if (r_major[i2])
+            prefetch_l2(b_p[i2] + s2 * b_slot_stride[i2],
+                        ((r2 - 1) * ldb[i2] + width[i2]) * e);
+        }
+      }
       if (r == 0) continue;
       if (r * kBlock > (int64_t)h.size()) h.resize(r * kBlock);
       bool shrunk = false;
@@ -340,7 +360,7 @@ void add_lora_rows(torch::Tensor& out, const torch::Tensor& x, const torch::Tens
 
 void add_lora_gather(torch::Tensor out, torch::Tensor x, torch::Tensor rows,
                      torch::Tensor row_slots, std::vector<torch::Tensor> lora_a,
-                     std::vector<torch::Tensor> lora_b, torch::Tensor ranks) {
+                     std::vector<torch::Tensor> lora_b, torch::Tensor ranks, int64_t prefetch) {
   TORCH_CHECK(out.device().is_cpu() && x.device().is_cpu(), "CPU tensors only");
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && out.stride(1) == 1, "rows must be dense");
   TORCH_CHECK(out.scalar_type() == x.scalar_type(), "out and x differ in dtype");
@@ -384,7 +404,7 @@ void add_lora_gather(torch::Tensor out, torch::Tensor x, torch::Tensor rows,
   }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "add_lora_gather",
                                   [&] {
-    add_lora_rows<scalar_t>(out, x, rows, row_slots, lora_a, lora_b, ranks);
+    add_lora_rows<scalar_t>(out, x, rows, row_slots, lora_a, lora_b, ranks, prefetch);
   });
 }
 
