@@ -15,9 +15,8 @@ backend's gather up to the step's longest context) reads a real block, which it 
 
 from __future__ import annotations
 
-from itertools import chain
+from itertools import pairwise
 
-import numpy as np
 import torch
 
 from .staged_buffer import StagedBuffer
@@ -57,7 +56,9 @@ class AttentionMetadata:
                              f"{max(widths, default=0)} blocks each; the attention metadata "
                              f"holds {self.max_tokens}, {self.max_seqs}, {self.max_blocks}")
         self._slot_mapping.np[:t] = slot_mapping
-        self._write_tables(block_tables, widths)
+        tables = self._block_tables.np
+        for i, row in enumerate(block_tables):  # one list copy per row (a numpy scatter
+            tables[i, : len(row)] = row  # of all rows costs ~10x more right after a forward)
         self._context_lens.np[:s] = context_lens
         self._query_start_loc.np[: p + 1] = query_starts[: p + 1]
         self.slot_mapping = self._slot_mapping.upload(t)
@@ -65,20 +66,8 @@ class AttentionMetadata:
         self.prefill_block_tables = self._block_tables.upload(p)
         self.prefill_query_start_loc = self._query_start_loc.upload(p + 1)
         self.prefill_context_lens = self._context_lens.upload(p)
-        q_lens = np.diff(query_starts[: p + 1])
-        self.prefill_max_q_len = int(q_lens.max()) if p else 0
+        self.prefill_max_q_len = max((b - a for a, b in pairwise(query_starts[: p + 1])),
+                                     default=0)
         self.decode_block_tables = self._block_tables.upload(s - p, start=p)
         self.decode_context_lens = self._context_lens.upload(s - p, start=p)
         self.decode_max_context_len = max(context_lens[p:], default=0)
-
-    def _write_tables(self, block_tables: list[list[int]], widths: list[int]) -> None:
-        """Row i's first widths[i] entries = block_tables[i] (one scatter, no loop)."""
-        total = sum(widths)
-        if not total:
-            return
-        w = np.asarray(widths, dtype=np.int64)
-        firsts = np.repeat(np.cumsum(w) - w, w)  # [total], its row's first flat entry
-        rows = np.repeat(np.arange(len(widths)) * self.max_blocks, w)
-        flat = self._block_tables.np.reshape(-1)
-        flat[rows + np.arange(total) - firsts] = np.fromiter(
-            chain.from_iterable(block_tables), dtype=np.int32, count=total)

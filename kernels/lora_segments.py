@@ -5,15 +5,17 @@ from step to step.
 
 Every backend reads these fields; a backend that needs more per-step data (the CPU routes,
 the Triton work list) extends the class with buffers of its own and its ``_set``, and builds
-it through ``KernelBackend.lora_segments``. The grouping is computed on the host (numpy)
-from the host list of token slots, so no layer synchronises the device.
+it through ``KernelBackend.lora_segments``. The grouping is computed on the host from the
+host list of token slots (Python lists, copied into the buffers through numpy), so no layer
+synchronises the device.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
+from itertools import accumulate
 
-import numpy as np
 import torch
 
 from .staged_buffer import StagedBuffer
@@ -21,25 +23,30 @@ from .staged_buffer import StagedBuffer
 
 @dataclass
 class SegmentsHost:
-    """The host-side grouping (numpy int64 arrays) that the device fields are made from."""
+    """The host-side grouping (Python lists) that the device fields are made from. Lists,
+    not numpy: built right after a forward pass, a few C-level list operations cost a
+    fraction of numpy's calls, whose code the forward has evicted from the caches."""
 
-    order: np.ndarray  # [T], token rows sorted by slot (stable)
-    sorted_slots: np.ndarray  # [T], slot of each row of ``order``
-    starts: np.ndarray  # [S + 1], offsets of the runs of equal slots in ``order``
-    seg_slots: np.ndarray  # [S], slot of each run
-    counts: np.ndarray  # [S], tokens of each run
+    order: list[int]  # [T], token rows sorted by slot (stable)
+    starts: list[int]  # [S + 1], offsets of the runs of equal slots in ``order``
+    seg_slots: list[int]  # [S], slot of each run, ascending
+    counts: list[int]  # [S], tokens of each run
 
     @classmethod
     def of(cls, token_slots: list[int]) -> SegmentsHost:
-        slots = np.asarray(token_slots, dtype=np.int64).reshape(-1)  # [T]
-        order = np.argsort(slots, kind="stable")
-        sorted_slots = slots[order]
-        if slots.size:
-            cuts = np.flatnonzero(sorted_slots[1:] != sorted_slots[:-1]) + 1
-            starts = np.concatenate(([0], cuts, [slots.size]))
-        else:
-            starts = np.zeros(1, dtype=np.int64)
-        return cls(order, sorted_slots, starts, sorted_slots[starts[:-1]], np.diff(starts))
+        per_slot = Counter(token_slots)
+        seg_slots = sorted(per_slot)
+        counts = [per_slot[slot] for slot in seg_slots]
+        order = sorted(range(len(token_slots)), key=token_slots.__getitem__)  # stable
+        return cls(order, [0, *accumulate(counts)], seg_slots, counts)
+
+    def sorted_slots(self, first_segment: int = 0) -> list[int]:
+        """The slot of each row of ``order``, from segment ``first_segment`` on."""
+        return [slot for slot, n in zip(self.seg_slots[first_segment:],
+                                        self.counts[first_segment:]) for _ in range(n)]
+
+
+EMPTY = SegmentsHost.of([])  # no token: what a step without adapters leaves
 
 
 class LoRASegments:
@@ -53,7 +60,7 @@ class LoRASegments:
     seg_starts_host: list[int]
     seg_slots_host: list[int]
     max_seg_len: int  # longest segment with slot >= 0 (0 when no token has an adapter)
-    num_tokens: int
+    num_tokens: int  # 0 when inactive
     active: bool  # some token of the step has an adapter (else the layers skip the delta)
 
     def __init__(self, max_tokens: int, max_segments: int, device: torch.device):
@@ -61,7 +68,7 @@ class LoRASegments:
         self._token_indices = StagedBuffer((max_tokens,), torch.int64, device)
         self._seg_starts = StagedBuffer((max_segments + 1,), torch.int32, device)
         self._seg_slots = StagedBuffer((max_segments,), torch.int32, device)
-        self._set(SegmentsHost.of([]))
+        self._set(EMPTY)
 
     @classmethod
     def from_token_slots(cls, token_slots: list[int], device: torch.device) -> LoRASegments:
@@ -73,29 +80,34 @@ class LoRASegments:
 
     def fill(self, token_slots: list[int]) -> None:
         """Group this step's tokens by slot, in place; ``token_slots[t]`` is token t's slot
-        or -1."""
+        or -1. A step where no token has an adapter leaves the segments empty and inactive
+        (and costs nothing when the previous step's were already)."""
+        if max(token_slots, default=-1) < 0:
+            if self.active or self.num_segments:
+                self._set(EMPTY)
+            return
         host = SegmentsHost.of(token_slots)
-        if host.order.size > self.max_tokens or host.seg_slots.size > self.max_segments:
-            raise ValueError(f"{host.order.size} tokens in {host.seg_slots.size} segments; "
+        if len(host.order) > self.max_tokens or len(host.seg_slots) > self.max_segments:
+            raise ValueError(f"{len(host.order)} tokens in {len(host.seg_slots)} segments; "
                              f"the step's LoRA segments hold {self.max_tokens} tokens and "
                              f"{self.max_segments} segments")
         self._set(host)
 
     def _set(self, host: SegmentsHost) -> None:
         """Write the shared fields; a subclass writes its own after calling this."""
-        t, s = host.order.size, host.seg_slots.size
+        t, s = len(host.order), len(host.seg_slots)
         self._token_indices.np[:t] = host.order
         self._seg_starts.np[: s + 1] = host.starts
         self._seg_slots.np[:s] = host.seg_slots
         self.token_indices = self._token_indices.upload(t)
         self.seg_starts = self._seg_starts.upload(s + 1)
         self.seg_slots = self._seg_slots.upload(s)
-        self.seg_starts_host = host.starts.tolist()
-        self.seg_slots_host = host.seg_slots.tolist()
-        lora_counts = host.counts[host.seg_slots >= 0]
-        self.max_seg_len = int(lora_counts.max()) if lora_counts.size else 0
+        self.seg_starts_host = host.starts
+        self.seg_slots_host = host.seg_slots
+        lora_counts = [n for slot, n in zip(host.seg_slots, host.counts) if slot >= 0]
+        self.max_seg_len = max(lora_counts, default=0)
         self.num_tokens = t
-        self.active = lora_counts.size > 0
+        self.active = bool(lora_counts)
 
     @property
     def num_segments(self) -> int:

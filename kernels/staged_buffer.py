@@ -17,6 +17,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+MAX_VIEWS = 1024  # device views kept per buffer (a step's sizes repeat: decode batches)
+
 
 class StagedBuffer:
     def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device):
@@ -26,6 +28,7 @@ class StagedBuffer:
         else:
             self.host = torch.zeros(shape, dtype=dtype, pin_memory=device.type == "cuda")
         self.np: np.ndarray = self.host.numpy()
+        self._views: dict[tuple[int, int], torch.Tensor] = {}  # (start, end) -> device view
 
     @property
     def capacity(self) -> int:
@@ -36,6 +39,11 @@ class StagedBuffer:
         """Rows ``start:start + n`` on the device (a view at a fixed address), copied up
         from the host where the two differ."""
         end = start + n
+        view = self._views.get((start, end))
+        if view is None:  # views of one storage stay valid: made once per range
+            if len(self._views) >= MAX_VIEWS:
+                self._views.clear()
+            view = self._views[start, end] = self.device_tensor[start:end]
         if self.host is not self.device_tensor:
-            self.device_tensor[start:end].copy_(self.host[start:end], non_blocking=True)
-        return self.device_tensor[start:end]
+            view.copy_(self.host[start:end], non_blocking=True)
+        return view

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from itertools import pairwise
 
-import numpy as np
 import torch
 
 from ..lora_segments import LoRASegments, SegmentsHost
@@ -46,26 +45,28 @@ class CPULoRASegments(LoRASegments):
     def _set(self, host: SegmentsHost) -> None:
         super()._set(host)
         order, starts, seg_slots = host.order, host.starts, host.seg_slots
-        first = int(starts[1]) if seg_slots.size and seg_slots[0] < 0 else 0  # slot -1 first
-        adapted = seg_slots >= 0  # one segment per slot in use, ascending: its group
-        group_slots, per_group = seg_slots[adapted], host.counts[adapted]  # [G], [G]
-        g, n = group_slots.size, order.size - first
+        skip = 1 if seg_slots and seg_slots[0] < 0 else 0  # slot -1's segment comes first
+        first = starts[skip]  # rows of slot -1 come first
+        group_slots, per_group = seg_slots[skip:], host.counts[skip:]  # one group per slot
+        g, n = len(group_slots), len(order) - first  # in use, ascending
         self._lora_rows.np[:n] = order[first:]
-        self._lora_row_slots.np[:n] = host.sorted_slots[first:]
-        self._lora_row_groups.np[:n] = np.repeat(np.arange(g), per_group)
+        self._lora_row_slots.np[:n] = host.sorted_slots(skip)
+        self._lora_row_groups.np[:n] = [i for i, c in enumerate(per_group) for _ in range(c)]
         self._group_slots.np[:g] = group_slots
-        self._group_offsets.np[:g] = np.cumsum(per_group)
+        self._group_offsets.np[:g] = [end - first for end in starts[skip + 1:]]
         self.num_lora_tokens = n
         self.lora_rows = self._lora_rows.upload(n)
         self.lora_row_slots = self._lora_row_slots.upload(n)
         self.lora_row_groups = self._lora_row_groups.upload(n)
         self.group_slots = self._group_slots.upload(g)
         self.group_offsets = self._group_offsets.upload(g)
-        self.group_slots_host = group_slots.tolist()
+        self.group_slots_host = group_slots
         self.num_groups = g
-        self.group_step = _common_step(self.group_slots_host)
-        self.seg_row_start_host = _range_starts(order, starts)
-        self.lora_rows_identity = first == 0 and bool((order == np.arange(order.size)).all())
+        self.group_step = _common_step(group_slots)
+        # a segment's rows (ascending: the sort is stable) are a range iff they span count
+        self.seg_row_start_host = [order[lo] if order[hi - 1] - order[lo] == hi - lo - 1
+                                   else -1 for lo, hi in pairwise(starts)]
+        self.lora_rows_identity = first == 0 and order == list(range(len(order)))
         self.num_lora_segments = g
         self.route_memo.clear()
 
@@ -77,15 +78,3 @@ def _common_step(slots: list[int]) -> int:
         return 1
     step = slots[1] - slots[0]
     return step if all(b - a == step for a, b in pairwise(slots)) else 0
-
-
-def _range_starts(order: np.ndarray, starts: np.ndarray) -> list[int]:
-    """For each segment, its first row if its rows are consecutive (a slice), else -1."""
-    n = order.size
-    step_breaks = np.ones(n, dtype=np.int64)  # [T], 0 where the row follows its left one
-    step_breaks[1:] = np.diff(order) != 1
-    breaks = np.zeros(n + 1, dtype=np.int64)
-    np.cumsum(step_breaks, out=breaks[1:])  # breaks[j]: breaks in rows < j
-    lo, hi = starts[:-1], starts[1:]
-    consecutive = breaks[hi] - breaks[lo + 1] == 0
-    return np.where(consecutive, order[lo], -1).tolist()

@@ -8,7 +8,6 @@ n_s rows takes ceil(n_s / BLOCK_M) <= n_s / BLOCK_M + 1 items."""
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from ..lora_segments import LoRASegments, SegmentsHost
@@ -30,14 +29,17 @@ class TritonLoRASegments(LoRASegments):
 
     def _set(self, host: SegmentsHost) -> None:
         super()._set(host)
-        segs = np.flatnonzero(host.seg_slots >= 0)  # the segments with an adapter
-        items = (host.counts[segs] + BLOCK_M - 1) // BLOCK_M  # work items of each
-        work_seg = np.repeat(segs, items)  # [W]
-        first_item = np.repeat(np.cumsum(items) - items, items)  # [W], its segment's first
-        work_start = host.starts[work_seg] + (np.arange(work_seg.size) - first_item) * BLOCK_M
-        w = work_seg.size
-        self._work_seg.np[:w] = work_seg
-        self._work_start.np[:w] = work_start
+        seg_ids: list[int] = []
+        starts: list[int] = []
+        for s, slot in enumerate(host.seg_slots):
+            if slot >= 0:
+                lo, hi = host.starts[s], host.starts[s + 1]
+                for start in range(lo, hi, BLOCK_M):
+                    seg_ids.append(s)
+                    starts.append(start)
+        w = len(seg_ids)
+        self._work_seg.np[:w] = seg_ids
+        self._work_start.np[:w] = starts
         self.work_seg = self._work_seg.upload(w)
         self.work_start = self._work_start.upload(w)
         self.num_work = w
