@@ -47,7 +47,10 @@ class CPUBackend(TorchBackend):
 
     def add_lora(self, out: torch.Tensor, x: torch.Tensor, lora_a: list[torch.Tensor],
                  lora_b: list[torch.Tensor], ranks: torch.Tensor, seg: LoRASegments) -> None:
-        lora_routes.add_lora(out, x, lora_a, lora_b, ranks, seg)  # type: ignore[arg-type]
+        if not isinstance(seg, CPULoRASegments):
+            raise TypeError(f"{type(seg).__name__}: the {self.name} backend reads the "
+                            "CPULoRASegments its lora_segments builds")
+        lora_routes.add_lora(out, x, lora_a, lora_b, ranks, seg)
 
     def paged_attention_decode(self, q: torch.Tensor, k_cache: torch.Tensor,
                                v_cache: torch.Tensor, block_tables: torch.Tensor,
