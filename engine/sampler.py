@@ -94,7 +94,7 @@ def _on_rows(x: torch.Tensor, rows: torch.Tensor, fn, *args) -> None:
 
 class Sampler:
     def __init__(self, seed: int, kernels: KernelBackend, logprobs_mode: str = "raw_logprobs"):
-        self.kernels = kernels  # argmax_rows for greedy rows
+        self.kernels = kernels  # argmax_rows for greedy rows, logprob_rows
         self.device = kernels.device
         self.generator = torch.Generator(self.device).manual_seed(seed)  # unseeded requests
         self.seeded: dict[str, torch.Generator] = {}  # seq_id -> its own generator
@@ -143,7 +143,7 @@ class Sampler:
                                        device=logits.device)
                 values, chosen = values.index_select(0, lp_rows), tokens.index_select(0, lp_rows)
             for i, lp in zip(batch.logprob_rows, token_logprobs(
-                    values, chosen, batch.logprob_ks, self.mode_kind)):
+                    self.kernels, values, chosen, batch.logprob_ks, self.mode_kind)):
                 logprobs[i] = lp
         return SamplerOutput([t if good else None for t, good in zip(host, ok)], logprobs)
 
