@@ -207,8 +207,8 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[row + off: row + off + m])
             targets = torch.tensor(prompt[first + off + 1: first + off + m + 1],
                                    dtype=torch.int64, device=self.device)
-            seq.prompt_logprobs.extend(token_logprobs(logits, targets, [k] * m,
-                                                      self.sampler.mode_kind))
+            seq.prompt_logprobs.extend(token_logprobs(self.sampler.kernels, logits, targets,
+                                                      [k] * m, self.sampler.mode_kind))
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy the KV of block src into block dst, in every layer (copy on write)."""

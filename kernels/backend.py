@@ -158,3 +158,12 @@ class KernelBackend(ABC):
     @abstractmethod
     def argmax_rows(self, logits: torch.Tensor) -> torch.Tensor:
         """Each row's first maximum, as torch.argmax: [N, vocab] -> [N] int64."""
+
+    @abstractmethod
+    def logprob_rows(self, logits: torch.Tensor, tokens: torch.Tensor, k: int,
+                     normalize: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                               torch.Tensor]:
+        """The sampled tokens' logprobs: logits [R, vocab] float32, tokens [R] int64, k in
+        [0, vocab] -> (chosen [R], ranks [R] int64, top values [R, k] descending, top ids
+        [R, k]); ``normalize``: log_softmax's values, else the logits
+        (kernels/torch/logprob_rows.py)."""

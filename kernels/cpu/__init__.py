@@ -94,3 +94,10 @@ class CPUBackend(TorchBackend):
         if logits.dtype != torch.float32 or logits.dim() != 2 or logits.stride(-1) != 1:
             return super().argmax_rows(logits)
         return self.ext.argmax_rows(logits)
+
+    def logprob_rows(self, logits: torch.Tensor, tokens: torch.Tensor, k: int,
+                     normalize: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                               torch.Tensor]:
+        if logits.dtype != torch.float32 or logits.dim() != 2 or logits.stride(-1) != 1:
+            return super().logprob_rows(logits, tokens, k, normalize)
+        return tuple(self.ext.logprob_rows(logits, tokens.contiguous(), k, normalize))
