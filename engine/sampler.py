@@ -113,10 +113,13 @@ class Sampler:
         """logits: [N, vocab] float32 on the device, one row per sequence that samples.
         ``grammar_mask`` sets the logits of tokens the constrained rows' grammars refuse to
         -inf, in place (structured/bitmask.py), before any other processing."""
-        ok = finite_rows(logits)
+        batch = build_batch(seqs, logits.shape[-1], logits.device)
+        if grammar_mask is None and batch.plain_greedy:  # one read: the argmax, the check
+            tokens, finite = self.kernels.argmax_finite_rows(logits)
+            return self._finish(logits, tokens, finite.tolist(), batch, None, seqs)
+        ok = finite_rows(logits)  # before anything writes -inf into the rows
         if grammar_mask is not None:
             grammar_mask(logits)
-        batch = build_batch(seqs, logits.shape[-1], logits.device)
         pen = self._penalty_rows(batch, logits.shape[-1], logits.device)
         # raw logprobs read ``logits`` after sampling: processing must then work on a copy
         keep = bool(batch.logprob_rows) and not self.processed
@@ -128,6 +131,14 @@ class Sampler:
             tokens = self._draw(x, seqs)
             if batch.any_greedy:
                 tokens = torch.where(batch.greedy, self.kernels.argmax_rows(x), tokens)
+        return self._finish(logits if keep else x, tokens, ok, batch, pen, seqs)
+
+    def _finish(self, raw: torch.Tensor, tokens: torch.Tensor,
+                ok: list[bool], batch: SamplingBatch,
+                pen: tuple[list[int], torch.Tensor] | None, seqs: list[Sequence]
+                ) -> SamplerOutput:
+        """The chosen ids to the host, the penalties' counts, the requested logprobs (read
+        from ``raw``: the logits as the logprobs mode wants them)."""
         host = tokens.tolist()
         if pen is not None:
             rows, rows_t = pen
@@ -136,11 +147,11 @@ class Sampler:
                                [ok[i] for i in rs.index])
         logprobs: list[TokenLogprob | None] = [None] * len(seqs)
         if batch.logprob_rows:
-            values = logits if keep else x
+            values = raw
             chosen = tokens
             if len(batch.logprob_rows) < len(seqs):  # only some rows asked
                 lp_rows = torch.tensor(batch.logprob_rows, dtype=torch.int64,
-                                       device=logits.device)
+                                       device=raw.device)
                 values, chosen = values.index_select(0, lp_rows), tokens.index_select(0, lp_rows)
             for i, lp in zip(batch.logprob_rows, token_logprobs(
                     self.kernels, values, chosen, batch.logprob_ks, self.mode_kind)):

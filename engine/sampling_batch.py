@@ -42,6 +42,13 @@ class SamplingBatch:
     logprob_rows: list[int]  # rows whose sampled token's logprobs are asked for
     logprob_ks: list[int]
 
+    @property
+    def plain_greedy(self) -> bool:
+        """Every row greedy, and nothing changes the logits before the argmax."""
+        return self.all_greedy and self.penalties is None and self.bias is None \
+            and self.banned is None and self.allowed is None and self.temperature is None \
+            and self.min_p is None and self.top_k is None and self.top_p is None
+
 
 def _rowset(index: list[int], device: torch.device) -> RowSet:
     return RowSet(torch.tensor(index, dtype=torch.int64, device=device), index)

@@ -159,6 +159,11 @@ class KernelBackend(ABC):
     def argmax_rows(self, logits: torch.Tensor) -> torch.Tensor:
         """Each row's first maximum, as torch.argmax: [N, vocab] -> [N] int64."""
 
+    def argmax_finite_rows(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``argmax_rows`` and whether each row holds only finite values ([N] bool): the
+        greedy sampler's one read of untouched logits."""
+        return self.argmax_rows(logits), torch.isfinite(logits).all(dim=-1)
+
     @abstractmethod
     def logprob_rows(self, logits: torch.Tensor, tokens: torch.Tensor, k: int,
                      normalize: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,

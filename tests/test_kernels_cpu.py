@@ -206,6 +206,23 @@ def test_argmax_rows_matches_torch_including_ties(kernels, vocab: int) -> None:
     assert got.tolist() == logits.argmax(dim=-1).tolist()
 
 
+@pytest.mark.parametrize("vocab", [1, 7, 8, 13, 49152])
+def test_argmax_finite_rows_matches_its_twin(kernels, vocab: int) -> None:
+    """The index as torch.argmax and the finiteness as torch.isfinite, in one read: a NaN,
+    +inf or -inf anywhere (vector body or scalar tail) makes the row non-finite."""
+    g = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(8, vocab, generator=g) * 1e30  # huge but finite: x - x is still 0
+    logits[1, -1] = float("nan")
+    logits[2, 0] = float("inf")
+    logits[3, vocab // 2] = -float("inf")
+    logits[4] = -float("inf")
+    idx, finite = kernels.argmax_finite_rows(logits)
+    assert finite.tolist() == torch.isfinite(logits).all(dim=-1).tolist()
+    ok = finite.tolist()
+    want = logits.argmax(dim=-1).tolist()
+    assert [i for i, f in zip(idx.tolist(), ok) if f] == [w for w, f in zip(want, ok) if f]
+
+
 def test_sampler_greedy_uses_the_kernel(kernels, monkeypatch: pytest.MonkeyPatch) -> None:
     calls = []
     monkeypatch.setattr(extension, "load", lambda: type("M", (), {

@@ -95,6 +95,12 @@ class CPUBackend(TorchBackend):
             return super().argmax_rows(logits)
         return self.ext.argmax_rows(logits)
 
+    def argmax_finite_rows(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if logits.dtype != torch.float32 or logits.dim() != 2 or logits.stride(-1) != 1:
+            return super().argmax_finite_rows(logits)
+        tokens, finite = self.ext.argmax_finite_rows(logits)
+        return tokens, finite
+
     def logprob_rows(self, logits: torch.Tensor, tokens: torch.Tensor, k: int,
                      normalize: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
                                                torch.Tensor]:
