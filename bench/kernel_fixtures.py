@@ -180,6 +180,15 @@ def segments(token_slots: list[int], device: str | torch.device = "cpu") -> LoRA
     return LoRASegments.from_token_slots(token_slots, torch.device(device))
 
 
+def step_segments(backend: KernelBackend, token_slots: list[int]) -> LoRASegments:
+    """One step's segments as ``backend``'s add_lora reads them: its ``lora_segments``,
+    sized for this step, filled."""
+    size = max(len(token_slots), 1)
+    seg = backend.lora_segments(size, size)
+    seg.fill(token_slots)
+    return seg
+
+
 def make_paged_cache(
     context_lens: list[int], block_size: int, num_kv_heads: int, head_dim: int,
     dtype: torch.dtype, device: str | torch.device = "cpu", seed: int = 0,

@@ -64,7 +64,7 @@ class LLMEngine(EngineAdapters):
         blocks = num_kv_blocks(cfg, self.base.hf_config, self.base.dtype, self.base.device,
                                self.max_model_len)
         self.block_manager = BlockManager(blocks, cfg.block_size, cfg.enable_prefix_caching)
-        self.runner = ModelRunner(self.base.model, cfg, blocks, kernels)
+        self.runner = ModelRunner(self.base.model, cfg, blocks, kernels, self.max_model_len)
         kernels.prepare_model(self.base.model, cfg.max_num_batched_tokens, cfg.max_num_seqs)
         self.base_shapes = BaseShapes.from_hf_config(self.base.hf_config, str(self.base.path))
         self.lora_dtype = kernels.dtype  # the pools'; host copies are read in it on loader

@@ -1,6 +1,8 @@
-"""ModelRunner: owns the model and the KV cache; turns a ScheduledBatch into one forward
-pass and samples. ``prepare`` builds the step's StepMetadata once (flat tokens, positions,
-slot mapping, block tables, LoRA segments); every layer reads it."""
+"""ModelRunner: owns the model, the KV cache and the step metadata; turns a ScheduledBatch
+into one forward pass and samples. The StepMetadata (flat tokens, positions, slot mapping,
+block tables, LoRA segments) is allocated once, for max_num_batched_tokens tokens and
+max_num_seqs sequences, and bound to the model's attention and LoRA layers; ``prepare``
+refills it in place every step (fixed addresses)."""
 
 from __future__ import annotations
 
@@ -12,8 +14,10 @@ import torch
 from transformers import PretrainedConfig
 
 from ..kernels import host_pages
+from ..kernels.attention_metadata import AttentionMetadata
 from ..kernels.backend import KernelBackend
-from ..kernels.step_metadata import AttentionMetadata, StepMetadata
+from ..kernels.staged_buffer import StagedBuffer
+from ..kernels.step_metadata import StepMetadata, bind_step
 from ..structured.bitmask import StepBitmask
 from ..structured.matcher import ConstraintMatcher
 from .config import DEFAULT_CPU_KV_BYTES, EngineConfig
@@ -28,9 +32,8 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class StepInputs:
-    input_ids: torch.Tensor  # [T] int64
-    positions: torch.Tensor  # [T] int64
-    meta: StepMetadata
+    """What ``prepare`` gives ``run`` besides the StepMetadata it refilled."""
+
     sample_rows: list[int]  # rows of the flat batch whose logits are sampled
     sample_seqs: list[Sequence]
     # (seq, first flat row, first position): rows whose logits give seq's prompt logprobs
@@ -79,12 +82,6 @@ def num_kv_blocks(cfg: EngineConfig, config: PretrainedConfig, dtype: torch.dtyp
     return int(blocks)
 
 
-def _table(rows: list[list[int]], device: torch.device) -> torch.Tensor:
-    width = max((len(r) for r in rows), default=0)
-    return torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.int32,
-                        device=device).reshape(len(rows), width)
-
-
 def _check_entry(seq: Sequence, n: int, block_size: int) -> None:
     """The kernels' preconditions for one sequence of the step, checked on the host once per
     step (a kernel fed less would read unwritten KV or mask whole rows into NaN): at least
@@ -109,7 +106,7 @@ def _matchers(seqs: list[Sequence]) -> list[ConstraintMatcher | None]:
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, cfg: EngineConfig, num_blocks: int,
-                 kernels: KernelBackend):
+                 kernels: KernelBackend, max_model_len: int):
         self.model = model
         self.cfg = cfg
         self.kernels = kernels
@@ -125,6 +122,15 @@ class ModelRunner:
             # on the CPU a block's pages are committed when it is first written
             attn.k_cache = host_pages.zeros(shape, dtype, device)
             attn.v_cache = host_pages.zeros(shape, dtype, device)
+        # the step metadata, once: a step has at most max_num_batched_tokens tokens of at
+        # most max_num_seqs sequences (so at most that many LoRA segments), each sequence at
+        # most max_model_len tokens
+        tokens, seqs = cfg.max_num_batched_tokens, cfg.max_num_seqs
+        self.meta = StepMetadata(
+            AttentionMetadata(tokens, seqs, -(-max_model_len // cfg.block_size), device),
+            kernels.lora_segments(tokens, seqs), device)
+        bind_step(model, self.meta)
+        self.sample_rows = StagedBuffer((seqs,), torch.int64, device)
 
     def prepare(self, batch: ScheduledBatch, adapter_slots: Mapping[int, int]) -> StepInputs:
         """The step's inputs; ``adapter_slots`` maps the adapter id of every sequence in the
@@ -155,29 +161,13 @@ class ModelRunner:
                 sample_rows.append(len(ids) - 1)
                 sample_seqs.append(seq)
             starts.append(len(ids))
-        dev = self.device
-        num_prefill = starts[len(prefills)]
-        attn = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            num_prefill_tokens=num_prefill,
-            prefill_block_tables=_table([s.block_table for s, _ in prefills], dev),
-            prefill_query_start_loc=torch.tensor(starts[: len(prefills) + 1], dtype=torch.int32,
-                                                 device=dev),
-            prefill_context_lens=torch.tensor(
-                [s.num_computed_tokens + n for s, n in prefills], dtype=torch.int32, device=dev),
-            prefill_max_q_len=max((n for _, n in prefills), default=0),
-            decode_block_tables=_table([s.block_table for s, _ in decodes], dev),
-            decode_context_lens=torch.tensor(
-                [s.num_computed_tokens + 1 for s, _ in decodes], dtype=torch.int32, device=dev),
-            decode_max_context_len=max((s.num_computed_tokens + 1 for s, _ in decodes),
-                                       default=0),
-        )
-        return StepInputs(
-            input_ids=torch.tensor(ids, dtype=torch.int64, device=dev),
-            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
-            meta=StepMetadata(attn, self.kernels.lora_segments(token_slots)),
-            sample_rows=sample_rows, sample_seqs=sample_seqs, prompt_lp=prompt_lp,
-        )
+        entries = prefills + decodes
+        meta = self.meta
+        meta.fill_tokens(ids, positions)
+        meta.attn.fill(slots, [s.block_table for s, _ in entries],
+                       [s.num_computed_tokens + n for s, n in entries], starts, len(prefills))
+        meta.lora.fill(token_slots)
+        return StepInputs(sample_rows=sample_rows, sample_seqs=sample_seqs, prompt_lp=prompt_lp)
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch, adapter_slots: Mapping[int, int]
@@ -191,12 +181,14 @@ class ModelRunner:
         if forks:
             seqs = [c for s in seqs for c in [s, *forks.get(s.seq_id, ())]]
         pending = self.grammar_bitmask.start(_matchers(seqs))  # forks included
-        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
+        hidden = self.model(self.meta.input_ids, self.meta.positions)
         for seq, row, first, count in inputs.prompt_lp:
             self._prompt_logprobs(hidden, seq, row, first, count)
         if not inputs.sample_rows:
             return [], SamplerOutput([], [])
-        rows = torch.tensor(inputs.sample_rows, dtype=torch.int64, device=self.device)
+        n = len(inputs.sample_rows)
+        self.sample_rows.np[:n] = inputs.sample_rows
+        rows = self.sample_rows.upload(n)
         logits = self.model.compute_logits(hidden[rows])  # [N, vocab] float32
         if forks:
             logits = logits.index_select(0, torch.tensor(expand, device=self.device))
@@ -215,8 +207,8 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[row + off: row + off + m])
             targets = torch.tensor(prompt[first + off + 1: first + off + m + 1],
                                    dtype=torch.int64, device=self.device)
-            seq.prompt_logprobs.extend(token_logprobs(logits, targets, [k] * m,
-                                                      self.sampler.mode_kind))
+            seq.prompt_logprobs.extend(token_logprobs(self.sampler.kernels, logits, targets,
+                                                      [k] * m, self.sampler.mode_kind))
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy the KV of block src into block dst, in every layer (copy on write)."""

@@ -22,7 +22,7 @@ import torch
 from ..kernels.backend import KernelBackend
 from .logprob_ops import token_logprobs
 from .logprobs import TokenLogprob
-from .penalty_state import PenaltyState, apply_penalties
+from .penalty_state import PenaltyState
 from .sampling_batch import SamplingBatch, build_batch
 from .sequence import Sequence
 
@@ -94,7 +94,7 @@ def _on_rows(x: torch.Tensor, rows: torch.Tensor, fn, *args) -> None:
 
 class Sampler:
     def __init__(self, seed: int, kernels: KernelBackend, logprobs_mode: str = "raw_logprobs"):
-        self.kernels = kernels  # argmax_rows for greedy rows
+        self.kernels = kernels  # argmax_rows for greedy rows, logprob_rows
         self.device = kernels.device
         self.generator = torch.Generator(self.device).manual_seed(seed)  # unseeded requests
         self.seeded: dict[str, torch.Generator] = {}  # seq_id -> its own generator
@@ -113,38 +113,69 @@ class Sampler:
         """logits: [N, vocab] float32 on the device, one row per sequence that samples.
         ``grammar_mask`` sets the logits of tokens the constrained rows' grammars refuse to
         -inf, in place (structured/bitmask.py), before any other processing."""
-        ok = finite_rows(logits)
+        batch = build_batch(seqs, logits.shape[-1], logits.device)
+        if grammar_mask is None and batch.plain_greedy:  # one read: the argmax, the check
+            tokens, finite = self.kernels.argmax_finite_rows(logits)
+            return self._finish(logits, tokens, finite.tolist(), batch, None, seqs)
+        ok = finite_rows(logits)  # before anything writes -inf into the rows
         if grammar_mask is not None:
             grammar_mask(logits)
-        batch = build_batch(seqs, logits.shape[-1], logits.device)
-        if batch.penalties is not None and self.penalties is None:
-            self.penalties = PenaltyState(logits.shape[-1], logits.device)
-        lp_rows = torch.tensor(batch.logprob_rows, dtype=torch.int64, device=logits.device) \
-            if batch.logprob_rows else None
-        raw = None if self.processed or lp_rows is None else \
-            logits.index_select(0, lp_rows)  # a copy: processing works in place
-        x = self._process(logits, batch)
-        tokens = self.kernels.argmax_rows(x)
-        if not batch.all_greedy:
-            x = self._warp(x, batch)
-            tokens = torch.where(batch.greedy, tokens, self._draw(x, seqs))
-        if batch.penalties is not None and self.penalties is not None:
-            pen_seqs, rs = batch.penalties[0], batch.penalties[1]
-            counted = torch.tensor([ok[i] for i in rs.index], device=logits.device)
-            self.penalties.add(self.penalties.rows_of(pen_seqs), tokens[rs.rows], counted)
-        logprobs: list[TokenLogprob | None] = [None] * len(seqs)
-        if lp_rows is not None:
-            values = raw if raw is not None else x.index_select(0, lp_rows)
-            for i, lp in zip(batch.logprob_rows, token_logprobs(
-                    values, tokens.index_select(0, lp_rows), batch.logprob_ks,
-                    self.mode_kind)):
-                logprobs[i] = lp
-        return SamplerOutput([t if good else None for t, good in zip(tokens.tolist(), ok)],
-                             logprobs)
+        pen = self._penalty_rows(batch, logits.shape[-1], logits.device)
+        # raw logprobs read ``logits`` after sampling: processing must then work on a copy
+        keep = bool(batch.logprob_rows) and not self.processed
+        x = self._process(logits, batch, pen, keep)
+        x = self._warp(x, batch, owned=x is not logits or not keep)
+        if batch.all_greedy:
+            tokens = self.kernels.argmax_rows(x)
+        else:  # sampled rows draw from x; greedy ones (if any) take the argmax
+            tokens = self._draw(x, seqs)
+            if batch.any_greedy:
+                tokens = torch.where(batch.greedy, self.kernels.argmax_rows(x), tokens)
+        return self._finish(logits if keep else x, tokens, ok, batch, pen, seqs)
 
-    def _process(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        """Masks, bias and penalties (in place on ``logits``, which the caller gave up)."""
-        x = logits
+    def _finish(self, raw: torch.Tensor, tokens: torch.Tensor,
+                ok: list[bool], batch: SamplingBatch,
+                pen: tuple[list[int], torch.Tensor] | None, seqs: list[Sequence]
+                ) -> SamplerOutput:
+        """The chosen ids to the host, the penalties' counts, the requested logprobs (read
+        from ``raw``: the logits as the logprobs mode wants them)."""
+        host = tokens.tolist()
+        if pen is not None:
+            rows, rows_t = pen
+            rs = batch.penalties[1]
+            self.penalties.add(rows, rows_t, tokens[rs.rows], [host[i] for i in rs.index],
+                               [ok[i] for i in rs.index])
+        logprobs: list[TokenLogprob | None] = [None] * len(seqs)
+        if batch.logprob_rows:
+            values = raw
+            chosen = tokens
+            if len(batch.logprob_rows) < len(seqs):  # only some rows asked
+                lp_rows = torch.tensor(batch.logprob_rows, dtype=torch.int64,
+                                       device=raw.device)
+                values, chosen = values.index_select(0, lp_rows), tokens.index_select(0, lp_rows)
+            for i, lp in zip(batch.logprob_rows, token_logprobs(
+                    self.kernels, values, chosen, batch.logprob_ks, self.mode_kind)):
+                logprobs[i] = lp
+        return SamplerOutput([t if good else None for t, good in zip(host, ok)], logprobs)
+
+    def _penalty_rows(self, batch: SamplingBatch, vocab: int, device: torch.device
+                      ) -> tuple[list[int], torch.Tensor] | None:
+        """The PenaltyState rows of the penalised rows (host list, device tensor)."""
+        if batch.penalties is None:
+            return None
+        if self.penalties is None:
+            self.penalties = PenaltyState(vocab, device)
+        rows = self.penalties.rows_of(batch.penalties[0])
+        return rows, torch.tensor(rows, dtype=torch.int64, device=device)
+
+    def _process(self, logits: torch.Tensor, batch: SamplingBatch,
+                 pen: tuple[list[int], torch.Tensor] | None, keep: bool) -> torch.Tensor:
+        """Masks, bias and penalties: in place on ``logits`` (which the caller gave up),
+        or on a copy where ``keep``; ``logits`` itself where none applies."""
+        if batch.allowed is None and batch.banned is None and batch.bias is None \
+                and pen is None:
+            return logits
+        x = logits.clone() if keep else logits
         if batch.allowed is not None:
             rs, mask = batch.allowed
             _on_rows(x, rs.rows, lambda sub: sub.masked_fill(~mask, NEG_INF))
@@ -153,18 +184,20 @@ class Sampler:
         if batch.bias is not None:
             rows, cols, vals = batch.bias
             x.index_put_((rows, cols), vals, accumulate=True)
-        if batch.penalties is not None and self.penalties is not None:
-            pen_seqs, rs, rep, freq, pres = batch.penalties
-            state = self.penalties.rows_of(pen_seqs)
-            _on_rows(x, rs.rows, apply_penalties, self.penalties.counts[state],
-                     self.penalties.in_prompt[state], rep, freq, pres)
+        if pen is not None:
+            _, rs, rep, freq, pres = batch.penalties
+            self.penalties.apply(x, rs.rows, pen[1], pen[0], rep, freq, pres)
         return x
 
     @staticmethod
-    def _warp(x: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        """Temperature (greedy rows: 1), min-p, top-k, top-p: the distribution sampled from."""
+    def _warp(x: torch.Tensor, batch: SamplingBatch, owned: bool) -> torch.Tensor:
+        """Temperature (greedy rows: 1), min-p, top-k, top-p: the distribution sampled from.
+        In place on ``x`` only where ``owned``."""
         if batch.temperature is not None:
-            x = x / batch.temperature.unsqueeze(1)
+            x, owned = x / batch.temperature.unsqueeze(1), True
+        if not owned and (batch.min_p is not None or batch.top_k is not None
+                          or batch.top_p is not None):
+            x = x.clone()
         if batch.min_p is not None:
             rs, m = batch.min_p
             _on_rows(x, rs.rows, apply_min_p, m)

@@ -28,6 +28,7 @@ class RowSet:
 class SamplingBatch:
     greedy: torch.Tensor | None  # [N] bool; None when every row is greedy
     all_greedy: bool
+    any_greedy: bool
     temperature: torch.Tensor | None  # [N]; None when every row is greedy or at 1
     top_k: tuple[RowSet, torch.Tensor] | None  # [R] int64 in [1, vocab]
     top_p: tuple[RowSet, torch.Tensor] | None  # [R] float32 in (0, 1)
@@ -40,6 +41,13 @@ class SamplingBatch:
     allowed: tuple[RowSet, torch.Tensor] | None  # [R, vocab] bool: True = may be sampled
     logprob_rows: list[int]  # rows whose sampled token's logprobs are asked for
     logprob_ks: list[int]
+
+    @property
+    def plain_greedy(self) -> bool:
+        """Every row greedy, and nothing changes the logits before the argmax."""
+        return self.all_greedy and self.penalties is None and self.bias is None \
+            and self.banned is None and self.allowed is None and self.temperature is None \
+            and self.min_p is None and self.top_k is None and self.top_p is None
 
 
 def _rowset(index: list[int], device: torch.device) -> RowSet:
@@ -93,6 +101,7 @@ def build_batch(seqs: list[Sequence], vocab: int, device: torch.device) -> Sampl
     return SamplingBatch(
         greedy=None if all(greedy) else torch.tensor(greedy, dtype=torch.bool, device=device),
         all_greedy=all(greedy),
+        any_greedy=any(greedy),
         temperature=None if all(t == 1.0 for t in temps) else torch.tensor(temps, **f32),
         top_k=(_rowset(k_rows, device), torch.tensor([params[i].top_k for i in k_rows],
                                                      dtype=torch.int64, device=device))

@@ -76,12 +76,11 @@ class KernelBackend(ABC):
             b = b_pool.as_strided((num_units, out, max_rank), (unit, rows, 1))
         return a, b
 
-    def lora_segments(self, token_slots: list[int]) -> LoRASegments | None:
-        """This step's tokens grouped by slot (``token_slots[t]``: token t's slot, -1 for
-        none), in the form this backend's add_lora reads; None when no token has a slot."""
-        if all(s < 0 for s in token_slots):
-            return None
-        return self.segments_type.from_token_slots(token_slots, self.device)
+    def lora_segments(self, max_tokens: int, max_segments: int) -> LoRASegments:
+        """Empty per-step LoRA segments for up to ``max_tokens`` tokens in ``max_segments``
+        runs of one slot, in the form this backend's add_lora reads; refilled in place by
+        ``fill`` every step."""
+        return self.segments_type(max_tokens, max_segments, self.device)
 
     # ---- LoRA ---------------------------------------------------------------------------
     @abstractmethod
@@ -92,7 +91,8 @@ class KernelBackend(ABC):
         A_i [U, r_max, in], B_i [U, out_i, r_max] (views of ``lora_pool``'s pools, or any
         strided buffers with a unit stride along in / along out or rank), ranks
         [num_slices, U] int32. Nothing past ranks[i, s] is read, nor assumed zero; per-step
-        cost follows the slots in use, never the largest slot id."""
+        cost follows the slots in use, never the largest slot id. ``seg`` is what this
+        backend's ``lora_segments`` built (a backend refuses another backend's)."""
 
     # ---- attention ----------------------------------------------------------------------
     @abstractmethod
@@ -158,3 +158,17 @@ class KernelBackend(ABC):
     @abstractmethod
     def argmax_rows(self, logits: torch.Tensor) -> torch.Tensor:
         """Each row's first maximum, as torch.argmax: [N, vocab] -> [N] int64."""
+
+    def argmax_finite_rows(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``argmax_rows`` and whether each row holds only finite values ([N] bool): the
+        greedy sampler's one read of untouched logits."""
+        return self.argmax_rows(logits), torch.isfinite(logits).all(dim=-1)
+
+    @abstractmethod
+    def logprob_rows(self, logits: torch.Tensor, tokens: torch.Tensor, k: int,
+                     normalize: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                               torch.Tensor]:
+        """The sampled tokens' logprobs: logits [R, vocab] float32, tokens [R] int64, k in
+        [0, vocab] -> (chosen [R], ranks [R] int64, top values [R, k] descending, top ids
+        [R, k]); ``normalize``: log_softmax's values, else the logits
+        (kernels/torch/logprob_rows.py)."""

@@ -1,62 +1,55 @@
-"""StepMetadata: everything one forward pass's layers read about the flat batch (attention
-metadata and LoRA segments), built once per step by the ModelRunner.
+"""StepMetadata: everything one forward pass reads about its flat batch (token ids,
+positions, AttentionMetadata, LoRASegments), allocated once per engine for
+``max_num_batched_tokens`` tokens and ``max_num_seqs`` sequences and refilled in place by
+the ModelRunner before every forward: the device tensors keep their addresses from step to
+step (what CUDA graphs need).
 
-The model's forward makes it the step in use (``use_step``) for its duration; layers whose
-signature is fixed (a LoRA-wrapped linear is called as ``linear(x)``) read it through
-``current_step()`` (nano-vllm's ``utils/context.py``). The step in use is per thread, so
-engines on different threads of one process never see each other's steps.
-
-The flat batch holds the prefill tokens first (sequences computing more than one token),
-then one token per decoding sequence.
+One mechanism carries it to every layer that reads it: a ``StepReader`` layer (attention,
+a LoRA-wrapped linear) holds a reference to its engine's one StepMetadata, bound once at
+start (``bind_step``), and reads ``self.step`` in its forward; no layer takes it as an
+argument, and nothing is per thread. Each engine has its own model and its own
+StepMetadata, so engines on different threads of one process never see each other's steps.
 """
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
-
 import torch
+from torch import nn
 
+from .attention_metadata import AttentionMetadata
 from .lora_segments import LoRASegments
+from .staged_buffer import StagedBuffer
 
 
-@dataclass
-class AttentionMetadata:
-    slot_mapping: torch.Tensor  # [T] int64, KV cache slot of every token
-    num_prefill_tokens: int
-    # prefill part: S_p sequences
-    prefill_block_tables: torch.Tensor  # [S_p, max_blocks] int32
-    prefill_query_start_loc: torch.Tensor  # [S_p + 1] int32
-    prefill_context_lens: torch.Tensor  # [S_p] int32, cached + new tokens
-    prefill_max_q_len: int  # the most new tokens of one prefill sequence (host)
-    # decode part: S_d sequences, one token each
-    decode_block_tables: torch.Tensor  # [S_d, max_blocks] int32
-    decode_context_lens: torch.Tensor  # [S_d] int32, incl. the current token
-    decode_max_context_len: int  # max(decode_context_lens) (host)
-
-
-@dataclass
 class StepMetadata:
-    attn: AttentionMetadata
-    lora: LoRASegments | None  # None: no token of this step has an adapter
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+
+    def __init__(self, attn: AttentionMetadata, lora: LoRASegments, device: torch.device):
+        self.attn = attn
+        self.lora = lora  # inactive when no token of the step has an adapter
+        self._input_ids = StagedBuffer((attn.max_tokens,), torch.int64, device)
+        self._positions = StagedBuffer((attn.max_tokens,), torch.int64, device)
+        self.fill_tokens([], [])
+
+    def fill_tokens(self, input_ids: list[int], positions: list[int]) -> None:
+        """The flat batch's token ids and positions, in place."""
+        t = len(input_ids)
+        self._input_ids.np[:t] = input_ids
+        self._positions.np[:t] = positions
+        self.input_ids = self._input_ids.upload(t)
+        self.positions = self._positions.upload(t)
 
 
-_local = threading.local()
+class StepReader:
+    """A layer that reads the step metadata of its engine through ``self.step`` (None until
+    ``bind_step``: a LoRA layer then adds nothing, an attention layer refuses to run)."""
+
+    step: StepMetadata | None = None
 
 
-@contextmanager
-def use_step(meta: StepMetadata) -> Iterator[None]:
-    """Make ``meta`` the step in use on this thread until the block ends."""
-    previous = getattr(_local, "step", None)
-    _local.step = meta
-    try:
-        yield
-    finally:
-        _local.step = previous
-
-
-def current_step() -> StepMetadata | None:
-    """The step in use on this thread, None outside a forward pass."""
-    return getattr(_local, "step", None)
+def bind_step(model: nn.Module, meta: StepMetadata) -> None:
+    """Give every StepReader layer of ``model`` the engine's one StepMetadata (once)."""
+    for module in model.modules():
+        if isinstance(module, StepReader):
+            module.step = meta

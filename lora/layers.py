@@ -10,16 +10,17 @@ import torch
 from torch import nn
 
 from ..kernels.backend import KernelBackend
-from ..kernels.step_metadata import current_step
+from ..kernels.step_metadata import StepReader
 
 # (layer index, parent module, attribute of the linear, PEFT names of its output slices,
 #  widths of those slices): what a model's lora_targets() yields
 LoRATarget = tuple[int, nn.Module, str, tuple[str, ...], list[int]]
 
 
-class LoRALinear(nn.Module):
+class LoRALinear(nn.Module, StepReader):
     """``base(x) + Σ_slices expand(shrink(x, A[slot]), B[slot])`` per token, the slots read
-    from the step in use (``kernels.step_metadata.current_step``).
+    from the step metadata bound to it (``kernels.step_metadata.bind_step``; unbound: the
+    base linear alone).
 
     Holds the device weights of one fused linear: per output slice (q/k/v: 3, gate/up: 2,
     o or down: 1) one rank-row pool for A and one for B, seen as slot buffers
@@ -43,8 +44,8 @@ class LoRALinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.base(x)
-        step = current_step()
-        if step is not None and step.lora is not None:
+        step = self.step
+        if step is not None and step.lora.active:
             self.backend.add_lora(out, x, self.lora_a, self.lora_b, self.ranks, step.lora)
         return out
 

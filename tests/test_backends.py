@@ -9,7 +9,7 @@ import os
 
 import pytest
 import torch
-from loraplex.bench.kernel_fixtures import make_lora_pools
+from loraplex.bench.kernel_fixtures import make_lora_pools, step_segments
 from loraplex.kernels import backend_class, backend_name, select_backend
 from loraplex.kernels.cpu import CPUBackend
 from loraplex.kernels.cpu.segments import CPULoRASegments
@@ -31,7 +31,7 @@ def _delta(name: str, dtype: torch.dtype) -> torch.Tensor:
                             first_unit=40, gap_units=1)
     slots = pools.token_slots(ADAPTERS)
     x = torch.randn(len(slots), 64, generator=torch.Generator().manual_seed(6)).to(dtype)
-    seg = backend.lora_segments(slots)
+    seg = step_segments(backend, slots)
     assert isinstance(seg, CPULoRASegments) == (name == "cpu")
     out = torch.ones(len(slots), sum(OUTS), dtype=dtype)
     backend.add_lora(out, x, pools.lora_a, pools.lora_b, pools.ranks, seg)

@@ -17,6 +17,7 @@ from loraplex.kernels import backend_name, select_backend
 from loraplex.kernels.cpu import attention as cpu_attention
 from loraplex.kernels.cpu import extension
 from loraplex.kernels.torch import attention as reference
+from loraplex.kernels.torch.logprob_rows import logprob_rows as twin_logprob_rows
 
 CPU = torch.device("cpu")
 
@@ -205,6 +206,23 @@ def test_argmax_rows_matches_torch_including_ties(kernels, vocab: int) -> None:
     assert got.tolist() == logits.argmax(dim=-1).tolist()
 
 
+@pytest.mark.parametrize("vocab", [1, 7, 8, 13, 49152])
+def test_argmax_finite_rows_matches_its_twin(kernels, vocab: int) -> None:
+    """The index as torch.argmax and the finiteness as torch.isfinite, in one read: a NaN,
+    +inf or -inf anywhere (vector body or scalar tail) makes the row non-finite."""
+    g = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(8, vocab, generator=g) * 1e30  # huge but finite: x - x is still 0
+    logits[1, -1] = float("nan")
+    logits[2, 0] = float("inf")
+    logits[3, vocab // 2] = -float("inf")
+    logits[4] = -float("inf")
+    idx, finite = kernels.argmax_finite_rows(logits)
+    assert finite.tolist() == torch.isfinite(logits).all(dim=-1).tolist()
+    ok = finite.tolist()
+    want = logits.argmax(dim=-1).tolist()
+    assert [i for i, f in zip(idx.tolist(), ok) if f] == [w for w, f in zip(want, ok) if f]
+
+
 def test_sampler_greedy_uses_the_kernel(kernels, monkeypatch: pytest.MonkeyPatch) -> None:
     calls = []
     monkeypatch.setattr(extension, "load", lambda: type("M", (), {
@@ -248,3 +266,61 @@ def test_a_built_library_loads_past_a_stale_lock(tmp_path) -> None:
                          timeout=300)  # a hang guard only: the load takes about a second
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == str(entry / f"{name}.so")
+
+
+@pytest.mark.parametrize("vocab", [1, 5, 8, 13, 100, 49152])
+@pytest.mark.parametrize("normalize", [True, False])
+def test_logprob_rows_matches_twin(kernels, vocab: int, normalize: bool) -> None:
+    g = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(7, vocab, generator=g) * 4
+    logits[1] += 30.0  # a shifted row (log-sum-exp far from 0)
+    if vocab > 3:
+        logits[2, ::3] = -float("inf")  # processed rows: masked tokens
+    tokens = torch.randint(0, vocab, (7,), generator=g)
+    tokens[2] = 1 if vocab > 3 else 0  # a finite one
+    for k in sorted({0, 1, min(5, vocab), min(20, vocab), vocab}):
+        got = kernels.logprob_rows(logits, tokens, k, normalize)
+        want = twin_logprob_rows(logits, tokens, k, normalize)
+        torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
+        assert got[1].tolist() == want[1].tolist()  # ranks
+        torch.testing.assert_close(got[2], want[2], rtol=1e-5, atol=1e-5)
+        # the ids in a stable sort's order (the twin's topk leaves ties in any order)
+        stable = logits.sort(dim=-1, descending=True, stable=True).indices[:, :k]
+        assert got[3].tolist() == stable.tolist()
+
+
+def test_logprob_rows_ties_rank_ahead_and_keep_index_order(kernels) -> None:
+    """Ties count ahead of the chosen token in its rank (vLLM's rank), and tied values in
+    the top k come in index order (a stable sort's)."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randint(-3, 4, (9, 1000), generator=g).float()  # many ties
+    logits[0] = -float("inf")
+    tokens = torch.randint(0, 1000, (9,), generator=g)
+    got = kernels.logprob_rows(logits, tokens, 20, True)
+    want = twin_logprob_rows(logits, tokens, 20, True)
+    assert got[1].tolist() == want[1].tolist()
+    assert got[1][0] == 1000  # every -inf ties with the chosen -inf
+    torch.testing.assert_close(got[2][1:], want[2][1:], rtol=1e-5, atol=1e-5)
+    stable = logits.sort(dim=-1, descending=True, stable=True).indices[:, :20]
+    assert got[3].tolist() == stable.tolist()
+
+
+def test_sampler_logprobs_use_the_kernel(kernels, monkeypatch: pytest.MonkeyPatch) -> None:
+    from loraplex.engine.sampler import Sampler
+    from loraplex.engine.sampling_params import SamplingParams
+    from loraplex.engine.sequence import Sequence
+
+    calls = []
+    monkeypatch.setattr(extension, "load", lambda: type("M", (), {
+        "argmax_rows": staticmethod(kernels.argmax_rows),
+        "logprob_rows": staticmethod(lambda *a: calls.append(1) or kernels.logprob_rows(*a))}))
+    backend = select_backend(CPU, torch.float32)
+    seqs = [Sequence(request_id=f"r{i}", prompt_token_ids=[1],
+                     params=SamplingParams(temperature=1.0, seed=i, logprobs=3))
+            for i in range(3)]
+    logits = torch.randn(3, 300)
+    out = Sampler(0, backend)(logits.clone(), seqs)
+    want = torch.log_softmax(logits, dim=-1)
+    for i, lp in enumerate(out.logprobs):
+        assert lp.logprob == pytest.approx(want[i, out.tokens[i]].item(), abs=1e-5)
+    assert calls == [1]

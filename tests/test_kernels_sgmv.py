@@ -9,7 +9,12 @@ import os
 
 import pytest
 import torch
-from loraplex.bench.kernel_fixtures import LoRAPools, make_lora_pools, random_token_slots
+from loraplex.bench.kernel_fixtures import (
+    LoRAPools,
+    make_lora_pools,
+    random_token_slots,
+    step_segments,
+)
 from loraplex.kernels import backend_name, select_backend
 from loraplex.kernels.torch import lora as reference
 from loraplex.kernels.triton import sgmv
@@ -128,7 +133,7 @@ def test_dispatch_runs_triton_when_asked(monkeypatch: pytest.MonkeyPatch) -> Non
         slots = pools.token_slots(adapters)
         out = torch.zeros(len(slots), sum(pools.outs), dtype=BF16, device=DEVICE)
         backend.add_lora(out, x, pools.lora_a, pools.lora_b, pools.ranks,
-                         backend.lora_segments(slots))
+                         step_segments(backend, slots))
         results.append(out)
     assert pools.lora_a[0].stride(0) == 200  # the torch backend's unit is 1 row
     torch.testing.assert_close(results[0], results[1], **TOL[BF16])

@@ -13,6 +13,7 @@ from loraplex.bench.kernel_fixtures import (
     make_lora_pools,
     random_token_slots,
     segments,
+    step_segments,
 )
 from loraplex.kernels import backend_name, select_backend
 from loraplex.kernels.cpu import extension, lora_routes
@@ -227,7 +228,7 @@ def test_kernel_route_falls_back_to_grouped_where_it_cannot_build(
     assert backend.name == "torch"
     out = torch.zeros(len(slots), sum(pools.outs))
     backend.add_lora(out, x, pools.lora_a, pools.lora_b, pools.ranks,
-                     backend.lora_segments(slots))
+                     step_segments(backend, slots))
     torch.testing.assert_close(out, pools.oracle(x, slots), rtol=1e-4, atol=1e-4)
     with pytest.raises(extension.KernelBuildError):
         add_lora(torch.zeros_like(out), x, pools.lora_a, pools.lora_b, pools.ranks,
@@ -288,7 +289,7 @@ def test_dispatch_add_lora_on_cpu_uses_the_twin() -> None:
     x = torch.randn(len(slots), 200)
     out = torch.zeros(len(slots), sum(pools.outs))
     backend.add_lora(out, x, pools.lora_a, pools.lora_b, pools.ranks,
-                     backend.lora_segments(slots))
+                     step_segments(backend, slots))
     torch.testing.assert_close(out, pools.oracle(x, slots), rtol=1e-4, atol=1e-4)
     out2 = _delta("twin", pools, x, slots, torch.zeros_like(out))
     torch.testing.assert_close(out2, out, rtol=1e-4, atol=1e-4)

@@ -21,7 +21,6 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from ...kernels.backend import KernelBackend
-from ...kernels.step_metadata import AttentionMetadata
 from .llama import Attention, LlamaForCausalLM, RMSNorm
 from .rope import RotaryEmbedding, layer_windows
 
@@ -61,15 +60,15 @@ class GemmaDecoderLayer(nn.Module):
         self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, eps, ops)
         self.post_feedforward_layernorm = RMSNorm(config.hidden_size, eps, ops)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: Rope,
-                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None,
+                rope: Rope) -> tuple[torch.Tensor, torch.Tensor]:
         """As the Llama family's layer: x is still to be added into the residual stream;
         returns (this layer's normed MLP output, the residual stream)."""
         if residual is None:
             residual, h = x, self.input_layernorm(x)
         else:
             h = self.input_layernorm(x, residual)
-        h = self.post_attention_layernorm(self.self_attn(h, rope, meta))
+        h = self.post_attention_layernorm(self.self_attn(h, rope))
         h = self.pre_feedforward_layernorm(h, residual)
         return self.post_feedforward_layernorm(self.mlp(h)), residual
 
@@ -96,14 +95,13 @@ class GemmaModel(nn.Module):
         return {t: RotaryEmbedding(config, max_positions, t if per_type else None)
                 for t in sorted(set(types))}
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # [T, hidden]
         x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
         ropes = {t: rotary(positions, x.dtype) for t, rotary in self.rotary.items()}
         residual = None
         for layer in self.layers:
-            x, residual = layer(x, residual, ropes[layer.layer_type], meta)
+            x, residual = layer(x, residual, ropes[layer.layer_type])
         return self.norm(x, residual)
 
 

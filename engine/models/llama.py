@@ -14,8 +14,9 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
+from ...kernels.attention_metadata import AttentionMetadata
 from ...kernels.backend import KernelBackend
-from ...kernels.step_metadata import AttentionMetadata, StepMetadata, use_step
+from ...kernels.step_metadata import StepReader
 from .rope import RotaryEmbedding, head_dim_of, layer_windows
 
 __all__ = ["Attention", "DecoderLayer", "LlamaForCausalLM", "RMSNorm", "RotaryEmbedding",
@@ -43,10 +44,11 @@ class RMSNorm(nn.Module):
         return self.ops.add_rms_norm_(x, residual, self.weight, self.eps)
 
 
-class Attention(nn.Module):
+class Attention(nn.Module, StepReader):
     """Grouped-query paged attention: fused q/k/v, optional q/k RMSNorm, RoPE, then the
     backend's paged attention with this layer's ``scale``, ``softcap`` and sliding
-    ``window`` (0: off)."""
+    ``window`` (0: off), over the step's AttentionMetadata (``self.step``, bound by the
+    ModelRunner: ``kernels.step_metadata.bind_step``)."""
 
     def __init__(self, config: PretrainedConfig, ops: KernelBackend, *, qk_norm: bool = False,
                  scale: float | None = None, window: int = 0, softcap: float = 0.0):
@@ -70,9 +72,11 @@ class Attention(nn.Module):
         self.k_cache = torch.empty(0)  # [num_blocks, block_size, Hkv, D], set by ModelRunner
         self.v_cache = torch.empty(0)
 
-    def forward(
-        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        if self.step is None:
+            raise RuntimeError("no step metadata bound to this attention layer "
+                               "(kernels.step_metadata.bind_step)")
+        meta = self.step.attn
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(t, self.num_heads, self.head_dim)
@@ -132,7 +136,7 @@ class DecoderLayer(nn.Module):
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None,
-        rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
+        rope: tuple[torch.Tensor, torch.Tensor],
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """x: the previous layer's output, still to be added into the residual stream
         (layer 0: the embeddings, residual None). Returns (this layer's MLP output, the
@@ -141,7 +145,7 @@ class DecoderLayer(nn.Module):
             residual, h = x, self.input_layernorm(x)
         else:
             h = self.input_layernorm(x, residual)
-        h = self.post_attention_layernorm(self.self_attn(h, rope, meta), residual)
+        h = self.post_attention_layernorm(self.self_attn(h, rope), residual)
         return self.mlp(h), residual
 
 
@@ -154,14 +158,12 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.rotary = RotaryEmbedding(config, max_positions)
 
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # [T, hidden]
         rope = self.rotary(positions, x.dtype)
         residual = None
         for layer in self.layers:
-            x, residual = layer(x, residual, rope, meta)
+            x, residual = layer(x, residual, rope)
         return self.norm(x, residual)
 
 
@@ -178,12 +180,10 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.logits_head: nn.Module | None = None  # set to replace the F.linear below
 
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: StepMetadata
-    ) -> torch.Tensor:  # [T, hidden]
-        """The hidden states of the flat batch; ``meta`` is the step in use meanwhile."""
-        with use_step(meta):
-            return self.model(input_ids, positions, meta.attn)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The hidden states of the flat batch [T, hidden]; its attention and LoRA layers read
+        the step metadata bound to them, filled for these tokens."""
+        return self.model(input_ids, positions)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, vocab] float32
         if self.logits_head is not None:

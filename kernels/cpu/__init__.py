@@ -47,7 +47,10 @@ class CPUBackend(TorchBackend):
 
     def add_lora(self, out: torch.Tensor, x: torch.Tensor, lora_a: list[torch.Tensor],
                  lora_b: list[torch.Tensor], ranks: torch.Tensor, seg: LoRASegments) -> None:
-        lora_routes.add_lora(out, x, lora_a, lora_b, ranks, seg)  # type: ignore[arg-type]
+        if not isinstance(seg, CPULoRASegments):
+            raise TypeError(f"{type(seg).__name__}: the {self.name} backend reads the "
+                            "CPULoRASegments its lora_segments builds")
+        lora_routes.add_lora(out, x, lora_a, lora_b, ranks, seg)
 
     def paged_attention_decode(self, q: torch.Tensor, k_cache: torch.Tensor,
                                v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -91,3 +94,16 @@ class CPUBackend(TorchBackend):
         if logits.dtype != torch.float32 or logits.dim() != 2 or logits.stride(-1) != 1:
             return super().argmax_rows(logits)
         return self.ext.argmax_rows(logits)
+
+    def argmax_finite_rows(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if logits.dtype != torch.float32 or logits.dim() != 2 or logits.stride(-1) != 1:
+            return super().argmax_finite_rows(logits)
+        tokens, finite = self.ext.argmax_finite_rows(logits)
+        return tokens, finite
+
+    def logprob_rows(self, logits: torch.Tensor, tokens: torch.Tensor, k: int,
+                     normalize: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                               torch.Tensor]:
+        if logits.dtype != torch.float32 or logits.dim() != 2 or logits.stride(-1) != 1:
+            return super().logprob_rows(logits, tokens, k, normalize)
+        return tuple(self.ext.logprob_rows(logits, tokens.contiguous(), k, normalize))

@@ -7,6 +7,8 @@
 - csrc/paged_prefill.cpp: tiled paged prefill attention (float32), online softmax.
 - csrc/layer_ops.cpp: residual add + RMSNorm, RoPE + KV store, silu · mul.
 - csrc/argmax.cpp: each row's first maximum (greedy sampling).
+- csrc/logprob_rows.cpp: the sampled tokens' logprobs (value, rank, top k, log-sum-exp) in
+  one read of each row.
 - csrc/panel_gemm.cpp: float32 linears over weights packed into 16-column panels (AVX2).
 
 Built with the system C++ compiler (``-march=native``) on first use in a process and cached
@@ -36,7 +38,7 @@ log = logging.getLogger(__name__)
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = [CSRC / name for name in ("bindings.cpp", "lora_gather.cpp", "paged_decode.cpp",
                                     "paged_prefill.cpp", "layer_ops.cpp", "argmax.cpp",
-                                    "panel_gemm.cpp")]
+                                    "logprob_rows.cpp", "panel_gemm.cpp")]
 HEADERS = [CSRC / "vec.h", CSRC / "tile_6x16.h"]
 _lock = threading.Lock()
 _module: ModuleType | None = None

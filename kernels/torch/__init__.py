@@ -9,6 +9,7 @@ import torch
 from ..backend import KernelBackend
 from ..lora_segments import LoRASegments
 from . import attention, layer_ops, lora
+from .logprob_rows import logprob_rows
 
 
 class TorchBackend(KernelBackend):
@@ -59,3 +60,8 @@ class TorchBackend(KernelBackend):
 
     def argmax_rows(self, logits: torch.Tensor) -> torch.Tensor:
         return logits.argmax(dim=-1)
+
+    def logprob_rows(self, logits: torch.Tensor, tokens: torch.Tensor, k: int,
+                     normalize: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                               torch.Tensor]:
+        return logprob_rows(logits, tokens, k, normalize)

@@ -21,7 +21,10 @@ class TritonBackend(TorchBackend):
 
     def add_lora(self, out: torch.Tensor, x: torch.Tensor, lora_a: list[torch.Tensor],
                  lora_b: list[torch.Tensor], ranks: torch.Tensor, seg: LoRASegments) -> None:
-        sgmv.add_lora(out, x, lora_a, lora_b, ranks, seg)  # type: ignore[arg-type]
+        if not isinstance(seg, TritonLoRASegments):
+            raise TypeError(f"{type(seg).__name__}: the {self.name} backend reads the "
+                            "TritonLoRASegments its lora_segments builds")
+        sgmv.add_lora(out, x, lora_a, lora_b, ranks, seg)
 
     def store_kv(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:

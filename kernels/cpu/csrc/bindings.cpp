@@ -22,6 +22,9 @@ torch::Tensor rope_store_kv(torch::Tensor q, torch::Tensor k, torch::Tensor v,
                             torch::Tensor v_cache, torch::Tensor slot_mapping);
 torch::Tensor silu_mul(torch::Tensor gate_up);
 torch::Tensor argmax_rows(torch::Tensor logits);
+std::vector<torch::Tensor> argmax_finite_rows(torch::Tensor logits);
+std::vector<torch::Tensor> logprob_rows(torch::Tensor logits, torch::Tensor tokens, int64_t k,
+                                        bool normalize);
 bool panel_gemm_available();
 torch::Tensor pack_panels(torch::Tensor weight);
 torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels,
@@ -57,6 +60,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "rotate q and k in place (rotate-half RoPE); write k and v to the paged cache",
         py::call_guard<py::gil_scoped_release>());
   m.def("argmax_rows", &argmax_rows, "index of each row's first maximum (float32 logits)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("argmax_finite_rows", &argmax_finite_rows,
+        "argmax_rows, and whether each row is all finite, in one read",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("logprob_rows", &logprob_rows,
+        "per row: the chosen token's value, its rank, the k largest (values, ids); minus "
+        "log-sum-exp where normalize (float32 logits)",
         py::call_guard<py::gil_scoped_release>());
   m.def("panel_gemm_available", &panel_gemm_available,
         "whether panel_linear was built (AVX2 and FMA)");
