@@ -39,7 +39,7 @@ CSRC = Path(__file__).with_name("csrc")
 SOURCES = [CSRC / name for name in ("bindings.cpp", "lora_gather.cpp", "paged_decode.cpp",
                                     "paged_prefill.cpp", "layer_ops.cpp", "argmax.cpp",
                                     "logprob_rows.cpp", "panel_gemm.cpp")]
-HEADERS = [CSRC / "vec.h", CSRC / "tile_6x16.h"]
+HEADERS = [CSRC / "vec.h", CSRC / "tile_6x16.h", CSRC / "lora_blocks.h"]
 _lock = threading.Lock()
 _module: ModuleType | None = None
 _error: Exception | None = None

@@ -1,0 +1,242 @@
+// The LoRA kernel's inner blocks (lora_gather.cpp): the expand of a token or of a
+// block of tokens from B (r-major or rank-major), and the shrink of a block of tokens by A,
+// in float32 and bfloat16, vectorised where the ISA allows. Header-only: templates.
+#pragma once
+
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <type_traits>
+
+#include "vec.h"
+
+namespace lora_blocks {
+
+constexpr int64_t kBlock = 4;          // rows of one slot that share each weight read
+constexpr int64_t kExpandChunk = 256;  // B rows per chunk: 8 KB at rank 8, L1-resident
+
+// o[n] += dot(b[n * ld : n * ld + r], h[:r]) for n < width: the expand of one token.
+template <typename scalar_t>
+void expand_row(const scalar_t* b, int64_t ld, const float* h, int64_t r, int64_t width,
+                scalar_t* o) {
+  int64_t n = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    // Eight output rows at a time: eight vector dot products over k, then one 8x8
+    // transpose-and-sum (hadd) instead of eight horizontal sums.
+    const int64_t r8 = r - r % 8;
+    for (; r8 > 0 && n + 8 <= width; n += 8) {
+      __m256 acc[8];
+      for (int q = 0; q < 8; ++q) acc[q] = _mm256_setzero_ps();
+      for (int64_t k = 0; k < r8; k += 8) {
+        const __m256 hv = _mm256_loadu_ps(h + k);
+        for (int q = 0; q < 8; ++q)
+          acc[q] = _mm256_fmadd_ps(_mm256_loadu_ps(b + (n + q) * ld + k), hv, acc[q]);
+      }
+      __m256 sum = sum8(acc);  // [8] row sums
+      alignas(32) float tail[8];
+      for (int q = 0; q < 8; ++q) {  // ranks that are not a multiple of 8
+        float t = 0.f;
+        for (int64_t k = r8; k < r; ++k) t += b[(n + q) * ld + k] * h[k];
+        tail[q] = t;
+      }
+      sum = _mm256_add_ps(sum, _mm256_load_ps(tail));
+      _mm256_storeu_ps(o + n, _mm256_add_ps(_mm256_loadu_ps(o + n), sum));
+    }
+  }
+#endif
+  for (; n < width; ++n) {
+    const scalar_t* b_n = b + n * ld;
+    float acc = 0.f;
+    for (int64_t k = 0; k < r; ++k) acc += static_cast<float>(b_n[k]) * h[k];
+    o[n] = static_cast<scalar_t>(static_cast<float>(o[n]) + acc);
+  }
+}
+
+// The expand of a block of cnt rows from an r-major B (bt[k * ld + n] = B[n, k], the CPU
+// slot layout): o[q][n] += Σ_k h[q * r + k] · bt[k * ld + n] for n < width, vectorised over
+// n with no horizontal sums; each B vector is loaded once for the block's CNT rows. float
+// and bfloat16 (B and o converted on load, o rounded once on store).
+template <typename scalar_t, int CNT>
+int64_t expand_block_t_vec(const scalar_t* bt, int64_t ld, const float* h, int64_t r,
+                           int64_t width, scalar_t* const* o) {
+  int64_t n = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+  for (; n + 16 <= width; n += 16) {
+    __m256 acc[CNT][2];
+    for (int q = 0; q < CNT; ++q) acc[q][0] = acc[q][1] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < r; ++k) {
+      const __m256 b0 = load8(bt + k * ld + n);
+      const __m256 b1 = load8(bt + k * ld + n + 8);
+      for (int q = 0; q < CNT; ++q) {
+        const __m256 hq = _mm256_set1_ps(h[q * r + k]);
+        acc[q][0] = _mm256_fmadd_ps(hq, b0, acc[q][0]);
+        acc[q][1] = _mm256_fmadd_ps(hq, b1, acc[q][1]);
+      }
+    }
+    for (int q = 0; q < CNT; ++q) {
+      store8(o[q] + n, _mm256_add_ps(load8(o[q] + n), acc[q][0]));
+      store8(o[q] + n + 8, _mm256_add_ps(load8(o[q] + n + 8), acc[q][1]));
+    }
+  }
+#endif
+  return n;  // columns done; the caller finishes the rest
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+// Sixteen bfloat16 values widened to floats (exact: a bfloat16 is a float's high half).
+inline __m512 load16(const c10::BFloat16* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(
+      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+
+// expand_block_t_vec for bfloat16 on AVX-512: 32 columns a step in 16-wide vectors; o
+// rounded once on store to nearest even (as c10 rounds).
+template <int CNT>
+int64_t expand_block_t_512(const c10::BFloat16* bt, int64_t ld, const float* h, int64_t r,
+                           int64_t width, c10::BFloat16* const* o) {
+  int64_t n = 0;
+  for (; n + 32 <= width; n += 32) {
+    __m512 acc[CNT][2];
+    for (int q = 0; q < CNT; ++q) acc[q][0] = acc[q][1] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < r; ++k) {
+      const __m512 b0 = load16(bt + k * ld + n);
+      const __m512 b1 = load16(bt + k * ld + n + 16);
+      for (int q = 0; q < CNT; ++q) {
+        const __m512 hq = _mm512_set1_ps(h[q * r + k]);
+        acc[q][0] = _mm512_fmadd_ps(hq, b0, acc[q][0]);
+        acc[q][1] = _mm512_fmadd_ps(hq, b1, acc[q][1]);
+      }
+    }
+    for (int q = 0; q < CNT; ++q)
+      for (int half = 0; half < 2; ++half) {
+        c10::BFloat16* dst = o[q] + n + 16 * half;
+        const __m512 sum = _mm512_add_ps(load16(dst), acc[q][half]);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst),
+                            reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(sum)));
+      }
+  }
+  return n;
+}
+#endif
+
+template <typename scalar_t>
+void expand_block_t(const scalar_t* bt, int64_t ld, const float* h, int64_t r, int64_t cnt,
+                    int64_t width, scalar_t* const* o) {
+  int64_t n = 0;
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+    switch (cnt) {
+      case 1: n = expand_block_t_512<1>(bt, ld, h, r, width, o); break;
+      case 2: n = expand_block_t_512<2>(bt, ld, h, r, width, o); break;
+      case 3: n = expand_block_t_512<3>(bt, ld, h, r, width, o); break;
+      default: n = expand_block_t_512<4>(bt, ld, h, r, width, o); break;
+    }
+    // the rest (width not a multiple of 32) below, from column n on
+    if (n < width) {
+      c10::BFloat16* rest[kBlock];
+      for (int64_t q = 0; q < cnt; ++q) rest[q] = o[q] + n;
+      int64_t m = 0;
+      switch (cnt) {
+        case 1: m = expand_block_t_vec<scalar_t, 1>(bt + n, ld, h, r, width - n, rest); break;
+        case 2: m = expand_block_t_vec<scalar_t, 2>(bt + n, ld, h, r, width - n, rest); break;
+        case 3: m = expand_block_t_vec<scalar_t, 3>(bt + n, ld, h, r, width - n, rest); break;
+        default: m = expand_block_t_vec<scalar_t, 4>(bt + n, ld, h, r, width - n, rest); break;
+      }
+      n += m;
+    }
+  } else
+#endif
+  if constexpr (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, c10::BFloat16>) {
+    switch (cnt) {
+      case 1: n = expand_block_t_vec<scalar_t, 1>(bt, ld, h, r, width, o); break;
+      case 2: n = expand_block_t_vec<scalar_t, 2>(bt, ld, h, r, width, o); break;
+      case 3: n = expand_block_t_vec<scalar_t, 3>(bt, ld, h, r, width, o); break;
+      default: n = expand_block_t_vec<scalar_t, 4>(bt, ld, h, r, width, o); break;
+    }
+  }
+  for (int64_t q = 0; q < cnt; ++q)
+    for (int64_t c = n; c < width; ++c) {
+      float acc = 0.f;
+      for (int64_t k = 0; k < r; ++k) acc += static_cast<float>(bt[k * ld + c]) * h[q * r + k];
+      o[q][c] = static_cast<scalar_t>(static_cast<float>(o[q][c]) + acc);
+    }
+}
+
+// h[q * r + k] = a[k · lda :] · x[q] for the block's cnt <= kBlock rows (x rows already
+// fp32): every A row is loaded once for all of them.
+template <typename scalar_t>
+void shrink_block(const scalar_t* a, int64_t lda, int64_t in, const float* x, int64_t cnt,
+                  int64_t r, float* h) {
+#if defined(__AVX2__) && defined(__FMA__)
+  if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {  // A converted eight at a time
+    if (in % 8 == 0) {
+      for (int64_t k = 0; k < r; ++k) {
+        const scalar_t* a_k = a + k * lda;
+        __m256 s[kBlock];
+        for (int64_t q = 0; q < cnt; ++q) s[q] = _mm256_setzero_ps();
+        for (int64_t c = 0; c < in; c += 8) {
+          const __m256 av = load8(a_k + c);
+          for (int64_t q = 0; q < cnt; ++q)
+            s[q] = _mm256_fmadd_ps(av, _mm256_loadu_ps(x + q * in + c), s[q]);
+        }
+        for (int64_t q = 0; q < cnt; ++q) h[q * r + k] = hsum8(s[q]);
+      }
+      return;
+    }
+  }
+#endif
+  if (cnt == 1) {
+    for (int64_t k = 0; k < r; ++k) {
+      const scalar_t* a_k = a + k * lda;
+      float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+      for (int64_t c = 0; c < in; ++c) acc += static_cast<float>(a_k[c]) * x[c];
+      h[k] = acc;
+    }
+    return;
+  }
+  // Rows past cnt repeat the last row; their sums are computed and dropped.
+  const float* x0 = x;
+  const float* x1 = x + std::min<int64_t>(1, cnt - 1) * in;
+  const float* x2 = x + std::min<int64_t>(2, cnt - 1) * in;
+  const float* x3 = x + std::min<int64_t>(3, cnt - 1) * in;
+  for (int64_t k = 0; k < r; ++k) {
+    const scalar_t* a_k = a + k * lda;
+    float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
+#pragma omp simd reduction(+ : s0, s1, s2, s3)
+    for (int64_t c = 0; c < in; ++c) {
+      const float av = static_cast<float>(a_k[c]);
+      s0 += av * x0[c];
+      s1 += av * x1[c];
+      s2 += av * x2[c];
+      s3 += av * x3[c];
+    }
+    const float sums[4] = {s0, s1, s2, s3};
+    for (int64_t q = 0; q < cnt; ++q) h[q * r + k] = sums[q];
+  }
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+// shrink_block for bfloat16 A and x (x's own rows, in % 32 == 0): h[q * r + k] = a_k · x_q
+// by VDPBF16PS, 32 products a step, each exact in fp32 and summed in fp32 (the same sums
+// as the fp32 form, in another order).
+inline void shrink_block_bf16_512(const c10::BFloat16* a, int64_t lda, int64_t in,
+                                  const c10::BFloat16* const* x, int64_t cnt, int64_t r,
+                                  float* h) {
+  for (int64_t k = 0; k < r; ++k) {
+    const c10::BFloat16* a_k = a + k * lda;
+    __m512 s[kBlock];
+    for (int64_t q = 0; q < cnt; ++q) s[q] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < in; c += 32) {
+      const __m512bh av = reinterpret_cast<__m512bh>(_mm512_loadu_si512(a_k + c));
+      for (int64_t q = 0; q < cnt; ++q)
+        s[q] = _mm512_dpbf16_ps(
+            s[q], av, reinterpret_cast<__m512bh>(_mm512_loadu_si512(x[q] + c)));
+    }
+    for (int64_t q = 0; q < cnt; ++q) h[q * r + k] = _mm512_reduce_add_ps(s[q]);
+  }
+}
+#endif
+
+}  // namespace lora_blocks
