@@ -112,8 +112,8 @@ def test_silu_mul_matches_twin(kernels, dtype: torch.dtype, width: int) -> None:
 
 
 KERNELS = ["rms_norm", "add_rms_norm_", "rope_store_kv", "silu_mul", "paged_attention_decode",
-           "paged_attention_prefill", "argmax_rows", "pack_panels", "panel_linear"]
-WITHOUT_TWIN = {"argmax_rows", "pack_panels", "panel_linear"}  # torch's own ops are theirs
+           "paged_attention_prefill", "argmax_finite_rows", "pack_panels", "panel_linear"]
+WITHOUT_TWIN = {"argmax_finite_rows", "pack_panels", "panel_linear"}  # torch's own ops are theirs
 TWIN_MODULES = {"paged_attention_decode": torch_attention,
                 "paged_attention_prefill": torch_attention}  # the rest: reference (layer_ops)
 
