@@ -194,6 +194,18 @@ def _copy_without_cpu_kernels(dest: Path) -> Path:
     return package
 
 
+@pytest.mark.parametrize("module", ["loraplex.client", "loraplex.server.ray.registry",
+                                    "loraplex.server.ray.registry_store"])
+def test_light_modules_load_no_torch(module: str) -> None:
+    """The client, and the Ray adapter registry's actor (a process of its own, which holds
+    only names and paths), start without torch: with it the registry actor alone held
+    ~570 MiB of the two-replica Ray deployment's memory."""
+    code = f"import sys, {module}; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, timeout=120)
+    assert out.stdout.strip() == "False", out.stderr
+
+
 def test_the_engine_runs_with_kernels_cpu_deleted(tiny_llama: Path, tmp_path: Path) -> None:
     """A copy of the package without kernels/cpu serves on the torch backend, exact."""
     package = _copy_without_cpu_kernels(tmp_path)
