@@ -13,16 +13,15 @@ generates timed. Prints ms per step and shares, for prefill steps and decode ste
 from __future__ import annotations
 
 import argparse
-import tempfile
 import time
 from collections import defaultdict
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from torch import nn
 
-from .common import default_model_dir, machine_line, make_random_adapters, random_prompts
+from .common import machine_line
+from .step_workload import add_workload_args, step_workload
 
 PARTS = ("gemm", "lora", "attention", "layer ops", "logits head", "sampler", "inputs")
 LAYER_OPS = ("rms_norm", "add_rms_norm_", "rope_store_kv", "silu_mul")
@@ -93,36 +92,16 @@ def report(clock: StepClock) -> list[str]:
 
 
 def main() -> None:
-    from .. import LLMEngine, SamplingParams
-
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
-    ap.add_argument("--adapters", type=int, default=0)
-    ap.add_argument("--requests", type=int, default=32)
-    ap.add_argument("--prompt-len", type=int, default=64)
-    ap.add_argument("--new-tokens", type=int, default=32)
-    ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--adapter-dir", type=Path, default=Path(tempfile.gettempdir()) /
-                    "loraplex-bench-adapters")
+    add_workload_args(ap, adapters=0)
     args = ap.parse_args()
-    model_dir = default_model_dir()
-    n = args.requests
-    adapters = (make_random_adapters(model_dir, args.adapters, args.adapter_dir)
-                if args.adapters else {})
-    names = [list(adapters)[i % len(adapters)] for i in range(n)] if adapters else [None] * n
-    engine = LLMEngine(model=model_dir, dtype=args.dtype, max_num_seqs=n,
-                       max_num_batched_tokens=512, max_model_len=1024, max_lora_rank=8,
-                       max_loras=max(1, len(adapters)), max_cpu_loras=max(1, len(adapters)),
-                       enable_prefix_caching=False,
-                       lora_modules={k: str(p) for k, p in adapters.items()})
-    prompts = random_prompts(n, args.prompt_len, vocab=49152, seed=2)
-    params = SamplingParams(temperature=0.0, max_new_tokens=args.new_tokens, ignore_eos=True)
-    engine.generate(prompts, params, adapters=names)  # warm-up; adapters become resident
+    work = step_workload(args)
+    engine, n = work.engine, args.requests
     clock = StepClock()
     instrument(engine, clock)
     start = time.perf_counter()
     for _ in range(args.rounds):
-        engine.generate(prompts, params, adapters=names)
+        work.run()
     seconds = time.perf_counter() - start
     print(machine_line(engine.base.kernels.name, str(engine.base.dtype).removeprefix("torch.")))
     print(f"SmolLM2-135M, {n} requests x {args.prompt_len} prompt x {args.new_tokens} new "

@@ -17,14 +17,13 @@ from __future__ import annotations
 import argparse
 import inspect
 import statistics
-import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from .common import default_model_dir, machine_line, make_random_adapters, random_prompts
+from .common import machine_line
+from .step_workload import add_workload_args, step_workload
 
 SEGMENT_BACKENDS = ("torch", "cpu", "triton")
 
@@ -74,37 +73,17 @@ def replay(builder: Any, steps: list[list[int]], repeats: int) -> list[float]:
 
 
 def main() -> None:
-    from .. import LLMEngine, SamplingParams
-
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
-    ap.add_argument("--adapters", type=int, default=32)
-    ap.add_argument("--requests", type=int, default=32)
-    ap.add_argument("--prompt-len", type=int, default=64)
-    ap.add_argument("--new-tokens", type=int, default=32)
-    ap.add_argument("--rounds", type=int, default=2)
+    add_workload_args(ap, adapters=32)
     ap.add_argument("--repeats", type=int, default=20, help="replays of the segments")
-    ap.add_argument("--adapter-dir", type=Path, default=Path(tempfile.gettempdir()) /
-                    "loraplex-bench-adapters")
     args = ap.parse_args()
-    model_dir = default_model_dir()
-    n = args.requests
-    adapters = (make_random_adapters(model_dir, args.adapters, args.adapter_dir)
-                if args.adapters else {})
-    names = [list(adapters)[i % len(adapters)] for i in range(n)] if adapters else [None] * n
-    engine = LLMEngine(model=model_dir, dtype=args.dtype, max_num_seqs=n,
-                       max_num_batched_tokens=512, max_model_len=1024, max_lora_rank=8,
-                       max_loras=max(1, len(adapters)), max_cpu_loras=max(1, len(adapters)),
-                       enable_prefix_caching=False,
-                       lora_modules={k: str(p) for k, p in adapters.items()})
-    prompts = random_prompts(n, args.prompt_len, vocab=49152, seed=2)
-    params = SamplingParams(temperature=0.0, max_new_tokens=args.new_tokens, ignore_eos=True)
-    engine.generate(prompts, params, adapters=names)  # warm-up; adapters become resident
+    work = step_workload(args)
+    engine, n = work.engine, args.requests
     times: dict[str, list[float]] = {"prefill": [], "decode": []}
     slots: dict[str, list[list[int]]] = {"prefill": [], "decode": []}
     record_prepare(engine, times, slots)
     for _ in range(args.rounds):
-        engine.generate(prompts, params, adapters=names)
+        work.run()
     print(machine_line(engine.base.kernels.name, str(engine.base.dtype).removeprefix("torch.")))
     print(f"SmolLM2-135M, {n} requests x {args.prompt_len} prompt x {args.new_tokens} new "
           f"tokens, {args.adapters or 'no'} adapters, {args.rounds} rounds; median us a step")

@@ -7,9 +7,10 @@ The three forms tools.py asks for:
   {...}}</tool_call>`` blocks; text before the first block is the message's content.
 
 A call's ``arguments`` is the exact text the model wrote for them, so a stream's argument
-deltas add up to the whole response's arguments. ``scan_calls`` reads JSON that may be cut
+deltas add up to the whole response's arguments. ``_Scan`` reads JSON that may be cut
 anywhere (a stream, or ``max_tokens``); it only tracks nesting and strings: the grammar
-(named, required) or ``json.loads`` (hermes, whole) is what checks the JSON.
+(named, required) or ``json.loads`` (hermes, whole) is what checks the JSON. A stream's text
+only grows, so its ``CallReader`` scans each character once however many chunks it takes.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ class _Scan:
     expecting_key: bool = True
     key: str | None = None
     value_start: int | None = None  # the arguments' first character
+    pos: int = 0  # characters scanned so far (the text only grows)
 
     @property
     def in_call(self) -> bool:
@@ -52,11 +54,12 @@ class _Scan:
             self.depth == self.call_depth + 1
 
 
-def scan_calls(text: str, call_depth: int, arg_keys: frozenset[str]) -> list[CallText]:
+def _advance(s: _Scan, text: str) -> list[CallText]:
     """The call objects (objects opened at ``call_depth``) in ``text``, each with its
-    ``name`` string and the text of its ``arg_keys`` value so far."""
-    s = _Scan(call_depth, arg_keys)
-    for i, ch in enumerate(text):
+    ``name`` string and the text of its ``arg_keys`` value so far; scans only what ``s``
+    has not seen (``text`` extends the text it saw)."""
+    for i in range(s.pos, len(text)):
+        ch = text[i]
         if s.in_string:
             _string_char(s, text, i, ch)
         elif ch == '"':
@@ -70,6 +73,7 @@ def scan_calls(text: str, call_depth: int, arg_keys: frozenset[str]) -> list[Cal
             s.expecting_key = False
         elif s.in_call and ch == ",":
             s.expecting_key, s.key = True, None
+    s.pos = max(s.pos, len(text))
     if s.value_start is not None and s.calls:
         s.calls[-1].arguments = text[s.value_start:]
     return s.calls
@@ -109,19 +113,36 @@ def _close(s: _Scan, text: str, i: int) -> None:
         s.calls[-1].done = True
 
 
-def read_calls(plan: ToolPlan, text: str) -> tuple[str | None, list[CallText]]:
-    """The content and the calls in ``text`` so far (a stream's, or a whole answer's)."""
-    if plan.mode == "named":
-        return None, [CallText(plan.name, text)]
-    if plan.mode == "required":
-        return None, scan_calls(text, 1, frozenset({"parameters"}))
-    start = text.find(HERMES_START)
-    if start < 0:
-        return _without_partial_tag(text), []
-    calls = []
-    for block in text[start:].split(HERMES_START)[1:]:
-        calls += scan_calls(block.split(HERMES_END)[0], 0, frozenset({"arguments"}))
-    return text[:start], calls
+REQUIRED_ARGS, HERMES_ARGS = frozenset({"parameters"}), frozenset({"arguments"})
+
+
+@dataclass
+class CallReader:
+    """The content and the calls of one answer's text, which may only grow between reads."""
+
+    plan: ToolPlan
+    required: _Scan = field(default_factory=lambda: _Scan(1, REQUIRED_ARGS))
+    blocks: list[tuple[int, _Scan]] = field(default_factory=list)  # hermes: (start, scan)
+    searched: int = 0  # hermes: no <tool_call> starts before this
+
+    def read(self, text: str) -> tuple[str | None, list[CallText]]:
+        if self.plan.mode == "named":
+            return None, [CallText(self.plan.name, text)]
+        if self.plan.mode == "required":
+            return None, _advance(self.required, text)
+        while (tag := text.find(HERMES_START, self.searched)) >= 0:
+            self.searched = tag + len(HERMES_START)
+            self.blocks.append((self.searched, _Scan(0, HERMES_ARGS)))
+        if not self.blocks:
+            return _without_partial_tag(text), []
+        calls = []
+        for n, (start, scan) in enumerate(self.blocks):
+            end = self.blocks[n + 1][0] - len(HERMES_START) if n + 1 < len(self.blocks) \
+                else len(text)
+            block = text[start:end]
+            closed = block.find(HERMES_END)
+            calls += _advance(scan, block if closed < 0 else block[:closed])
+        return text[:self.blocks[0][0] - len(HERMES_START)], calls
 
 
 def _without_partial_tag(text: str) -> str:
@@ -139,7 +160,7 @@ def new_call_id() -> str:
 def whole_message(plan: ToolPlan, text: str) -> tuple[str | None, list[dict[str, Any]]]:
     """A whole answer's ``content`` and ``tool_calls``. Hermes blocks that are not valid JSON
     calls leave the whole text as content (vLLM's rule)."""
-    content, calls = read_calls(plan, text)
+    content, calls = CallReader(plan).read(text)
     if plan.mode == "auto":
         if not calls or not all(_valid_hermes(c) for c in calls):
             return text, []
@@ -163,9 +184,13 @@ class ToolCallStream:
     """One choice's stream: what has been sent of its content and of each call."""
 
     plan: ToolPlan
+    reader: CallReader = field(init=False)
     sent_content: int = 0
     ids: list[str] = field(default_factory=list)  # per call with its header sent
     sent_arguments: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.reader = CallReader(self.plan)
 
     @property
     def called(self) -> bool:
@@ -174,7 +199,7 @@ class ToolCallStream:
     def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
         """``text``: the choice's whole text so far; returns the new content and OpenAI's
         ``delta.tool_calls`` entries (a call's first carries its id and name)."""
-        content, calls = read_calls(self.plan, text)
+        content, calls = self.reader.read(text)
         new_content = (content or "")[self.sent_content:]
         self.sent_content += len(new_content)
         deltas = []
