@@ -15,9 +15,10 @@ def paged_attention_decode(ext: ModuleType, q: torch.Tensor, k_cache: torch.Tens
                            v_cache: torch.Tensor, block_tables: torch.Tensor,
                            context_lens: torch.Tensor, scale: float, softcap: float = 0.0,
                            window: int = 0) -> torch.Tensor:
-    """The torch backend's paged_attention_decode (soft-cap and window in the kernel). A
-    strided q (a view of the fused qkv projection) is copied dense."""
-    return ext.paged_attention_decode(q.contiguous(), k_cache, v_cache,
+    """The torch backend's paged_attention_decode (soft-cap and window in the kernel). q may
+    be a strided view (of the fused qkv projection) with dense head rows: the kernel reads it
+    in place."""
+    return ext.paged_attention_decode(q, k_cache, v_cache,
                                       block_tables.contiguous(), context_lens.contiguous(),
                                       scale, softcap, window)
 
@@ -52,7 +53,7 @@ def _prefill_tiled(ext: ModuleType, q: torch.Tensor, k_cache: torch.Tensor,
                    q_lens: torch.Tensor, softcap: float, window: int) -> torch.Tensor:
     """The tiled kernel for the sequences with two or more new tokens (it leaves the rows of
     one-token sequences unwritten), the decode kernel for the one-token ones."""
-    out = ext.paged_attention_prefill(q.contiguous(), k_cache, v_cache,
+    out = ext.paged_attention_prefill(q, k_cache, v_cache,
                                       block_tables.contiguous(),
                                       query_start_loc.to(torch.int32).contiguous(),
                                       context_lens.contiguous(), scale, softcap, window)
