@@ -58,7 +58,7 @@ def median_us(fn: Callable[[int], object], calls: int) -> float:
     return statistics.median(times) * 1e6
 
 
-def read_bandwidth(dtype: torch.dtype) -> float:
+def read_bandwidth() -> float:
     """Bytes per second of one sum over 256 MiB (all threads), the best of five."""
     x = torch.ones(64 << 20, dtype=torch.float32)
     best = float("inf")
@@ -113,7 +113,7 @@ def main() -> None:
         return backend.paged_attention_prefill(q_pre, k, v, tab_pre, qsl, lens_pre, scale,
                                                max_q_len=n)
 
-    bandwidth = read_bandwidth(dtype)
+    bandwidth = read_bandwidth()
     kv_bytes = 2 * b * ctx * HKV * DIM * elem
     flops = 4 * s * HQ * DIM * n * (n + 1) / 2  # QKᵀ and PV over the causal triangle
     print(f"read bandwidth {bandwidth / 1e9:.1f} GB/s; decode {b} seqs x {ctx} positions "
@@ -122,8 +122,8 @@ def main() -> None:
     cold, hot = (lambda i: i % LAYERS), (lambda i: 0)
     for name, fn, floor in (("decode", decode, kv_bytes / bandwidth * 1e6),
                             ("prefill", prefill, flops / (PEAK_GFLOPS * 1e3))):
-        c = median_us(lambda i: fn(i, cold), args.calls)
-        h = median_us(lambda i: fn(i, hot), args.calls)
+        c = median_us(lambda i, f=fn: f(i, cold), args.calls)
+        h = median_us(lambda i, f=fn: f(i, hot), args.calls)
         print(f"{name:8s} cold {c:8.1f} us/call ({c * LAYERS / 1e3:5.2f} ms/step)  "
               f"hot {h:8.1f} us/call  floor {floor:6.1f} us")
 
