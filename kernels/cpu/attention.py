@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from types import ModuleType
 
+import numpy as np
 import torch
 
 TILED_DTYPES = (torch.float32, torch.bfloat16)  # the tiled prefill kernel's
@@ -15,9 +16,10 @@ def paged_attention_decode(ext: ModuleType, q: torch.Tensor, k_cache: torch.Tens
                            v_cache: torch.Tensor, block_tables: torch.Tensor,
                            context_lens: torch.Tensor, scale: float, softcap: float = 0.0,
                            window: int = 0) -> torch.Tensor:
-    """The torch backend's paged_attention_decode (soft-cap and window in the kernel). A
-    strided q (a view of the fused qkv projection) is copied dense."""
-    return ext.paged_attention_decode(q.contiguous(), k_cache, v_cache,
+    """The torch backend's paged_attention_decode (soft-cap and window in the kernel). q may
+    be a strided view (of the fused qkv projection) with dense head rows: the kernel reads it
+    in place."""
+    return ext.paged_attention_decode(q, k_cache, v_cache,
                                       block_tables.contiguous(), context_lens.contiguous(),
                                       scale, softcap, window)
 
@@ -34,11 +36,12 @@ def paged_attention_prefill(ext: ModuleType, q: torch.Tensor, k_cache: torch.Ten
     every token is
     one decode over its sequence's blocks up to its own position (token t of a sequence
     with c cached and n new tokens sees c + t + 1 positions)."""
-    starts = query_start_loc.long()
-    q_lens = starts[1:] - starts[:-1]  # [S]
-    if q.dtype in TILED_DTYPES and bool((q_lens > 1).any()):
+    q_lens = np.diff(query_start_loc.numpy())  # [S], host arithmetic (a torch op costs ~5 us)
+    if q.dtype in TILED_DTYPES and q_lens.size and q_lens.max() > 1:
         return _prefill_tiled(ext, q, k_cache, v_cache, block_tables, query_start_loc,
                               context_lens, scale, q_lens, softcap, window)
+    starts = query_start_loc.long()
+    q_lens = torch.from_numpy(q_lens).long()
     seq_of_token = torch.repeat_interleave(torch.arange(len(q_lens)), q_lens)  # [T]
     offset = (context_lens.long() - q_lens - starts[:-1] + 1)[seq_of_token]  # [T]
     token_lens = (torch.arange(q.shape[0]) + offset).to(torch.int32)
@@ -49,17 +52,18 @@ def paged_attention_prefill(ext: ModuleType, q: torch.Tensor, k_cache: torch.Ten
 def _prefill_tiled(ext: ModuleType, q: torch.Tensor, k_cache: torch.Tensor,
                    v_cache: torch.Tensor, block_tables: torch.Tensor,
                    query_start_loc: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                   q_lens: torch.Tensor, softcap: float, window: int) -> torch.Tensor:
+                   q_lens: np.ndarray, softcap: float, window: int) -> torch.Tensor:
     """The tiled kernel for the sequences with two or more new tokens (it leaves the rows of
     one-token sequences unwritten), the decode kernel for the one-token ones."""
-    out = ext.paged_attention_prefill(q.contiguous(), k_cache, v_cache,
+    out = ext.paged_attention_prefill(q, k_cache, v_cache,
                                       block_tables.contiguous(),
                                       query_start_loc.to(torch.int32).contiguous(),
                                       context_lens.contiguous(), scale, softcap, window)
     single = q_lens == 1
-    if bool(single.any()):
-        rows = query_start_loc.long()[:-1][single]
+    if single.any():
+        rows = torch.from_numpy(query_start_loc.numpy()[:-1][single]).long()
+        mask = torch.from_numpy(single)
         out[rows] = paged_attention_decode(ext, q[rows], k_cache, v_cache,
-                                           block_tables[single], context_lens[single], scale,
+                                           block_tables[mask], context_lens[mask], scale,
                                            softcap, window)
     return out

@@ -4,7 +4,8 @@
   place (B r-major, so the expand is vector FMAs over the outputs).
 - csrc/paged_decode.cpp: paged decode attention, one query token per sequence; a KV head's
   query heads take the cached rows window by window, each row read from memory once.
-- csrc/paged_prefill.cpp: tiled paged prefill attention (float32), online softmax.
+- csrc/paged_prefill.cpp: tiled paged prefill attention (float32, bfloat16), online softmax
+  (csrc/online_softmax.h), each register tile's keys cut at its last token's position.
 - csrc/layer_ops.cpp: residual add + RMSNorm, RoPE + KV store, silu · mul.
 - csrc/argmax.cpp: each row's first maximum (greedy sampling).
 - csrc/logprob_rows.cpp: the sampled tokens' logprobs (value, rank, top k, log-sum-exp) in
@@ -39,7 +40,7 @@ CSRC = Path(__file__).with_name("csrc")
 SOURCES = [CSRC / name for name in ("bindings.cpp", "lora_gather.cpp", "paged_decode.cpp",
                                     "paged_prefill.cpp", "layer_ops.cpp", "argmax.cpp",
                                     "logprob_rows.cpp", "panel_gemm.cpp")]
-HEADERS = [CSRC / "vec.h", CSRC / "tile_6x16.h", CSRC / "lora_blocks.h"]
+HEADERS = [CSRC / name for name in ("vec.h", "tile_6x16.h", "lora_blocks.h", "online_softmax.h")]
 _lock = threading.Lock()
 _module: ModuleType | None = None
 _error: Exception | None = None

@@ -134,6 +134,7 @@ void decode_heads(const torch::Tensor& q, const torch::Tensor& k_cache,
   const int64_t num_kv_heads = k_cache.size(2), group = num_heads / num_kv_heads;
   const int64_t max_blocks = block_tables.size(1);
   const scalar_t* q_p = q.data_ptr<scalar_t>();
+  const int64_t q_seq = q.stride(0), q_head = q.stride(1);  // q rows may be strided
   const int32_t* table_p = block_tables.data_ptr<int32_t>();
   const int32_t* len_p = context_lens.data_ptr<int32_t>();
   scalar_t* out_p = out.data_ptr<scalar_t>();
@@ -155,9 +156,11 @@ void decode_heads(const torch::Tensor& q, const torch::Tensor& k_cache,
       const ContextRows<scalar_t> v{v_cache.data_ptr<scalar_t>() + kvh * v_cache.stride(2),
                                     table, v_cache.size(1), v_cache.stride(0),
                                     v_cache.stride(1)};
-      const int64_t head0 = (b * num_heads + kvh * group) * head_dim;  // the group's q/out
-      for (int64_t i = 0; i < group * head_dim; ++i)
-        qf[i] = static_cast<float>(q_p[head0 + i]) * sc;
+      const int64_t head0 = (b * num_heads + kvh * group) * head_dim;  // the group's out
+      for (int64_t g = 0; g < group; ++g)
+        for (int64_t d = 0; d < head_dim; ++d)
+          qf[g * head_dim + d] =
+              static_cast<float>(q_p[b * q_seq + (kvh * group + g) * q_head + d]) * sc;
       scores.resize(group * len);  // scores[g * len + p] of position first + p
       for (int64_t p0 = 0; p0 < len; p0 += kWindow)
         for (int64_t g = 0; g < group; ++g)
@@ -185,7 +188,7 @@ torch::Tensor paged_attention_decode(torch::Tensor q, torch::Tensor k_cache,
                                      torch::Tensor context_lens, double scale, double softcap,
                                      int64_t window) {
   TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu(), "CPU tensors only");
-  TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "q must be a dense [B, Hq, D]");
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [B, Hq, D] with dense rows");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.strides() == v_cache.strides() &&
                   k_cache.sizes() == v_cache.sizes() && k_cache.stride(3) == 1,
               "k and v caches must share a [NB, bs, Hkv, D] layout with dense rows");
@@ -209,7 +212,7 @@ torch::Tensor paged_attention_decode(torch::Tensor q, torch::Tensor k_cache,
                       table_p[b * max_blocks + j] < k_cache.size(0),
                   "block ", table_p[b * max_blocks + j], " out of range");
   }
-  auto out = torch::empty_like(q);
+  auto out = torch::empty(q.sizes(), q.options());  // dense, whatever q's strides
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(),
                                   "paged_attention_decode", [&] {
     decode_heads<scalar_t>(q, k_cache, v_cache, block_tables, context_lens, scale, softcap,

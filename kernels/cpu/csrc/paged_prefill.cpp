@@ -18,6 +18,7 @@
 #include <limits>
 #include <vector>
 
+#include "online_softmax.h"
 #include "tile_6x16.h"
 #include "vec.h"
 
@@ -50,13 +51,14 @@ struct Item {
   }
 #endif
 
-// s[r][j] = Σ_d q[r][d] · kt[d][j] for kRows rows (q rows D apart) and the kChunk keys
-// (kt rows and s rows kChunk apart), sixteen keys at a time.
-void scores_rows(const float* q, const float* kt, int64_t dim, float* s) {
+// s[r][j] = Σ_d q[r][d] · kt[d][j] for kRows rows (q rows D apart) and the first `keys`
+// keys (keys <= kChunk, a multiple of 16; kt rows and s rows kChunk apart), sixteen keys at
+// a time.
+void scores_rows(const float* q, const float* kt, int64_t dim, int64_t keys, float* s) {
   int64_t j0 = 0;
 #if defined(__AVX2__) && defined(__FMA__)
   static_assert(kRows == 6, "the register tile is six rows");
-  for (; j0 < kChunk; j0 += 16) {
+  for (; j0 < keys; j0 += 16) {
     LP_ACC_DECLARE
     c00 = c01 = c10 = c11 = c20 = c21 = c30 = c31 = c40 = c41 = c50 = c51 = _mm256_setzero_ps();
     for (int64_t d = 0; d < dim; ++d) {
@@ -68,17 +70,18 @@ void scores_rows(const float* q, const float* kt, int64_t dim, float* s) {
   }
 #endif
   for (int r = 0; r < kRows; ++r)
-    for (int64_t j = j0; j < kChunk; ++j) {
+    for (int64_t j = j0; j < keys; ++j) {
       float acc = 0.f;
       for (int64_t d = 0; d < dim; ++d) acc += q[r * dim + d] * kt[d * kChunk + j];
       s[r * kChunk + j] = acc;
     }
 }
 
-// o[r][:] = o[r][:] · alpha[r] + Σ_j p[r][j] · v[j][:] for kRows rows (o and v rows D apart,
-// p rows kChunk apart), sixteen columns at a time.
-void accumulate_rows(const float* p, const float* v, int64_t dim, const float* alpha,
-                     float* o) {
+// o[r][:] = o[r][:] · alpha[r] + Σ_{j < keys} p[r][j] · v[j][:] for kRows rows (o and v rows
+// D apart, p rows kChunk apart), sixteen columns at a time. The positions j >= keys hold
+// p = 0 in every row (masked), so leaving them out adds nothing that the sum would hold.
+void accumulate_rows(const float* p, const float* v, int64_t dim, int64_t keys,
+                     const float* alpha, float* o) {
   int64_t d0 = 0;
 #if defined(__AVX2__) && defined(__FMA__)
   for (; d0 + 16 <= dim; d0 += 16) {
@@ -89,7 +92,7 @@ void accumulate_rows(const float* p, const float* v, int64_t dim, const float* a
     LP_ACC_DECLARE
     LP_SCALED(0) LP_SCALED(1) LP_SCALED(2) LP_SCALED(3) LP_SCALED(4) LP_SCALED(5)
 #undef LP_SCALED
-    for (int64_t j = 0; j < kChunk; ++j) {
+    for (int64_t j = 0; j < keys; ++j) {
       const __m256 v0 = _mm256_loadu_ps(v + j * dim + d0);
       const __m256 v1 = _mm256_loadu_ps(v + j * dim + d0 + 8);
       LP_SIX_ROWS(p + j, kChunk, v0, v1)
@@ -100,55 +103,23 @@ void accumulate_rows(const float* p, const float* v, int64_t dim, const float* a
   for (int r = 0; r < kRows; ++r)
     for (int64_t d = d0; d < dim; ++d) {
       float acc = o[r * dim + d] * alpha[r];
-      for (int64_t j = 0; j < kChunk; ++j) acc += p[r * kChunk + j] * v[j * dim + d];
+      for (int64_t j = 0; j < keys; ++j) acc += p[r * kChunk + j] * v[j * dim + d];
       o[r * dim + d] = acc;
     }
 }
 
-// One row's online-softmax step over its chunk scores s[0..kChunk): the new running max m,
-// alpha = exp(old m - new m) (the factor for what was summed so far), s = exp(s - m); returns
-// Σ s. Masked scores are -inf (exp 0). A row that has seen no position yet (all -inf so far:
-// a window starts past this chunk) keeps m = -inf, its scores 0 and alpha 1; alpha = 0 at the
-// first chunk with a visible position (where the old m is -inf).
-float softmax_step(float* s, float& m, float& alpha) {
-  float mx = m, sum = 0.f;
-#if defined(__AVX2__) && defined(__FMA__)
-  __m256 mv = _mm256_set1_ps(m);
-  for (int64_t j = 0; j < kChunk; j += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(s + j));
-  mv = _mm256_max_ps(mv, _mm256_permute2f128_ps(mv, mv, 1));
-  mv = _mm256_max_ps(mv, _mm256_shuffle_ps(mv, mv, 0x4e));
-  mv = _mm256_max_ps(mv, _mm256_shuffle_ps(mv, mv, 0xb1));
-  mx = _mm256_cvtss_f32(mv);
-  static_assert(kChunk % 8 == 0, "whole vectors per chunk row");
-  sum = exp_shift_sum(s, kChunk, mx);
-#else
-  for (int64_t j = 0; j < kChunk; ++j) mx = std::max(mx, s[j]);
-  for (int64_t j = 0; j < kChunk; ++j) {
-    s[j] = std::exp(s[j] - mx);
-    sum += s[j];
-  }
-#endif
-  if (mx == kNegInf) {  // nothing visible yet (the exps above are NaN)
-    std::fill(s, s + kChunk, 0.f);
-    alpha = 1.f;
-    return 0.f;
-  }
-  alpha = std::exp(m - mx);
-  m = mx;
-  return sum;
-}
-
 // One thread's scratch, every array 64-byte aligned (vector loads never split a cache line).
+// The storage is the thread's own and kept from call to call (it only grows), so a call
+// neither allocates it nor faults its pages in.
 struct Buffers {
-  int64_t rows, dim;
-  std::vector<float> storage;
   float *q, *o, *s, *kt, *v, *m, *l, *alpha;
-  Buffers(int64_t rows_, int64_t dim_) : rows(rows_), dim(dim_) {
+  Buffers(int64_t rows, int64_t dim) {
+    thread_local std::vector<float> storage;
     const int64_t sizes[] = {rows * dim, rows * dim, rows * kChunk, dim * kChunk, kChunk * dim,
                              rows, rows, rows};
     int64_t total = 16;
     for (int64_t n : sizes) total += (n + 15) / 16 * 16;
-    storage.resize(total);
+    if (static_cast<int64_t>(storage.size()) < total) storage.resize(total);
     float* next = reinterpret_cast<float*>(
         (reinterpret_cast<uintptr_t>(storage.data()) + 63) & ~uintptr_t(63));
     float** slots[] = {&q, &o, &s, &kt, &v, &m, &l, &alpha};
@@ -159,26 +130,38 @@ struct Buffers {
   }
 };
 
-// The chunk's keys (transposed: kt[d][j]) and values (v[j][:]) for positions p0 + j, read
-// in place through the block table; positions past last_pos are zeros (and masked).
+// The chunk's keys (transposed: kt[d][j]) and values (v[j][:]) for the positions
+// p0 + j <= last_pos, read in place through the block table. Columns past last_pos keep
+// whatever an earlier chunk left there: their scores are replaced by -inf (softmax_rows'
+// blend, not arithmetic, so even NaN there changes nothing) and their V rows never read.
 template <typename scalar_t>
 void load_chunk(const scalar_t* k_base, const scalar_t* v_base, const int32_t* table, int64_t bs,
                 int64_t blk_stride, int64_t row_stride, int64_t p0, int64_t last_pos,
                 int64_t dim, Buffers& b) {
-  for (int64_t j = 0; j < kChunk; ++j) {
+  const int64_t n = std::min(kChunk, last_pos + 1 - p0);
+  const scalar_t* rows[kChunk];
+  for (int64_t j = 0; j < n; ++j) {
     const int64_t pos = p0 + j;
+    rows[j] = k_base + table[pos / bs] * blk_stride + (pos % bs) * row_stride;
+    const scalar_t* vsrc = v_base + (rows[j] - k_base);
     float* vj = b.v + j * dim;
-    if (pos > last_pos) {
-      for (int64_t d = 0; d < dim; ++d) b.kt[d * kChunk + j] = 0.f;
-      std::fill(vj, vj + dim, 0.f);
-      continue;
-    }
-    const int64_t off = table[pos / bs] * blk_stride + (pos % bs) * row_stride;
-    const scalar_t* kj = k_base + off;
-    const scalar_t* vsrc = v_base + off;
-    for (int64_t d = 0; d < dim; ++d) b.kt[d * kChunk + j] = static_cast<float>(kj[d]);
     for (int64_t d = 0; d < dim; ++d) vj[d] = static_cast<float>(vsrc[d]);
   }
+  int64_t j0 = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+  if constexpr (kVec8<scalar_t>) {
+    if (dim % 8 == 0)
+      for (; j0 + 8 <= n; j0 += 8)  // 8 x 8 squares: eight rows in, eight kt rows out
+        for (int64_t d0 = 0; d0 < dim; d0 += 8) {
+          __m256 sq[8];
+          for (int i = 0; i < 8; ++i) sq[i] = load8(rows[j0 + i] + d0);
+          transpose8(sq);
+          for (int i = 0; i < 8; ++i) _mm256_storeu_ps(b.kt + (d0 + i) * kChunk + j0, sq[i]);
+        }
+  }
+#endif
+  for (int64_t j = j0; j < n; ++j)
+    for (int64_t d = 0; d < dim; ++d) b.kt[d * kChunk + j] = static_cast<float>(rows[j][d]);
 }
 
 template <typename scalar_t>
@@ -188,10 +171,12 @@ void tile_attention(const Item& it, const torch::Tensor& q, const torch::Tensor&
                     torch::Tensor& out) {
   const int64_t num_heads = q.size(1), dim = q.size(2), group = num_heads / k_cache.size(2);
   const int64_t rows = (it.t1 - it.t0) * group, padded = (rows + kRows - 1) / kRows * kRows;
+  const int64_t q_token = q.stride(0), q_head = q.stride(1);  // q rows may be strided
   const scalar_t* q_p = q.data_ptr<scalar_t>();
   std::fill(b.q, b.q + padded * dim, 0.f);  // pad rows: zero queries, results dropped
   for (int64_t r = 0; r < rows; ++r) {  // row r = (token t0 + r / group, head r % group)
-    const scalar_t* src = q_p + ((it.t0 + r / group) * num_heads + it.kv_head * group + r % group) * dim;
+    const scalar_t* src =
+        q_p + (it.t0 + r / group) * q_token + (it.kv_head * group + r % group) * q_head;
     for (int64_t d = 0; d < dim; ++d)
       b.q[r * dim + d] = static_cast<float>(src[d]) * static_cast<float>(scale);
   }
@@ -207,24 +192,26 @@ void tile_attention(const Item& it, const torch::Tensor& q, const torch::Tensor&
     load_chunk(k_base, v_base, table, k_cache.size(1), k_cache.stride(0), k_cache.stride(1),
                p0, last_pos, dim, b);
     for (int64_t r0 = 0; r0 < padded; r0 += kRows) {
+      // the register tile's keys: up to its last token's position (causal); a tile that sees
+      // none of this chunk's positions is left as it is (its rows would add 0, scale by 1)
+      const int64_t keys = std::min(
+          kChunk, first_pos + it.t0 + (std::min(r0 + kRows, rows) - 1) / group + 1 - p0);
+      if (keys <= 0) continue;
+      const int64_t width = (keys + 7) / 8 * 8;
       float* s = b.s + r0 * kChunk;
-      scores_rows(b.q + r0 * dim, b.kt, dim, s);
-      for (int64_t r = r0; r < r0 + kRows; ++r) {
-        const int64_t pos = first_pos + it.t0 + std::min(r, rows - 1) / group;
-        float* row = b.s + r * kChunk;
+      scores_rows(b.q + r0 * dim, b.kt, dim, (keys + 15) / 16 * 16, s);
+      int64_t vis_lo[kRows], vis_hi[kRows];  // row r0 + i sees positions p0 + [lo, hi)
+      for (int64_t i = 0; i < kRows; ++i) {
+        const int64_t pos = first_pos + it.t0 + std::min(r0 + i, rows - 1) / group;
+        float* row = s + i * kChunk;
         if (softcap > 0)
-          for (int64_t j = 0; j < kChunk; ++j) row[j] = std::tanh(row[j] / softcap) * softcap;
-        for (int64_t j = std::max<int64_t>(0, pos + 1 - p0); j < kChunk; ++j)
-          row[j] = kNegInf;  // causal mask (and positions past the tile)
-        if (window > 0)  // the window: positions <= pos - window are masked
-          for (int64_t j = 0; j < std::min<int64_t>(kChunk, pos - window + 1 - p0); ++j)
-            row[j] = kNegInf;
-        float alpha;
-        const float sum = softmax_step(b.s + r * kChunk, b.m[r], alpha);
-        b.l[r] = b.l[r] * alpha + sum;
-        b.alpha[r] = alpha;
+          for (int64_t j = 0; j < width; ++j) row[j] = std::tanh(row[j] / softcap) * softcap;
+        // visible: p0 + j <= pos (causal), and p0 + j > pos - window with a window
+        vis_hi[i] = std::clamp<int64_t>(pos + 1 - p0, 0, width);
+        vis_lo[i] = window > 0 ? std::clamp<int64_t>(pos - window + 1 - p0, 0, width) : 0;
       }
-      accumulate_rows(s, b.v, dim, b.alpha + r0, b.o + r0 * dim);
+      softmax_rows<kRows, kChunk>(s, width, vis_lo, vis_hi, b.m + r0, b.l + r0, b.alpha + r0);
+      accumulate_rows(s, b.v, dim, keys, b.alpha + r0, b.o + r0 * dim);
     }
   }
   scalar_t* out_p = out.data_ptr<scalar_t>();
@@ -272,7 +259,7 @@ torch::Tensor paged_attention_prefill(torch::Tensor q, torch::Tensor k_cache,
                   k_cache.scalar_type() == q.scalar_type() &&
                   v_cache.scalar_type() == q.scalar_type(),
               "float32 or bfloat16 q and caches of one dtype only");
-  TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "q must be a dense [T, Hq, D]");
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [T, Hq, D] with dense rows");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.strides() == v_cache.strides() &&
                   k_cache.sizes() == v_cache.sizes() && k_cache.stride(3) == 1,
               "k and v caches must share a [NB, bs, Hkv, D] layout with dense rows");
@@ -300,7 +287,7 @@ torch::Tensor paged_attention_prefill(torch::Tensor q, torch::Tensor k_cache,
       TORCH_CHECK(tables[s * max_blocks + j] >= 0 && tables[s * max_blocks + j] < k_cache.size(0),
                   "block ", tables[s * max_blocks + j], " out of range");
   }
-  auto out = torch::empty_like(q);
+  auto out = torch::empty(q.sizes(), q.options());  // dense, whatever q's strides
   const int64_t kv_heads = k_cache.size(2), group = q.size(1) / kv_heads, dim = q.size(2);
   const std::vector<Item> items = balanced_items(starts, lens, seqs, kv_heads, group);
   at::parallel_for(0, items.size(), 1, [&](int64_t begin, int64_t end) {

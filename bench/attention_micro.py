@@ -1,0 +1,132 @@
+"""The CPU backend's paged attention alone, at step_breakdown's shapes: µs per layer call.
+
+    .venv/bin/python -m loraplex.bench.attention_micro [--dtype float32] [--calls 300]
+
+SmolLM2-135M's attention (30 layers, 9 query / 3 KV heads, head_dim 64, KV blocks of 16) in
+the lora_overhead workload: a decode call of 32 sequences x ``--context`` positions and a
+prefill call of 8 prompts x 64 new tokens (max_num_batched_tokens 512). q is a strided view
+of a fused qkv row, as the model hands it over; block tables are as the engine's allocator
+deals them (each prompt's blocks in a row, decode blocks after them, one per sequence in
+turn), 64 entries wide (max_model_len 1024).
+
+"cold": each call reads the next of 30 layers' caches (as a step does: a layer's K/V left
+the caches since the last step); "hot": the same layer again and again (K/V in L2/L3).
+Each figure is the median over ``--calls`` calls. Floors: decode reads every K/V row once
+(bytes / the read bandwidth measured here); prefill's causal FLOPs at the 2-core FMA peak.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from .common import machine_line
+
+LAYERS, HQ, HKV, DIM, BLOCK, MAX_BLOCKS = 30, 9, 3, 64, 16, 64
+PEAK_GFLOPS = 206.0  # 2 Zen 2 cores x 3.2 GHz x 2 FMA x 8 lanes x 2
+QKV = (HQ + 2 * HKV) * DIM  # a fused qkv row
+
+
+def tables(seqs: int, prompt_blocks: int, total_blocks: int) -> torch.Tensor:
+    """Block tables as the engine's allocator deals them (block 0 first): sequence i's
+    ``prompt_blocks`` in a row, then each later block one per sequence in turn."""
+    rows = torch.zeros(seqs, MAX_BLOCKS, dtype=torch.int32)
+    for i in range(seqs):
+        rows[i, :prompt_blocks] = torch.arange(i * prompt_blocks, (i + 1) * prompt_blocks)
+    for j in range(prompt_blocks, total_blocks):
+        rows[:, j] = seqs * j + torch.arange(seqs)
+    return rows
+
+
+def strided_q(tokens: int, dtype: torch.dtype) -> torch.Tensor:
+    """q [T, Hq, D] as the model's split of its fused qkv projection leaves it (rows QKV apart)."""
+    qkv = torch.randn(tokens, QKV, dtype=dtype)
+    return qkv[:, : HQ * DIM].view(tokens, HQ, DIM)
+
+
+def median_us(fn: Callable[[int], object], calls: int) -> float:
+    times = []
+    for i in range(calls + 10):
+        start = time.perf_counter()
+        fn(i)
+        if i >= 10:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e6
+
+
+def read_bandwidth() -> float:
+    """Bytes per second of one sum over 256 MiB (all threads), the best of five."""
+    x = torch.ones(64 << 20, dtype=torch.float32)
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - start)
+    return x.numel() * 4 / best
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--calls", type=int, default=300)
+    ap.add_argument("--context", type=int, default=80, help="decode context length")
+    ap.add_argument("--decode-seqs", type=int, default=32)
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--prompt-len", type=int, default=64)
+    args = ap.parse_args()
+    from ..kernels.cpu import CPUBackend
+
+    dtype = getattr(torch, args.dtype)
+    backend = CPUBackend(torch.device("cpu"), dtype)
+    print(machine_line("cpu", args.dtype))
+    torch.manual_seed(0)
+    num_blocks = 512
+    caches = [(torch.randn(num_blocks, BLOCK, HKV, DIM, dtype=dtype),
+               torch.randn(num_blocks, BLOCK, HKV, DIM, dtype=dtype)) for _ in range(LAYERS)]
+    scale = DIM**-0.5
+    elem = torch.finfo(dtype).bits // 8
+
+    # decode: every sequence at --context positions
+    b, ctx = args.decode_seqs, args.context
+    q_dec = strided_q(b, dtype)
+    tab_dec = tables(b, -(-args.prompt_len // BLOCK), -(-ctx // BLOCK))
+    lens_dec = torch.full((b,), ctx, dtype=torch.int32)
+
+    def decode(i: int, layer: Callable[[int], int]) -> object:
+        k, v = caches[layer(i)]
+        return backend.paged_attention_decode(q_dec, k, v, tab_dec, lens_dec, scale,
+                                              max_context_len=ctx)
+
+    # prefill: --prompts prompts of --prompt-len new tokens, nothing cached before
+    s, n = args.prompts, args.prompt_len
+    q_pre = strided_q(s * n, dtype)
+    tab_pre = tables(s, -(-n // BLOCK), -(-n // BLOCK))
+    qsl = torch.arange(0, s * n + 1, n, dtype=torch.int32)
+    lens_pre = torch.full((s,), n, dtype=torch.int32)
+
+    def prefill(i: int, layer: Callable[[int], int]) -> object:
+        k, v = caches[layer(i)]
+        return backend.paged_attention_prefill(q_pre, k, v, tab_pre, qsl, lens_pre, scale,
+                                               max_q_len=n)
+
+    bandwidth = read_bandwidth()
+    kv_bytes = 2 * b * ctx * HKV * DIM * elem
+    flops = 4 * s * HQ * DIM * n * (n + 1) / 2  # QKᵀ and PV over the causal triangle
+    print(f"read bandwidth {bandwidth / 1e9:.1f} GB/s; decode {b} seqs x {ctx} positions "
+          f"({kv_bytes / 1e6:.2f} MB of K/V a layer), prefill {s} x {n} tokens "
+          f"({flops / 1e6:.1f} MFLOP a layer)")
+    cold, hot = (lambda i: i % LAYERS), (lambda i: 0)
+    for name, fn, floor in (("decode", decode, kv_bytes / bandwidth * 1e6),
+                            ("prefill", prefill, flops / (PEAK_GFLOPS * 1e3))):
+        c = median_us(lambda i, f=fn: f(i, cold), args.calls)
+        h = median_us(lambda i, f=fn: f(i, hot), args.calls)
+        print(f"{name:8s} cold {c:8.1f} us/call ({c * LAYERS / 1e3:5.2f} ms/step)  "
+              f"hot {h:8.1f} us/call  floor {floor:6.1f} us")
+
+
+if __name__ == "__main__":
+    main()
