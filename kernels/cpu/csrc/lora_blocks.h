@@ -120,39 +120,35 @@ int64_t expand_block_t_512(const c10::BFloat16* bt, int64_t ld, const float* h, 
 }
 #endif
 
+// f.template operator()<C>() for C = cnt (1..kBlock; more reads as kBlock): the block
+// kernels take their row count as a template argument (their accumulators are registers).
+template <typename F>
+int64_t by_count(int64_t cnt, F&& f) {
+  static_assert(kBlock == 4, "one case per row count");
+  switch (cnt) {
+    case 1: return f.template operator()<1>();
+    case 2: return f.template operator()<2>();
+    case 3: return f.template operator()<3>();
+    default: return f.template operator()<4>();
+  }
+}
+
 template <typename scalar_t>
 void expand_block_t(const scalar_t* bt, int64_t ld, const float* h, int64_t r, int64_t cnt,
                     int64_t width, scalar_t* const* o) {
   int64_t n = 0;
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
-  if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
-    switch (cnt) {
-      case 1: n = expand_block_t_512<1>(bt, ld, h, r, width, o); break;
-      case 2: n = expand_block_t_512<2>(bt, ld, h, r, width, o); break;
-      case 3: n = expand_block_t_512<3>(bt, ld, h, r, width, o); break;
-      default: n = expand_block_t_512<4>(bt, ld, h, r, width, o); break;
-    }
-    // the rest (width not a multiple of 32) below, from column n on
-    if (n < width) {
-      c10::BFloat16* rest[kBlock];
-      for (int64_t q = 0; q < cnt; ++q) rest[q] = o[q] + n;
-      int64_t m = 0;
-      switch (cnt) {
-        case 1: m = expand_block_t_vec<scalar_t, 1>(bt + n, ld, h, r, width - n, rest); break;
-        case 2: m = expand_block_t_vec<scalar_t, 2>(bt + n, ld, h, r, width - n, rest); break;
-        case 3: m = expand_block_t_vec<scalar_t, 3>(bt + n, ld, h, r, width - n, rest); break;
-        default: m = expand_block_t_vec<scalar_t, 4>(bt + n, ld, h, r, width - n, rest); break;
-      }
-      n += m;
-    }
-  } else
+  if constexpr (std::is_same_v<scalar_t, c10::BFloat16>)  // 32 columns a step; the rest below
+    n = by_count(cnt, [&]<int C>() { return expand_block_t_512<C>(bt, ld, h, r, width, o); });
 #endif
   if constexpr (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, c10::BFloat16>) {
-    switch (cnt) {
-      case 1: n = expand_block_t_vec<scalar_t, 1>(bt, ld, h, r, width, o); break;
-      case 2: n = expand_block_t_vec<scalar_t, 2>(bt, ld, h, r, width, o); break;
-      case 3: n = expand_block_t_vec<scalar_t, 3>(bt, ld, h, r, width, o); break;
-      default: n = expand_block_t_vec<scalar_t, 4>(bt, ld, h, r, width, o); break;
+    if (n < width) {  // 16 columns a step from column `done` on
+      const int64_t done = n;
+      scalar_t* rest[kBlock];
+      for (int64_t q = 0; q < cnt; ++q) rest[q] = o[q] + done;
+      n += by_count(cnt, [&]<int C>() {
+        return expand_block_t_vec<scalar_t, C>(bt + done, ld, h, r, width - done, rest);
+      });
     }
   }
   for (int64_t q = 0; q < cnt; ++q)
