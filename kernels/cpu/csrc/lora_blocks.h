@@ -53,34 +53,47 @@ void expand_row(const scalar_t* b, int64_t ld, const float* h, int64_t r, int64_
   }
 }
 
-// The expand of a block of cnt rows from an r-major B (bt[k * ld + n] = B[n, k], the CPU
-// slot layout): o[q][n] += Σ_k h[q * r + k] · bt[k * ld + n] for n < width, vectorised over
-// n with no horizontal sums; each B vector is loaded once for the block's CNT rows. float
-// and bfloat16 (B and o converted on load, o rounded once on store).
+// The expand of a block of CNT rows from an r-major B (bt[k * ld + n] = B[n, k], the CPU
+// slot layout), 8·NV columns a step from column n on: o[q][c] += Σ_k h[q * r + k] · bt[k *
+// ld + c], vectorised over c with no horizontal sums; each B vector is loaded once for the
+// block's CNT rows. Every output is the same sum (k in order, in one accumulator, then added
+// to o once) whatever NV, so a row's result does not depend on its block. float and
+// bfloat16 (B and o converted on load, o rounded once on store). Returns the columns done.
+template <typename scalar_t, int CNT, int NV>
+int64_t expand_cols(const scalar_t* bt, int64_t ld, const float* h, int64_t r, int64_t width,
+                    scalar_t* const* o, int64_t n) {
+#if defined(__AVX2__) && defined(__FMA__)
+  for (; n + 8 * NV <= width; n += 8 * NV) {
+    __m256 acc[CNT][NV];
+    for (int q = 0; q < CNT; ++q)
+      for (int v = 0; v < NV; ++v) acc[q][v] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < r; ++k) {
+      __m256 b[NV];
+      for (int v = 0; v < NV; ++v) b[v] = load8(bt + k * ld + n + 8 * v);
+      for (int q = 0; q < CNT; ++q) {
+        const __m256 hq = _mm256_set1_ps(h[q * r + k]);
+        for (int v = 0; v < NV; ++v) acc[q][v] = _mm256_fmadd_ps(hq, b[v], acc[q][v]);
+      }
+    }
+    for (int q = 0; q < CNT; ++q)
+      for (int v = 0; v < NV; ++v)
+        store8(o[q] + n + 8 * v, _mm256_add_ps(load8(o[q] + n + 8 * v), acc[q][v]));
+  }
+#endif
+  return n;
+}
+
+// expand_cols over as many columns as vectors allow: CNT rows take 8·NV columns a step with
+// CNT·NV = 8 accumulators (enough independent FMAs to hide their latency; one row alone
+// streams B fastest in wide steps), then 16 at a time. The columns done are the multiples of
+// 16 below width whatever CNT.
 template <typename scalar_t, int CNT>
 int64_t expand_block_t_vec(const scalar_t* bt, int64_t ld, const float* h, int64_t r,
                            int64_t width, scalar_t* const* o) {
-  int64_t n = 0;
-#if defined(__AVX2__) && defined(__FMA__)
-  for (; n + 16 <= width; n += 16) {
-    __m256 acc[CNT][2];
-    for (int q = 0; q < CNT; ++q) acc[q][0] = acc[q][1] = _mm256_setzero_ps();
-    for (int64_t k = 0; k < r; ++k) {
-      const __m256 b0 = load8(bt + k * ld + n);
-      const __m256 b1 = load8(bt + k * ld + n + 8);
-      for (int q = 0; q < CNT; ++q) {
-        const __m256 hq = _mm256_set1_ps(h[q * r + k]);
-        acc[q][0] = _mm256_fmadd_ps(hq, b0, acc[q][0]);
-        acc[q][1] = _mm256_fmadd_ps(hq, b1, acc[q][1]);
-      }
-    }
-    for (int q = 0; q < CNT; ++q) {
-      store8(o[q] + n, _mm256_add_ps(load8(o[q] + n), acc[q][0]));
-      store8(o[q] + n + 8, _mm256_add_ps(load8(o[q] + n + 8), acc[q][1]));
-    }
-  }
-#endif
-  return n;  // columns done; the caller finishes the rest
+  constexpr int NV = CNT == 1 ? 8 : CNT == 2 ? 4 : 2;
+  int64_t n = expand_cols<scalar_t, CNT, NV>(bt, ld, h, r, width, o, 0);
+  if constexpr (NV > 2) n = expand_cols<scalar_t, CNT, 2>(bt, ld, h, r, width, o, n);
+  return n;
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
@@ -159,27 +172,60 @@ void expand_block_t(const scalar_t* bt, int64_t ld, const float* h, int64_t r, i
     }
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+// h[q * r + k0 + j] = a_{k0+j} · x_q for KR rank rows of A and CNT token rows of x (fp32,
+// [CNT][in]): KR·CNT accumulators, each A and x vector loaded once for all of them. Each
+// accumulator sums the columns c ≡ l (mod 8) in lane l in order of c, then its lanes
+// (hsum8), then the columns past the last multiple of 8 in order: the same sum whatever CNT
+// and KR, so a row's h does not depend on its block.
+template <typename scalar_t, int CNT, int KR>
+void shrink_tile(const scalar_t* a, int64_t lda, int64_t in, const float* x, int64_t r,
+                 int64_t k0, float* h) {
+  __m256 s[KR][CNT];
+  for (int j = 0; j < KR; ++j)
+    for (int q = 0; q < CNT; ++q) s[j][q] = _mm256_setzero_ps();
+  const int64_t in8 = in - in % 8;
+  for (int64_t c = 0; c < in8; c += 8) {
+    __m256 xv[CNT];
+    for (int q = 0; q < CNT; ++q) xv[q] = _mm256_loadu_ps(x + q * in + c);
+    for (int j = 0; j < KR; ++j) {
+      const __m256 av = load8(a + (k0 + j) * lda + c);
+      for (int q = 0; q < CNT; ++q) s[j][q] = _mm256_fmadd_ps(av, xv[q], s[j][q]);
+    }
+  }
+  for (int j = 0; j < KR; ++j)
+    for (int q = 0; q < CNT; ++q) {
+      float t = hsum8(s[j][q]);
+      for (int64_t c = in8; c < in; ++c)
+        t += static_cast<float>(a[(k0 + j) * lda + c]) * x[q * in + c];
+      h[q * r + k0 + j] = t;
+    }
+}
+
+// shrink_tile over every rank row: KR rows at a time so that KR·CNT >= 8 accumulators hide
+// the FMA latency (one token alone reads eight A rows at once), the last ones singly.
+template <typename scalar_t, int CNT>
+void shrink_rows(const scalar_t* a, int64_t lda, int64_t in, const float* x, int64_t r,
+                 float* h) {
+  constexpr int KR = CNT == 1 ? 8 : CNT == 2 ? 4 : 2;
+  int64_t k = 0;
+  for (; k + KR <= r; k += KR) shrink_tile<scalar_t, CNT, KR>(a, lda, in, x, r, k, h);
+  for (; k < r; ++k) shrink_tile<scalar_t, CNT, 1>(a, lda, in, x, r, k, h);
+}
+#endif
+
 // h[q * r + k] = a[k · lda :] · x[q] for the block's cnt <= kBlock rows (x rows already
 // fp32): every A row is loaded once for all of them.
 template <typename scalar_t>
 void shrink_block(const scalar_t* a, int64_t lda, int64_t in, const float* x, int64_t cnt,
                   int64_t r, float* h) {
 #if defined(__AVX2__) && defined(__FMA__)
-  if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {  // A converted eight at a time
-    if (in % 8 == 0) {
-      for (int64_t k = 0; k < r; ++k) {
-        const scalar_t* a_k = a + k * lda;
-        __m256 s[kBlock];
-        for (int64_t q = 0; q < cnt; ++q) s[q] = _mm256_setzero_ps();
-        for (int64_t c = 0; c < in; c += 8) {
-          const __m256 av = load8(a_k + c);
-          for (int64_t q = 0; q < cnt; ++q)
-            s[q] = _mm256_fmadd_ps(av, _mm256_loadu_ps(x + q * in + c), s[q]);
-        }
-        for (int64_t q = 0; q < cnt; ++q) h[q * r + k] = hsum8(s[q]);
-      }
-      return;
-    }
+  if constexpr (kVec8<scalar_t>) {
+    by_count(cnt, [&]<int C>() {
+      shrink_rows<scalar_t, C>(a, lda, in, x, r, h);
+      return int64_t{0};
+    });
+    return;
   }
 #endif
   if (cnt == 1) {
