@@ -92,6 +92,7 @@ def test_panel_gemm_rows_do_not_depend_on_their_batch(panel_gemm) -> None:
         torch.set_num_threads(threads)
     assert torch.equal(batched[::7], alone)
     assert torch.equal(packed(x[5:11]), batched[5:11])
+    assert torch.equal(packed(x[:32]), batched[:32])  # strips of 6, 6, 5, 5, 5, 5 rows
 
 
 def test_the_panel_gemm_is_the_default_where_it_is_built(

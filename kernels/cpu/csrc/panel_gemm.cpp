@@ -3,9 +3,9 @@
 //
 // Layout: panel p holds output columns 16p .. 16p+15 as [K][16] (columns past N are zero),
 // so a panel streams from memory once per call in the order the 6 x 16 register tile reads
-// it. x is packed per call into strips of 6 rows ([K][6]). K runs in near-equal blocks
-// (k_block: a block of a panel, at most 20 KB, stays in L1 while every strip of rows reads
-// it); threads split the panels.
+// it. x is packed per call into strips of up to 6 rows ([K][6]), as even as they go. K runs
+// in near-equal blocks (k_block: a block of a panel, at most 20 KB, stays in L1 while every
+// strip of rows reads it); threads split the panels.
 //
 // Every output element is the same sequence of FMAs whatever the number of rows and
 // threads (k blocks in order, k in order within a block, bias first): a row's result does
@@ -96,14 +96,23 @@ void tile_rows(int64_t rows, int64_t kc, const float* a, const float* b, float* 
   }
 }
 
-// x [M, K] -> strips [S][K][6] (rows past M zero)
+// Strip s of S holds rows strip_start(s) .. strip_start(s + 1) - 1: M rows shared out as
+// evenly as S = ceil(M / 6) strips allow (32 rows: 6, 6, 5, 5, 5, 5, not five of 6 and one
+// of 2, whose two-row tile waits on its FMA latency). Any split gives each row the same FMAs.
+inline int64_t strip_start(int64_t s, int64_t M, int64_t S) {
+  const int64_t base = M / S, extra = M % S;  // the first `extra` strips take base + 1
+  return s * base + std::min(s, extra);
+}
+
+// x [M, K] -> strips [S][K][6] (rows past a strip's own zero)
 void pack_rows(const float* x, int64_t M, int64_t K, float* strips) {
   const int64_t S = (M + kMr - 1) / kMr;
   at::parallel_for(0, S, 1, [&](int64_t s0, int64_t s1) {
     for (int64_t s = s0; s < s1; ++s) {
       float* dst = strips + s * K * kMr;
-      if ((s + 1) * kMr <= M) {  // a full strip: six rows read in step, written in order
-        const float* r0 = x + s * kMr * K;
+      const int64_t first = strip_start(s, M, S), rows = strip_start(s + 1, M, S) - first;
+      if (rows == kMr) {  // a full strip: six rows read in step, written in order
+        const float* r0 = x + first * K;
         const float *r1 = r0 + K, *r2 = r1 + K, *r3 = r2 + K, *r4 = r3 + K, *r5 = r4 + K;
         for (int64_t k = 0; k < K; ++k, dst += kMr) {
           dst[0] = r0[k]; dst[1] = r1[k]; dst[2] = r2[k];
@@ -111,10 +120,9 @@ void pack_rows(const float* x, int64_t M, int64_t K, float* strips) {
         }
         continue;
       }
-      for (int64_t i = 0; i < kMr; ++i) {
-        const int64_t m = s * kMr + i;
-        for (int64_t k = 0; k < K; ++k) dst[k * kMr + i] = m < M ? x[m * K + k] : 0.f;
-      }
+      for (int64_t i = 0; i < kMr; ++i)
+        for (int64_t k = 0; k < K; ++k)
+          dst[k * kMr + i] = i < rows ? x[(first + i) * K + k] : 0.f;
     }
   });
 }
@@ -126,7 +134,7 @@ void pack_rows(const float* x, int64_t M, int64_t K, float* strips) {
 void panel_range(int64_t p0, int64_t p1, int64_t c0, int64_t c1, const float* strips,
                  const float* panels, const float* bias, float* y, int64_t M, int64_t N,
                  int64_t K) {
-  const int64_t kc = k_block(K, (M + kMr - 1) / kMr);
+  const int64_t S = (M + kMr - 1) / kMr, kc = k_block(K, S);
   alignas(64) float scratch[kMr * kNr];
   for (int64_t p = p0; p < p1; ++p) {
     const int64_t cols = std::min(kNr, N - p * kNr);
@@ -145,9 +153,9 @@ void panel_range(int64_t p0, int64_t p1, int64_t c0, int64_t c1, const float* st
         const int64_t l0 = std::min(next_lines, (s - c0) * share);
         const int64_t lines = std::min(next_lines - l0, share);
         const char* ahead = next ? reinterpret_cast<const char*>(next + l0 * kNr) : nullptr;
-        const int64_t rows = std::min(kMr, M - s * kMr);
+        const int64_t first = strip_start(s, M, S), rows = strip_start(s + 1, M, S) - first;
         const float* a = strips + (s * K + k0) * kMr;
-        float* out = y + s * kMr * N + p * kNr;
+        float* out = y + first * N + p * kNr;
         if (cols == kNr) {
           tile_rows(rows, kb, a, b, out, N, k0 > 0, pb, ahead, lines);
           continue;
