@@ -125,6 +125,16 @@ def test_decode_refuses_out_of_range_inputs(kernels, lens: list[int], table_valu
                                        torch.tensor(lens, dtype=torch.int32), 1.0)
 
 
+def test_decode_refuses_a_block_size_that_is_no_power_of_two(kernels) -> None:
+    """The kernel finds a position's block by a shift (the engine's block sizes are powers
+    of two): any other size is refused, not read wrongly."""
+    k_cache = torch.zeros(4, 12, 1, 8)
+    with pytest.raises(RuntimeError, match="block size 12 is not a power of two"):
+        kernels.paged_attention_decode(torch.zeros(1, 1, 8), k_cache, k_cache.clone(),
+                                       torch.zeros(1, 2, dtype=torch.int32),
+                                       torch.tensor([5], dtype=torch.int32), 1.0)
+
+
 # (cached prefix, new tokens) per sequence: fresh prompts, a chunk after a cached prefix,
 # one new token after a block-aligned prefix, a sequence with no new tokens this step
 PREFILL_SEQS = [(0, 19), (13, 20), (32, 1), (5, 0), (0, 64)]

@@ -22,14 +22,16 @@
 namespace {
 
 // The cached rows of one (sequence, KV head): row(p) points at position p's head_dim
-// values, read in place through the block table.
+// values, read in place through the block table. Blocks hold 2^block_shift positions (a
+// shift and a mask rather than a 64-bit division a row: 7 % of a decode call).
 template <typename scalar_t>
 struct ContextRows {
   const scalar_t* base;
   const int32_t* table;
-  int64_t block_size, block_stride, row_stride;
+  int64_t block_shift, block_stride, row_stride;
   const scalar_t* row(int64_t p) const {
-    return base + table[p / block_size] * block_stride + (p % block_size) * row_stride;
+    const int64_t in_block = p & ((int64_t{1} << block_shift) - 1);
+    return base + table[p >> block_shift] * block_stride + in_block * row_stride;
   }
 };
 
@@ -133,6 +135,7 @@ void decode_heads(const torch::Tensor& q, const torch::Tensor& k_cache,
   const int64_t batch = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
   const int64_t num_kv_heads = k_cache.size(2), group = num_heads / num_kv_heads;
   const int64_t max_blocks = block_tables.size(1);
+  const int64_t shift = __builtin_ctzll(static_cast<uint64_t>(k_cache.size(1)));
   const scalar_t* q_p = q.data_ptr<scalar_t>();
   const int64_t q_seq = q.stride(0), q_head = q.stride(1);  // q rows may be strided
   const int32_t* table_p = block_tables.data_ptr<int32_t>();
@@ -151,11 +154,9 @@ void decode_heads(const torch::Tensor& q, const torch::Tensor& k_cache,
       const int64_t len = len_p[b] - first;
       const int32_t* table = table_p + b * max_blocks;
       const ContextRows<scalar_t> k{k_cache.data_ptr<scalar_t>() + kvh * k_cache.stride(2),
-                                    table, k_cache.size(1), k_cache.stride(0),
-                                    k_cache.stride(1)};
+                                    table, shift, k_cache.stride(0), k_cache.stride(1)};
       const ContextRows<scalar_t> v{v_cache.data_ptr<scalar_t>() + kvh * v_cache.stride(2),
-                                    table, v_cache.size(1), v_cache.stride(0),
-                                    v_cache.stride(1)};
+                                    table, shift, v_cache.stride(0), v_cache.stride(1)};
       const int64_t head0 = (b * num_heads + kvh * group) * head_dim;  // the group's out
       for (int64_t g = 0; g < group; ++g)
         for (int64_t d = 0; d < head_dim; ++d)
@@ -204,6 +205,8 @@ torch::Tensor paged_attention_decode(torch::Tensor q, torch::Tensor k_cache,
   const int32_t* len_p = context_lens.data_ptr<int32_t>();
   const int32_t* table_p = block_tables.data_ptr<int32_t>();
   const int64_t block_size = k_cache.size(1), max_blocks = block_tables.size(1);
+  TORCH_CHECK(block_size > 0 && (block_size & (block_size - 1)) == 0,
+              "block size ", block_size, " is not a power of two");
   for (int64_t b = 0; b < q.size(0); ++b) {  // the kernel indexes memory with these
     TORCH_CHECK(len_p[b] >= 1 && (len_p[b] + block_size - 1) / block_size <= max_blocks,
                 "context length ", len_p[b], " does not fit the block table");
