@@ -21,10 +21,10 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[dev]'
 	touch $(STAMP)
 
-# The C++ CPU kernels (kernels/cpu/csrc), built once per machine into torch's extension cache
+# The C++ CPU kernels (kernel_backends/cpu/csrc), built once per machine into torch's extension cache
 # (minutes on 2 cores; a no-op afterwards), so no test, server start or benchmark pays for it.
 kernels: $(STAMP)
-	$(PY) -m loraplex.kernels.cpu
+	$(PY) -m loraplex.kernel_backends.cpu
 
 serve: kernels
 	$(VENV)/bin/loraplex serve --host $(HOST) --port $(PORT) --http-port $(HTTP_PORT) $(SERVE_ARGS)

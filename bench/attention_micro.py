@@ -78,7 +78,7 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--prompt-len", type=int, default=64)
     args = ap.parse_args()
-    from ..kernels.cpu import CPUBackend
+    from ..kernel_backends.cpu import CPUBackend
 
     dtype = getattr(torch, args.dtype)
     backend = CPUBackend(torch.device("cpu"), dtype)

@@ -94,9 +94,9 @@ def machine_line(kernels: str, dtype: str) -> str:
     import torch
 
     try:
-        from ..kernels.cpu import isa
+        from ..kernel_backends.cpu import isa
 
         cpu = f"ISA {isa.cpu_isa()} (native bf16: {'yes' if isa.HALF_NATIVE else 'no'})"
-    except ImportError:  # kernels/cpu absent
+    except ImportError:  # kernel_backends/cpu absent
         cpu = f"ISA {torch.backends.cpu.get_cpu_capability()}"
     return f"{cpu}, {kernels} kernels, {dtype}, {torch.get_num_threads()} threads"

@@ -12,7 +12,7 @@ import argparse
 
 import torch
 
-from .. import kernels
+from .. import kernel_backends as kernels
 from .common import default_model_dir, machine_line, random_prompts, timed
 
 

@@ -1,6 +1,6 @@
 """Which packed layout serves the CPU backend's float32 linears on this CPU: the panel GEMM
 (csrc/panel_gemm.cpp) or oneDNN's packed layout. The rule it informs is
-``kernels/cpu/packed_linear.GEMM_LAYOUT``, keyed by ``isa.cpu_isa()``.
+``kernel_backends/cpu/packed_linear.GEMM_LAYOUT``, keyed by ``isa.cpu_isa()``.
 
     python -m loraplex.bench.gemm_layout [--rows 1 8 32 128 512] [--rounds 5]
     python -m loraplex.bench.gemm_layout --engine [--rounds 5]
@@ -20,8 +20,8 @@ import time
 
 import torch
 
-from ..kernels.cpu.isa import cpu_isa
-from ..kernels.cpu.packed_linear import GEMM_LAYOUT, PackedLinear
+from ..kernel_backends.cpu.isa import cpu_isa
+from ..kernel_backends.cpu.packed_linear import GEMM_LAYOUT, PackedLinear
 from .common import machine_line
 
 HIDDEN, INTER, QKV, VOCAB, LAYERS = 576, 1536, 960, 49152, 30

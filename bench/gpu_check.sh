@@ -39,8 +39,8 @@ else
 fi
 export LORAPLEX_KERNELS=triton
 
-"$PY" -c 'import loraplex.kernels.triton.sgmv' > "$LOG/import.log" 2>&1 \
-  || fail "cannot import loraplex.kernels.triton (see $LOG/import.log)"
+"$PY" -c 'import loraplex.kernel_backends.triton.sgmv' > "$LOG/import.log" 2>&1 \
+  || fail "cannot import loraplex.kernel_backends.triton (see $LOG/import.log)"
 "$PY" -c 'import pytest' 2> /dev/null || fail "pytest is not installed: the kernel tests cannot run"
 
 timeout 150 "$PY" -m pytest -q -p no:cacheprovider "${TESTS[@]}" > "$LOG/tests.log" 2>&1

@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..kernels.backend import KernelBackend
-from ..kernels.lora_segments import LoRASegments
+from ..kernel_backends.backend import KernelBackend
+from ..kernel_backends.lora_segments import LoRASegments
 
 
 @dataclass

@@ -1,5 +1,5 @@
-"""GPU kernel check and bench: every Triton kernel (kernels/triton) at every benchmarked
-shape is first checked against its torch twin (kernels/torch), then timed against the twin
+"""GPU kernel check and bench: every Triton kernel (kernel_backends/triton) at every benchmarked
+shape is first checked against its torch twin (kernel_backends/torch), then timed against the twin
 and the memory-bandwidth roofline.
 
     python -m loraplex.bench.kernels [--peak-tbs 4.8] [--quick]
@@ -22,10 +22,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..kernels.torch import attention as reference_attention
-from ..kernels.torch import lora as reference_lora
-from ..kernels.triton import TritonBackend, attention, attention_prefill, sgmv
-from ..kernels.triton.segments import TritonLoRASegments
+from ..kernel_backends.torch import attention as reference_attention
+from ..kernel_backends.torch import lora as reference_lora
+from ..kernel_backends.triton import TritonBackend, attention, attention_prefill, sgmv
+from ..kernel_backends.triton.segments import TritonLoRASegments
 from .kernel_fixtures import make_lora_pools, make_paged_cache
 
 TOL = {torch.float32: (1e-4, 1e-4), torch.bfloat16: (2e-2, 2e-2), torch.float16: (2e-3, 2e-3)}

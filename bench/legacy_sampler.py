@@ -13,7 +13,7 @@ import torch
 
 from ..engine.sampling_params import SamplingParams
 from ..engine.sequence import Sequence
-from ..kernels.backend import KernelBackend
+from ..kernel_backends.backend import KernelBackend
 
 
 def _finite_rows(logits: torch.Tensor) -> list[bool]:

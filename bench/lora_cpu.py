@@ -22,10 +22,10 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from ..kernels.cpu import CPUBackend, isa
-from ..kernels.cpu.lora_routes import ROUTE_NAMES, _compute_dtype, add_lora, choose_route
-from ..kernels.cpu.segments import CPULoRASegments
-from ..kernels.torch import lora as reference
+from ..kernel_backends.cpu import CPUBackend, isa
+from ..kernel_backends.cpu.lora_routes import ROUTE_NAMES, _compute_dtype, add_lora, choose_route
+from ..kernel_backends.cpu.segments import CPULoRASegments
+from ..kernel_backends.torch import lora as reference
 from .kernel_fixtures import LoRAPools, make_lora_pools
 
 LAYERS = {  # name: (in, [out_i per slice])

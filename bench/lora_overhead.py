@@ -154,7 +154,7 @@ def resolve_dtype(dtype: str) -> str:
     """``auto``: what the engine's ``--dtype auto`` serves the embedded (bf16) model in."""
     if dtype != "auto":
         return dtype
-    from ..kernels import select_backend
+    from ..kernel_backends import select_backend
 
     backend = select_backend(torch.device("cpu"), torch.float32)
     return str(backend.auto_dtype(torch.bfloat16, torch.device("cpu"))).removeprefix("torch.")

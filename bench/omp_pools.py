@@ -6,7 +6,7 @@ Times a decode-like loop of small parallel torch ops (30 linears of a batch of 3
 each followed by an elementwise op), then runs one large op on each of two helper threads
 that stay alive (as the adapter loader threads did), and times the loop again; then lets
 the helpers exit and times it once more. With ``--serial`` the helpers start with
-``kernels.intra_op.serial_thread`` (the fix). Prints the best of 5 loops for each state,
+``kernel_backends.intra_op.serial_thread`` (the fix). Prints the best of 5 loops for each state,
 and the OS threads of the process (OpenMP workers included).
 """
 
@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from ..kernels import intra_op
+from ..kernel_backends import intra_op
 
 
 def decode_like_loop(weights: list[torch.Tensor], x: torch.Tensor, steps: int = 300) -> float:

@@ -297,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
             stop_server(server)
     import torch
 
-    from ..kernels import backend_name
+    from ..kernel_backends import backend_name
 
     machine = machine_line(backend_name(torch.device("cpu")), dtype)
     text = markdown(machine, "python -m loraplex.bench.ray_overhead", rows, affinity, wl,

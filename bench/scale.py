@@ -100,8 +100,8 @@ def default_dtype() -> str:
     """bf16 where the CPU has native bf16, else float32 (``--dtype auto`` serves the embedded
     model, stored in float32, in float32 everywhere)."""
     try:
-        from ..kernels.cpu import isa
-    except ImportError:  # kernels/cpu absent
+        from ..kernel_backends.cpu import isa
+    except ImportError:  # kernel_backends/cpu absent
         return "float32"
     return "bfloat16" if isa.HALF_NATIVE else "float32"
 
@@ -208,7 +208,7 @@ def _saturation(b: Bench, runs: Sequence[ScaleRun]) -> dict:
 def _machine(dtype: str) -> str:
     import torch
 
-    from ..kernels import backend_name
+    from ..kernel_backends import backend_name
     from .common import machine_line
 
     return machine_line(backend_name(torch.device("cpu")), dtype)

@@ -48,7 +48,7 @@ def record_prepare(engine: Any, times: dict[str, list[float]],
 
 def segments_builder(name: str, max_tokens: int, max_seqs: int) -> Any:
     """token_slots -> that backend's step segments, as the engine builds them."""
-    from ..kernels import backend_class
+    from ..kernel_backends import backend_class
 
     backend = backend_class(name)(torch.device("cpu"), torch.float32)
     if "token_slots" in inspect.signature(backend.lora_segments).parameters:

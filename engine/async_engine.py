@@ -55,7 +55,7 @@ class AsyncEngine:
     @classmethod
     async def build(cls, factory: Callable[[], LLMEngine]) -> AsyncEngine:
         """Build the engine on the engine thread, whose loop then runs there from ``start``:
-        the thread that steps is the only one holding an OpenMP pool (kernels/intra_op.py).
+        the thread that steps is the only one holding an OpenMP pool (kernel_backends/intra_op.py).
         Raises what ``factory`` raises."""
         engine = cls(None)
         built: Future = Future()

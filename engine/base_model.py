@@ -11,8 +11,8 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer, GenerationConfig, PretrainedConfig
 
-from ..kernels import backend_class, backend_name
-from ..kernels.backend import KernelBackend
+from ..kernel_backends import backend_class, backend_name
+from ..kernel_backends.backend import KernelBackend
 from .config import EngineConfig
 from .models.llama import LlamaForCausalLM
 from .models.loader import load_config, load_model, resolve_dtype

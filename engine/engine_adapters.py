@@ -9,7 +9,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..kernels import intra_op
+from ..kernel_backends import intra_op
 from ..lora.cache import AdapterCache
 from ..lora.cached_adapter import AdapterInfo
 from ..lora.peft_format import (
@@ -47,7 +47,7 @@ class EngineAdapters:
         loader threads' read of a registered adapter passes its ``meta``, so its checks are
         not redone while the files are unchanged). Timed for ``adapter_load_observers``."""
         start = time.perf_counter()
-        with intra_op.serial():  # callers' threads start no OpenMP pool (kernels/intra_op.py)
+        with intra_op.serial():  # callers' threads start no OpenMP pool (kernel_backends/intra_op.py)
             weights = read_peft_adapter(path, self.base_shapes, self.config.max_lora_rank,
                                         name, meta=meta, dtype=self.lora_dtype)
         self._observe_adapter_load("host", time.perf_counter() - start)

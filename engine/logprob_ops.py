@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels.backend import KernelBackend
+from ..kernel_backends.backend import KernelBackend
 from .logprobs import TokenLogprob
 
 

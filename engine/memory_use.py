@@ -2,7 +2,7 @@
 reserve and what they have committed so far.
 
 Both are sized at start, from a budget (``lora_capacity``, ``num_kv_blocks``); on the CPU
-they commit pages only as they are first written (``kernels.host_pages``), so committed
+they commit pages only as they are first written (``kernel_backends.host_pages``), so committed
 grows with the adapters placed on the device and the KV blocks used, up to reserved. On
 other devices committed is reserved. The start-up log and GetServerInfo report both.
 """
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..kernels import host_pages
+from ..kernel_backends import host_pages
 from ..lora.slots import SlotBuffers
 
 GIB = 1 << 30

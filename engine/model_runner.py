@@ -13,11 +13,11 @@ from dataclasses import dataclass
 import torch
 from transformers import PretrainedConfig
 
-from ..kernels import host_pages
-from ..kernels.attention_metadata import AttentionMetadata
-from ..kernels.backend import KernelBackend
-from ..kernels.staged_buffer import StagedBuffer
-from ..kernels.step_metadata import StepMetadata, bind_step
+from ..kernel_backends import host_pages
+from ..kernel_backends.attention_metadata import AttentionMetadata
+from ..kernel_backends.backend import KernelBackend
+from ..kernel_backends.staged_buffer import StagedBuffer
+from ..kernel_backends.step_metadata import StepMetadata, bind_step
 from ..structured.bitmask import StepBitmask
 from ..structured.matcher import ConstraintMatcher
 from .config import DEFAULT_CPU_KV_BYTES, EngineConfig

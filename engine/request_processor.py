@@ -11,7 +11,7 @@ Invariants:
 - one worker thread, so requests are prepared in arrival order and the tokenizer is used by
   one preparing thread at a time (vLLM's tokenizer executor has one worker too);
 - the worker starts with ``intra_op.serial_thread``: it may run a torch op through the
-  engine's checks, and must never start an OpenMP pool (kernels/intra_op.py);
+  engine's checks, and must never start an OpenMP pool (kernel_backends/intra_op.py);
 - nothing here touches the engine's mutable state: ``LLMEngine.make_sequence`` reads only
   the model, the config and one dict lookup of the adapter name; the engine thread adds
   the Sequence (``add_sequence``), which checks again that the adapter is still there.
@@ -25,7 +25,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from ..kernels import intra_op
+from ..kernel_backends import intra_op
 from .sampling_params import SamplingParams
 from .sequence import Sequence
 

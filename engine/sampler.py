@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kernels.backend import KernelBackend
+from ..kernel_backends.backend import KernelBackend
 from .logprob_ops import token_logprobs
 from .logprobs import TokenLogprob
 from .penalty_state import PenaltyState

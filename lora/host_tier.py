@@ -18,7 +18,7 @@ from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING
 
-from ..kernels.intra_op import serial_thread
+from ..kernel_backends.intra_op import serial_thread
 from .cached_adapter import CachedAdapter, eviction_order
 from .early_reads import EarlyReads
 

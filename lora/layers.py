@@ -9,8 +9,8 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from ..kernels.backend import KernelBackend
-from ..kernels.step_metadata import StepReader
+from ..kernel_backends.backend import KernelBackend
+from ..kernel_backends.step_metadata import StepReader
 
 # (layer index, parent module, attribute of the linear, PEFT names of its output slices,
 #  widths of those slices): what a model's lora_targets() yields
@@ -19,7 +19,7 @@ LoRATarget = tuple[int, nn.Module, str, tuple[str, ...], list[int]]
 
 class LoRALinear(nn.Module, StepReader):
     """``base(x) + Σ_slices expand(shrink(x, A[slot]), B[slot])`` per token, the slots read
-    from the step metadata bound to it (``kernels.step_metadata.bind_step``; unbound: the
+    from the step metadata bound to it (``kernel_backends.step_metadata.bind_step``; unbound: the
     base linear alone).
 
     Holds the device weights of one fused linear: per output slice (q/k/v: 3, gate/up: 2,

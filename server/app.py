@@ -100,7 +100,7 @@ class LoraplexServer:
         source = self._engine_source
         if isinstance(source, LLMEngine):
             async_engine = AsyncEngine(source)
-        else:  # built on its own thread, which then steps it (kernels/intra_op.py)
+        else:  # built on its own thread, which then steps it (kernel_backends/intra_op.py)
             async_engine = await AsyncEngine.build(source)
         engine = async_engine.engine
         self.state.attach(async_engine)

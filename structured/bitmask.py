@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import xgrammar
 
-from ..kernels import intra_op
+from ..kernel_backends import intra_op
 from .matcher import ConstraintMatcher
 
 

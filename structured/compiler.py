@@ -23,7 +23,7 @@ from typing import Any
 
 import xgrammar
 
-from ..kernels import intra_op
+from ..kernel_backends import intra_op
 from .constraint import StructuredOutputs
 
 DEFAULT_CAPACITY = 256  # compiled grammars kept

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from loraplex.engine.llm_engine import LLMEngine
 from loraplex.engine.sampling_params import SamplingParams
-from loraplex.kernels import host_pages
+from loraplex.kernel_backends import host_pages
 
 CPU = torch.device("cpu")
 

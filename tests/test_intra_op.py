@@ -1,4 +1,4 @@
-"""Only the engine thread holds an OpenMP pool (kernels/intra_op.py): serving adapters (reads
+"""Only the engine thread holds an OpenMP pool (kernel_backends/intra_op.py): serving adapters (reads
 on loader threads, a read on an asyncio worker, hot loads) leaves the process's thread
 counts and torch settings as they were. A pool on a second thread would cut every OpenMP
 worker's spin-wait in the process and slow every later step (the regression this guards).
@@ -25,7 +25,7 @@ SCRIPT = textwrap.dedent("""
     import torch
     from loraplex import LLMEngine, SamplingParams
     from loraplex.engine.async_engine import AsyncEngine
-    from loraplex.kernels import intra_op
+    from loraplex.kernel_backends import intra_op
 
     model, adapters, hot = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
     threads_main = torch.get_num_threads()
@@ -110,7 +110,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 
 def test_the_openmp_runtime_is_found(served: dict) -> None:
-    assert served["found_openmp"], "kernels/intra_op.py found no OpenMP runtime in torch"
+    assert served["found_openmp"], "kernel_backends/intra_op.py found no OpenMP runtime in torch"
 
 
 def test_serving_adapters_starts_no_thread_pool(served: dict) -> None:

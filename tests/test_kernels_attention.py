@@ -1,5 +1,5 @@
-"""Triton paged attention and KV store (kernels/triton, under the interpreter) against the
-torch backend's (kernels/torch/attention.py), and the torch prefill against a dense causal
+"""Triton paged attention and KV store (kernel_backends/triton, under the interpreter) against the
+torch backend's (kernel_backends/torch/attention.py), and the torch prefill against a dense causal
 oracle."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 from loraplex.bench.kernel_fixtures import make_paged_cache
-from loraplex.kernels.torch import attention as reference
-from loraplex.kernels.triton import attention
-from loraplex.kernels.triton.attention_prefill import paged_attention_prefill
+from loraplex.kernel_backends.torch import attention as reference
+from loraplex.kernel_backends.triton import attention
+from loraplex.kernel_backends.triton.attention_prefill import paged_attention_prefill
 
 # compiled kernels on the GPU (bench/gpu_check.sh sets TRITON_INTERPRET=0), else the interpreter
 DEVICE = torch.device("cuda" if os.environ.get("TRITON_INTERPRET") == "0" else "cpu")

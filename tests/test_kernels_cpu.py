@@ -1,4 +1,4 @@
-"""The C++ CPU kernels (kernels/cpu/extension.py, kernels/cpu/attention.py) against the
+"""The C++ CPU kernels (kernel_backends/cpu/extension.py, kernel_backends/cpu/attention.py) against the
 torch backend's ops: paged decode and prefill attention and argmax here; the LoRA kernel is
 one of the routes in test_lora_twin.py."""
 
@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 from loraplex.bench.kernel_fixtures import make_paged_cache
-from loraplex.kernels import backend_name, select_backend
-from loraplex.kernels.cpu import attention as cpu_attention
-from loraplex.kernels.cpu import extension
-from loraplex.kernels.torch import attention as reference
-from loraplex.kernels.torch.logprob_rows import logprob_rows as twin_logprob_rows
+from loraplex.kernel_backends import backend_name, select_backend
+from loraplex.kernel_backends.cpu import attention as cpu_attention
+from loraplex.kernel_backends.cpu import extension
+from loraplex.kernel_backends.torch import attention as reference
+from loraplex.kernel_backends.torch.logprob_rows import logprob_rows as twin_logprob_rows
 
 CPU = torch.device("cpu")
 
@@ -268,7 +268,7 @@ def test_a_built_library_loads_past_a_stale_lock(tmp_path) -> None:
     entry.mkdir()
     shutil.copy(Path(_get_build_directory(name, verbose=False)) / f"{name}.so", entry)
     (entry / "lock").touch()  # the stale lock
-    code = ("from loraplex.kernels.cpu import extension; m = extension.load(); "
+    code = ("from loraplex.kernel_backends.cpu import extension; m = extension.load(); "
             "print(m.__file__)")
     env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path)}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,

@@ -1,5 +1,5 @@
-"""Triton SGMV shrink / expand (kernels/triton/sgmv.py, under the interpreter) against the
-torch backend's (kernels/torch/lora.py), over rank-row pools holding adapters of mixed
+"""Triton SGMV shrink / expand (kernel_backends/triton/sgmv.py, under the interpreter) against the
+torch backend's (kernel_backends/torch/lora.py), over rank-row pools holding adapters of mixed
 ranks back to back (bench/kernel_fixtures.py), so a load past a slot's rank reads a neighbour's
 rows; sparse slot ids, slot -1 and unsorted tokens throughout."""
 
@@ -15,10 +15,10 @@ from loraplex.bench.kernel_fixtures import (
     random_token_slots,
     step_segments,
 )
-from loraplex.kernels import backend_name, select_backend
-from loraplex.kernels.torch import lora as reference
-from loraplex.kernels.triton import sgmv
-from loraplex.kernels.triton.segments import TritonLoRASegments
+from loraplex.kernel_backends import backend_name, select_backend
+from loraplex.kernel_backends.torch import lora as reference
+from loraplex.kernel_backends.triton import sgmv
+from loraplex.kernel_backends.triton.segments import TritonLoRASegments
 
 pytestmark = pytest.mark.triton
 

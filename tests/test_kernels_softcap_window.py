@@ -9,8 +9,8 @@ import math
 import pytest
 import torch
 from loraplex.bench.kernel_fixtures import make_paged_cache
-from loraplex.kernels import select_backend
-from loraplex.kernels.torch import attention as reference
+from loraplex.kernel_backends import select_backend
+from loraplex.kernel_backends.torch import attention as reference
 
 HEAD_DIM, KV_HEADS, GROUP, BLOCK = 16, 2, 2, 16
 # (softcap, window): off, each alone, both; windows shorter and longer than the contexts

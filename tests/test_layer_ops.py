@@ -1,5 +1,5 @@
-"""The decoder layer's elementwise C++ kernels (kernels/cpu/csrc/layer_ops.cpp) against
-their torch twins in kernels/torch/layer_ops.py, and the engine's use of them through the
+"""The decoder layer's elementwise C++ kernels (kernel_backends/cpu/csrc/layer_ops.cpp) against
+their torch twins in kernel_backends/torch/layer_ops.py, and the engine's use of them through the
 cpu backend (no silent fallback to the torch backend's ops)."""
 
 from __future__ import annotations
@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 from loraplex import LLMEngine, SamplingParams
-from loraplex.kernels import backend_name, select_backend
-from loraplex.kernels.cpu import extension, packed_linear
-from loraplex.kernels.cpu.isa import cpu_isa
-from loraplex.kernels.torch import TorchBackend
-from loraplex.kernels.torch import attention as torch_attention
-from loraplex.kernels.torch import layer_ops as reference
+from loraplex.kernel_backends import backend_name, select_backend
+from loraplex.kernel_backends.cpu import extension, packed_linear
+from loraplex.kernel_backends.cpu.isa import cpu_isa
+from loraplex.kernel_backends.torch import TorchBackend
+from loraplex.kernel_backends.torch import attention as torch_attention
+from loraplex.kernel_backends.torch import layer_ops as reference
 
 TOL = {torch.float32: {"rtol": 1e-5, "atol": 1e-5}, torch.bfloat16: {"rtol": 2e-2, "atol": 2e-2},
        torch.float16: {"rtol": 2e-3, "atol": 2e-3}}

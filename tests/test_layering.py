@@ -1,7 +1,7 @@
 """The package's layers: imports point one way (errors, flag, kernels ← lora, structured ←
 engine ← server), no module imports itself back through others, nothing below cli.py parses flags,
 the backends stand apart, the front-neutral server layer speaks no gRPC, and the engine runs
-with kernels/cpu deleted."""
+with kernel_backends/cpu deleted."""
 
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 ROOT = Path(__file__).resolve().parents[1]  # the repository root is the package `loraplex`
-PACKAGES = ["kernels", "lora", "structured", "engine", "server", "proto", "bench"]
-LAYERS = {"errors": 0, "flag": 0, "kernels": 1, "lora": 2, "structured": 2, "engine": 3,
+PACKAGES = ["kernel_backends", "lora", "structured", "engine", "server", "proto", "bench"]
+LAYERS = {"errors": 0, "flag": 0, "kernel_backends": 1, "lora": 2, "structured": 2, "engine": 3,
           "server": 4}
 # The modules that may parse flags: the command line (cli.py and the modules it owns), and
 # the tools that are their own entry points (python -m loraplex.bench.*, the client's
@@ -125,14 +125,14 @@ def test_nothing_below_cli_parses_flags() -> None:
 
 
 def test_backends_stand_apart(graph: dict[str, set[str]]) -> None:
-    """The torch backend imports no other backend; nothing outside kernels/cpu (and the
+    """The torch backend imports no other backend; nothing outside kernel_backends/cpu (and the
     tools in bench/) imports it, so the folder can be deleted; the engine and the LoRA
     layers reach the kernels only through the interface and the selector."""
     def inside(module: str, package: str) -> bool:
         return module == package or module.startswith(package + ".")
 
-    cpu, triton, torch_ = "loraplex.kernels.cpu", "loraplex.kernels.triton", \
-        "loraplex.kernels.torch"
+    cpu, triton, torch_ = "loraplex.kernel_backends.cpu", "loraplex.kernel_backends.triton", \
+        "loraplex.kernel_backends.torch"
     for module, deps in graph.items():
         if inside(module, torch_):
             assert not any(inside(d, cpu) or inside(d, triton) for d in deps), module
@@ -190,7 +190,7 @@ def _copy_without_cpu_kernels(dest: Path) -> Path:
     for sub in PACKAGES:
         shutil.copytree(ROOT / sub, package / sub,
                         ignore=shutil.ignore_patterns("__pycache__", "results", "*.png"))
-    shutil.rmtree(package / "kernels" / "cpu")
+    shutil.rmtree(package / "kernel_backends" / "cpu")
     return package
 
 
@@ -207,7 +207,7 @@ def test_light_modules_load_no_torch(module: str) -> None:
 
 
 def test_the_engine_runs_with_kernels_cpu_deleted(tiny_llama: Path, tmp_path: Path) -> None:
-    """A copy of the package without kernels/cpu serves on the torch backend, exact."""
+    """A copy of the package without kernel_backends/cpu serves on the torch backend, exact."""
     package = _copy_without_cpu_kernels(tmp_path)
     prompt, new = [5, 17, 42, 99, 7, 3], 6
     script = (

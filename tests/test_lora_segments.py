@@ -1,4 +1,4 @@
-"""The per-step LoRA segment metadata (kernels/cpu/segments.py's CPULoRASegments): tokens
+"""The per-step LoRA segment metadata (kernel_backends/cpu/segments.py's CPULoRASegments): tokens
 grouped by adapter slot, the groups of the slots in use, and a batch with no adapter, which
 every backend skips."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 from loraplex.bench.kernel_fixtures import make_lora_pools, segments, step_segments
-from loraplex.kernels import select_backend
-from loraplex.kernels.cpu.segments import CPULoRASegments
+from loraplex.kernel_backends import select_backend
+from loraplex.kernel_backends.cpu.segments import CPULoRASegments
 
 CPU = torch.device("cpu")
 

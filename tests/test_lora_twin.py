@@ -1,5 +1,5 @@
 """The torch backend's LoRA shrink/expand (the oracle) against a per-token formula from the
-adapters' own matrices, the CPU backend's routes (kernels/cpu/lora_routes.py) against both
+adapters' own matrices, the CPU backend's routes (kernel_backends/cpu/lora_routes.py) against both
 and each other, and every backend's add_lora against the torch backend's (the per-step
 segment metadata: test_lora_segments.py). Slot buffers are rank-row pools (KernelBackend.lora_pool) holding adapters
 of mixed ranks back to back, so reading past a slot's rank reads a neighbour's rows."""
@@ -15,11 +15,11 @@ from loraplex.bench.kernel_fixtures import (
     segments,
     step_segments,
 )
-from loraplex.kernels import backend_name, select_backend
-from loraplex.kernels.cpu import extension, lora_routes
-from loraplex.kernels.cpu.lora_routes import ROUTE_NAMES, add_lora, choose_route
-from loraplex.kernels.cpu.segments import CPULoRASegments
-from loraplex.kernels.torch import lora as reference
+from loraplex.kernel_backends import backend_name, select_backend
+from loraplex.kernel_backends.cpu import extension, lora_routes
+from loraplex.kernel_backends.cpu.lora_routes import ROUTE_NAMES, add_lora, choose_route
+from loraplex.kernel_backends.cpu.segments import CPULoRASegments
+from loraplex.kernel_backends.torch import lora as reference
 
 CPU = torch.device("cpu")
 

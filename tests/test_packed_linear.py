@@ -1,4 +1,4 @@
-"""PackedLinear (kernels/cpu/packed_linear.py: pre-packed CPU fp32 linears, in the panel
+"""PackedLinear (kernel_backends/cpu/packed_linear.py: pre-packed CPU fp32 linears, in the panel
 layout of the CPU kernels' GEMM or oneDNN's) against F.linear, and pack_model on a real model: every decoder linear packed, the
 head packed, outputs unchanged. Panel GEMM: a row's result is the same bits whatever it is
 batched with. oneDNN: row counts padded to a bounded set of sizes (each new size costs
@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from loraplex import LLMEngine
-from loraplex.kernels.cpu import extension, packed_linear
-from loraplex.kernels.cpu.packed_linear import (
+from loraplex.kernel_backends.cpu import extension, packed_linear
+from loraplex.kernel_backends.cpu.packed_linear import (
     CHUNK_ROWS,
     GEMM_LAYOUT,
     PackedLinear,

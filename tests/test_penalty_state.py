@@ -9,7 +9,7 @@ import torch
 from loraplex.engine.sampler import Sampler
 from loraplex.engine.sampling_params import SamplingParams
 from loraplex.engine.sequence import Sequence
-from loraplex.kernels.torch import TorchBackend
+from loraplex.kernel_backends.torch import TorchBackend
 from transformers import RepetitionPenaltyLogitsProcessor
 
 VOCAB = 300

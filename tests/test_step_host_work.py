@@ -84,4 +84,4 @@ def test_the_spy_sees_host_work(monkeypatch: pytest.MonkeyPatch, tiny_llama: Pat
     """The torch backend, naive on purpose, syncs in its KV store and decode attention."""
     monkeypatch.setenv("LORAPLEX_KERNELS", "torch")
     calls = decode_step_host_work(tiny_llama, tmp_path)
-    assert any("kernels.torch.attention" in c for c in calls), calls
+    assert any("kernel_backends.torch.attention" in c for c in calls), calls

@@ -1,4 +1,4 @@
-"""The step metadata (kernels/step_metadata.py) is allocated once per engine and refilled in
+"""The step metadata (kernel_backends/step_metadata.py) is allocated once per engine and refilled in
 place: every tensor the layers read keeps its address over steps of different batch sizes
 (prefill, mixed, decode, a batch growing and shrinking), on every backend; and a refill
 leaves nothing of a larger earlier step behind (each backend's LoRA segments after a
@@ -14,9 +14,9 @@ import pytest
 import torch
 from loraplex import LLMEngine, SamplingParams
 from loraplex.bench.kernel_fixtures import step_segments
-from loraplex.kernels import select_backend
-from loraplex.kernels.lora_segments import LoRASegments
-from loraplex.kernels.step_metadata import StepMetadata
+from loraplex.kernel_backends import select_backend
+from loraplex.kernel_backends.lora_segments import LoRASegments
+from loraplex.kernel_backends.step_metadata import StepMetadata
 
 from tests.conftest import ALL_TARGETS, make_adapter
 

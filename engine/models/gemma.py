@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from ...kernels.backend import KernelBackend
+from ...kernel_backends.backend import KernelBackend
 from .llama import Attention, LlamaForCausalLM, RMSNorm
 from .rope import RotaryEmbedding, layer_windows
 

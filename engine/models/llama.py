@@ -14,9 +14,9 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
-from ...kernels.attention_metadata import AttentionMetadata
-from ...kernels.backend import KernelBackend
-from ...kernels.step_metadata import StepReader
+from ...kernel_backends.attention_metadata import AttentionMetadata
+from ...kernel_backends.backend import KernelBackend
+from ...kernel_backends.step_metadata import StepReader
 from .rope import RotaryEmbedding, head_dim_of, layer_windows
 
 __all__ = ["Attention", "DecoderLayer", "LlamaForCausalLM", "RMSNorm", "RotaryEmbedding",
@@ -48,7 +48,7 @@ class Attention(nn.Module, StepReader):
     """Grouped-query paged attention: fused q/k/v, optional q/k RMSNorm, RoPE, then the
     backend's paged attention with this layer's ``scale``, ``softcap`` and sliding
     ``window`` (0: off), over the step's AttentionMetadata (``self.step``, bound by the
-    ModelRunner: ``kernels.step_metadata.bind_step``)."""
+    ModelRunner: ``kernel_backends.step_metadata.bind_step``)."""
 
     def __init__(self, config: PretrainedConfig, ops: KernelBackend, *, qk_norm: bool = False,
                  scale: float | None = None, window: int = 0, softcap: float = 0.0):
@@ -75,7 +75,7 @@ class Attention(nn.Module, StepReader):
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         if self.step is None:
             raise RuntimeError("no step metadata bound to this attention layer "
-                               "(kernels.step_metadata.bind_step)")
+                               "(kernel_backends.step_metadata.bind_step)")
         meta = self.step.attn
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)

@@ -21,7 +21,7 @@ from torch import nn
 from tqdm import tqdm
 from transformers import AutoConfig, PretrainedConfig
 
-from ...kernels.backend import KernelBackend
+from ...kernel_backends.backend import KernelBackend
 from .gemma import GemmaForCausalLM
 from .llama import LlamaForCausalLM
 from .phi3 import Phi3ForCausalLM

@@ -29,7 +29,7 @@ from ray import serve
 from ray.serve.config import HTTPOptions, gRPCOptions
 
 from ...engine.config import EngineConfig
-from ...kernels import backend_name
+from ...kernel_backends import backend_name
 from ..options import ServerOptions
 from .deployment import ReplicaConfig, deployment_class
 from .options import RayOptions

@@ -1,6 +1,6 @@
 """KernelBackend: the one interface through which the model and the LoRA layers run their
-kernels. Three backends implement it (``kernels/torch``, ``kernels/triton``,
-``kernels/cpu``); ``kernels.select_backend`` picks one when the engine is built, and the
+kernels. Three backends implement it (``kernel_backends/torch``, ``kernel_backends/triton``,
+``kernel_backends/cpu``); ``kernels.select_backend`` picks one when the engine is built, and the
 engine hands that object to the model, the LoRA layers and the sampler. No call chooses
 again.
 
@@ -171,4 +171,4 @@ class KernelBackend(ABC):
         """The sampled tokens' logprobs: logits [R, vocab] float32, tokens [R] int64, k in
         [0, vocab] -> (chosen [R], ranks [R] int64, top values [R, k] descending, top ids
         [R, k]); ``normalize``: log_softmax's values, else the logits
-        (kernels/torch/logprob_rows.py)."""
+        (kernel_backends/torch/logprob_rows.py)."""

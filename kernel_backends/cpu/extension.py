@@ -14,7 +14,7 @@
 
 Built with the system C++ compiler (``-march=native``) on first use in a process and cached
 by torch under $TORCH_EXTENSIONS_DIR, once per machine and source digest (``make kernels``,
-= ``python -m loraplex.kernels.cpu``, does it ahead of time). A cache entry that holds its
+= ``python -m loraplex.kernel_backends.cpu``, does it ahead of time). A cache entry that holds its
 library is loaded as it is, without torch's build step: the entry's name is its sources'
 digest, so the library is the build of exactly these sources. torch's step would take the
 entry's lock file and run ninja on every load, and a process killed in between leaves the

@@ -1,5 +1,5 @@
 // CPU kernels of the elementwise work of a decoder layer, each one pass over its rows where
-// the torch backend (kernels/torch/layer_ops.py, the oracle) runs several small ops:
+// the torch backend (kernel_backends/torch/layer_ops.py, the oracle) runs several small ops:
 //
 //   rms_norm:      out = w * (x * rsqrt(mean(x²) + eps)), the mean in fp32 (transformers)
 //   add_rms_norm_: residual += x in place, then out = rms_norm(residual)

@@ -1,6 +1,6 @@
 // CPU kernel of paged decode attention: one query token per sequence reads its context's
 // keys and values in place through the block table (no gathered copy of the context), so
-// the step reads each cached K/V row once. Built on first use by kernels/cpu/extension.py.
+// the step reads each cached K/V row once. Built on first use by kernel_backends/cpu/extension.py.
 //
 // out[b, h] = softmax(cap(scale · q[b, h] · K[b]ᵀ)) · V[b] over the first context_lens[b]
 // positions (only the last `window` of them when window > 0); cap(s) = softcap ·

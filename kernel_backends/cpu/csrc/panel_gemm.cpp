@@ -1,5 +1,5 @@
 // CPU float32 GEMM y = x · Wᵀ (+ bias) with W packed once into 16-column panels: the linears
-// of the CPU path (PackedLinear). Built on first use by kernels/cpu/extension.py.
+// of the CPU path (PackedLinear). Built on first use by kernel_backends/cpu/extension.py.
 //
 // Layout: panel p holds output columns 16p .. 16p+15 as [K][16] (columns past N are zero),
 // so a panel streams from memory once per call in the order the 6 x 16 register tile reads

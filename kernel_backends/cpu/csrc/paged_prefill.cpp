@@ -1,6 +1,6 @@
 // CPU kernel of paged prefill attention (float32 or bfloat16 q and caches; fp32 math): tiles of query tokens against chunks of
 // kChunk cached positions with an online softmax (flash-attention order), reading K and V in
-// place through the block table. Built on first use by kernels/cpu/extension.py.
+// place through the block table. Built on first use by kernel_backends/cpu/extension.py.
 //
 // Token t of a sequence with context_len c and q_len n new tokens sits at position
 // c - n + t and attends positions 0 ..= that one (causal over the cached prefix and the new

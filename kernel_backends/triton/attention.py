@@ -1,7 +1,7 @@
 """Paged attention in Triton: the KV store and decode over the block table (prefill in
 ``attention_prefill.py``).
 
-Same signatures and semantics as the torch backend's (``kernels/torch/attention.py``). The key/value
+Same signatures and semantics as the torch backend's (``kernel_backends/torch/attention.py``). The key/value
 positions a program reads are gathered token by token through the block table
 (``block = table[pos // block_size]``), so BLOCK_N is independent of the cache's
 block size and a context may end anywhere inside a block.

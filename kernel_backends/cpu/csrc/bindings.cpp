@@ -1,4 +1,4 @@
-// The loraplex CPU kernels as one Python extension module (built by kernels/cpu/extension.py).
+// The loraplex CPU kernels as one Python extension module (built by kernel_backends/cpu/extension.py).
 #include <torch/extension.h>
 
 #include <vector>

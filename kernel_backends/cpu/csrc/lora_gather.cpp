@@ -1,6 +1,6 @@
 // CPU kernel of the LoRA delta for decode-like steps: every token reads its own adapter's
 // A and B straight from the slot buffers (no [T, r, in] weight copy), so a step with many
-// distinct adapters runs near memory bandwidth. Built on first use by kernels/cpu/extension.py.
+// distinct adapters runs near memory bandwidth. Built on first use by kernel_backends/cpu/extension.py.
 //
 // out[t, col_i : col_i + out_i] += B_i[s] @ (A_i[s] @ x[t]) for each lora row t = rows[j]
 // with slot s = row_slots[j] and each slice i; only the first ranks[i][s] rows of A_i[s]
@@ -8,7 +8,7 @@
 // what lies past a slot's rank is the next adapter's). Accumulation in fp32, one rounding
 // into out.
 // prefetch > 0: each thread requests the weights of its work item that many items ahead
-// into L2 (a per-ISA choice, kernels/cpu/lora_routes.py); the result is the same.
+// into L2 (a per-ISA choice, kernel_backends/cpu/lora_routes.py); the result is the same.
 // A_i is a [units, r_max, in] view with unit stride along in (its slot and row strides are
 // read from the tensor); B_i a [units, out_i, r_max] view with unit stride along out
 // (r-major: [rows, out_i] pool storage, the engine's CPU slot layout, whose expand runs as

@@ -2,7 +2,7 @@
 // token's value, its rank (the number of values >= it: vLLM's rank, ties ahead) and the k
 // largest values with their ids; then, where asked, log-sum-exp over the row (still in
 // cache) is subtracted from the chosen and top values (log_softmax of only k + 1 values).
-// The torch twin is kernels/torch/logprob_rows.py.
+// The torch twin is kernel_backends/torch/logprob_rows.py.
 //
 // Top-k order: descending values, ties by lower index (a stable sort's order). The first k
 // values of a row enter the list whatever they are (-inf included); afterwards a value

@@ -1,5 +1,5 @@
 """The sampled tokens' logprobs on the device, in plain torch: the twin of the CPU kernel
-(kernels/cpu/csrc/logprob_rows.cpp) and the op of every other backend."""
+(kernel_backends/cpu/csrc/logprob_rows.cpp) and the op of every other backend."""
 
 from __future__ import annotations
 

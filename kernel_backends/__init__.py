@@ -5,7 +5,7 @@ them chosen when the engine is built.
 - ``cpu``: the C++ CPU kernels, CPU LoRA routes and packed linears; the default on CPU
   where the kernels build.
 - ``torch``: plain torch, the oracle every other backend is tested against; the default on
-  CPU where the C++ kernels cannot be built (or ``kernels/cpu`` is absent).
+  CPU where the C++ kernels cannot be built (or ``kernel_backends/cpu`` is absent).
 
 ``LORAPLEX_KERNELS=triton|torch|cpu`` overrides the choice (tests run the Triton kernels on
 CPU with ``TRITON_INTERPRET=1``).
@@ -53,7 +53,7 @@ def _cpu_kernels_load() -> bool:
     try:
         cpu = importlib.import_module(f"{__name__}.cpu")
     except ImportError:
-        log.warning("kernels/cpu is not installed: serving with the torch kernels")
+        log.warning("kernel_backends/cpu is not installed: serving with the torch kernels")
         return False
     if not cpu.available():
         log.warning("the C++ CPU kernels could not be built: serving with the torch kernels")
