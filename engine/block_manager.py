@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 from array import array
+
 from .free_blocks import FreeBlocks
 from .sequence import Sequence
 

@@ -22,19 +22,19 @@ import torch
 if TYPE_CHECKING:
     from loraplex.lora.peft_format import BaseShapes
 
-TINY_COMMON = dict(
-    vocab_size=384,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=512,
-    rms_norm_eps=1e-5,
-    bos_token_id=1,
-    eos_token_id=2,
-    pad_token_id=0,
-)
+TINY_COMMON = {
+    "vocab_size": 384,
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 512,
+    "rms_norm_eps": 1e-5,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 0,
+}
 
 WORDS = (  # noqa: SIM905 - a paragraph of words reads better than a list
     "the a of to and in is was for on with as by at from that this it be are or an "

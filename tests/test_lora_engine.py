@@ -17,15 +17,15 @@ from tests.conftest import ALL_TARGETS, make_adapter
 
 NEW = 8
 ADAPTER_SPECS = {  # name -> make_adapter kwargs
-    "qv4": dict(r=4, target_modules=["q_proj", "v_proj"]),
-    "all8": dict(r=8, target_modules=ALL_TARGETS),
-    "mlp16": dict(r=16, target_modules=["gate_proj", "up_proj", "down_proj"]),
-    "attn64": dict(r=64, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),
-    "rs8": dict(r=8, target_modules=ALL_TARGETS, use_rslora=True, lora_alpha=4),
-    "pattern": dict(r=4, target_modules=ALL_TARGETS, rank_pattern={"down_proj": 12},
-                    alpha_pattern={"q_proj": 3}),
-    "layer1": dict(r=8, target_modules=["k_proj", "o_proj"], layers_to_transform=[1]),
-    "regex": dict(r=6, target_modules=r".*\.(up_proj|v_proj)"),
+    "qv4": {"r": 4, "target_modules": ["q_proj", "v_proj"]},
+    "all8": {"r": 8, "target_modules": ALL_TARGETS},
+    "mlp16": {"r": 16, "target_modules": ["gate_proj", "up_proj", "down_proj"]},
+    "attn64": {"r": 64, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]},
+    "rs8": {"r": 8, "target_modules": ALL_TARGETS, "use_rslora": True, "lora_alpha": 4},
+    "pattern": {"r": 4, "target_modules": ALL_TARGETS, "rank_pattern": {"down_proj": 12},
+                    "alpha_pattern": {"q_proj": 3}},
+    "layer1": {"r": 8, "target_modules": ["k_proj", "o_proj"], "layers_to_transform": [1]},
+    "regex": {"r": 6, "target_modules": r".*\.(up_proj|v_proj)"},
 }
 
 

@@ -30,7 +30,7 @@ def test_dependencies_import_none_of_the_root_as_top_level_modules() -> None:
     code = ("import importlib, json, sys\n"
             f"for name in {IMPORTS!r}: importlib.import_module(name)\n"
             "print(json.dumps(sorted(sys.modules)))")
-    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, check=False,
                          text=True)
     assert run.returncode == 0, run.stderr[-3000:]
     loaded = {name.split(".")[0] for name in json.loads(run.stdout.splitlines()[-1])}

@@ -14,9 +14,9 @@ from pathlib import Path
 import jsonschema
 import pytest
 from loraplex import LLMEngine, SamplingParams
+from loraplex.bench import structured_fixtures as cases
 from loraplex.engine.async_engine import AsyncEngine
 from loraplex.engine.errors import InvalidRequestError
-from loraplex.bench import structured_fixtures as cases
 from loraplex.structured.constraint import StructuredOutputs
 
 from tests.conftest import make_adapter, make_tiny_model
