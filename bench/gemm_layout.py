@@ -1,8 +1,10 @@
-"""Which packed layout serves the CPU backend's float32 linears on this CPU: the panel GEMM
-(csrc/panel_gemm.cpp) or oneDNN's packed layout. The rule it informs is
-``kernel_backends/cpu/packed_linear.GEMM_LAYOUT``, keyed by ``isa.cpu_isa()``.
+"""Which packed layout serves the CPU backend's float32 (bfloat16) linears on this CPU: the
+panel GEMM (csrc/panel_gemm.cpp; csrc/panel_gemm_bf16.cpp) or oneDNN's packed layout. The
+rules it informs are ``kernel_backends/cpu/packed_linear.GEMM_LAYOUT`` (BF16_GEMM_LAYOUT),
+keyed by ``isa.cpu_isa()``.
 
     python -m loraplex.bench.gemm_layout [--rows 1 8 32 128 512] [--rounds 5]
+        [--dtype float32|bfloat16]
     python -m loraplex.bench.gemm_layout --engine [--rounds 5]
 
 Linears alone: SmolLM2-135M's (30 layers: qkv, o, gate_up, down) plus the logits head,
@@ -21,24 +23,27 @@ import time
 import torch
 
 from ..kernel_backends.cpu.isa import cpu_isa
-from ..kernel_backends.cpu.packed_linear import GEMM_LAYOUT, PackedLinear
+from ..kernel_backends.cpu.packed_linear import BF16_GEMM_LAYOUT, GEMM_LAYOUT, PackedLinear
 from .common import machine_line
 
 HIDDEN, INTER, QKV, VOCAB, LAYERS = 576, 1536, 960, 49152, 30
 SHAPES = [(QKV, HIDDEN), (HIDDEN, HIDDEN), (2 * INTER, HIDDEN), (HIDDEN, INTER)]  # [out, in]
 
 
-def build(layout: str, seed: int = 0) -> tuple[list[list[PackedLinear]], PackedLinear]:
+def build(layout: str, dtype: torch.dtype = torch.float32,
+          seed: int = 0) -> tuple[list[list[PackedLinear]], PackedLinear]:
     g = torch.Generator().manual_seed(seed)
-    layers = [[PackedLinear(torch.randn(o, i, generator=g) / i**0.5, None, layout)
+    layers = [[PackedLinear((torch.randn(o, i, generator=g) / i**0.5).to(dtype), None, layout)
                for o, i in SHAPES] for _ in range(LAYERS)]
-    head = PackedLinear(torch.randn(VOCAB, HIDDEN, generator=g) / HIDDEN**0.5, None, layout)
+    head = PackedLinear((torch.randn(VOCAB, HIDDEN, generator=g) / HIDDEN**0.5).to(dtype),
+                        None, layout)
     return layers, head
 
 
 def run(layers: list[list[PackedLinear]], head: PackedLinear, rows: int) -> float:
     """Seconds for every layer's four linears on ``rows`` rows, plus the head."""
-    xs = {i: torch.randn(rows, i) for i in (HIDDEN, INTER)}
+    dtype = head.panels.dtype if head.panels is not None else head.packed.dtype
+    xs = {i: torch.randn(rows, i).to(dtype) for i in (HIDDEN, INTER)}
     start = time.perf_counter()
     for linears in layers:
         for lin in linears:
@@ -92,18 +97,23 @@ def main() -> None:
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 128, 512])
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--engine", action="store_true", help="whole engine, not linears alone")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                    help="linears alone: the weights' and inputs' dtype")
     args = ap.parse_args()
     if args.engine:
         engine_ab(args.rounds)
         return
     torch.manual_seed(0)
-    models = {layout: build(layout) for layout in ("panels", "onednn")}
+    dtype = getattr(torch, args.dtype)
+    rules = GEMM_LAYOUT if dtype == torch.float32 else BF16_GEMM_LAYOUT
+    models = {layout: build(layout, dtype) for layout in ("panels", "onednn")}
     for layers, head in models.values():  # oneDNN builds a primitive per row count
         for rows in args.rows:
             run(layers, head, rows)
-    print(machine_line("cpu", "float32"))
+    print(machine_line("cpu", args.dtype))
+    name = "GEMM_LAYOUT" if dtype == torch.float32 else "BF16_GEMM_LAYOUT"
     print(f"SmolLM2 linears x {LAYERS} layers + head, cold weights, best of {args.rounds}; "
-          f"GEMM_LAYOUT[{cpu_isa()!r}] = {GEMM_LAYOUT.get(cpu_isa(), 'onednn (unlisted)')!r}")
+          f"{name}[{cpu_isa()!r}] = {rules.get(cpu_isa(), 'onednn (unlisted)')!r}")
     print("| rows | panels ms | oneDNN ms | oneDNN / panels |")
     print("|---|---|---|---|")
     for rows in args.rows:

@@ -1,4 +1,4 @@
-"""PackedLinear (kernel_backends/cpu/packed_linear.py: pre-packed CPU fp32 linears, in the panel
+"""PackedLinear (kernel_backends/cpu/packed_linear.py: pre-packed CPU linears, in the panel
 layout of the CPU kernels' GEMM or oneDNN's) against F.linear, and pack_model on a real model: every decoder linear packed, the
 head packed, outputs unchanged. Panel GEMM: a row's result is the same bits whatever it is
 batched with. oneDNN: row counts padded to a bounded set of sizes (each new size costs
@@ -192,12 +192,14 @@ def test_the_engine_warms_up_every_size_it_then_serves(monkeypatch: pytest.Monke
 
 @pytest.mark.skipif(not packing_available(torch.bfloat16),
                     reason="bfloat16 linears are packed only where the CPU has native bf16")
-def test_bfloat16_linears_pack_in_onednns_layout_and_keep_their_outputs(tiny_models) -> None:
-    """bfloat16 linears (where native) are packed in oneDNN's layout, the only one with
-    bf16 kernels; their outputs are those of F.linear in bf16."""
-    assert packed_linear.layout_for(torch.bfloat16) == "onednn"
+def test_bfloat16_linears_pack_in_the_rules_layout_and_keep_their_outputs(tiny_models) -> None:
+    """bfloat16 linears (where native) are packed in BF16_GEMM_LAYOUT's layout for the ISA
+    (the bf16 panel GEMM on AVX512-BF16, oneDNN's on AMX; test_panel_gemm_bf16.py tests the
+    panels); oneDNN's outputs are those of F.linear in bf16."""
+    layout = packed_linear.layout_for(torch.bfloat16)
+    assert layout == packed_linear.BF16_GEMM_LAYOUT.get(packed_linear.cpu_isa(), "onednn")
     with pytest.raises(ValueError, match="float32 weights"):
-        PackedLinear(torch.randn(8, 8).bfloat16(), None, "panels")
+        PackedLinear(torch.randn(8, 8).half(), None, "panels")
     for rows in [1, 7, 9, 32, 100, 513]:
         linear = nn.Linear(96, 200, bias=rows % 2 == 1).to(torch.bfloat16)
         x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows)).bfloat16()
@@ -205,5 +207,6 @@ def test_bfloat16_linears_pack_in_onednns_layout_and_keep_their_outputs(tiny_mod
         torch.testing.assert_close(packed(x), linear(x), rtol=1e-2, atol=1e-2)
     engine = LLMEngine(model=tiny_models("llama"), dtype="bfloat16", max_model_len=128)
     bases = [m.base for m in engine.base.model.modules() if isinstance(m, LoRALinear)]
-    assert bases and all(isinstance(b, PackedLinear) and b.packed is not None for b in bases)
+    assert bases and all(isinstance(b, PackedLinear) for b in bases)
+    assert all((b.panels is not None) == (layout == "panels") for b in bases)
     assert isinstance(engine.base.model.logits_head, PackedLinear)

@@ -11,6 +11,7 @@
 - csrc/logprob_rows.cpp: the sampled tokens' logprobs (value, rank, top k, log-sum-exp) in
   one read of each row.
 - csrc/panel_gemm.cpp: float32 linears over weights packed into 16-column panels (AVX2).
+- csrc/panel_gemm_bf16.cpp: bfloat16 linears over 32-column panels of k pairs (AVX512-BF16).
 
 Built with the system C++ compiler (``-march=native``) on first use in a process and cached
 by torch under $TORCH_EXTENSIONS_DIR, once per machine and source digest (``make kernels``,
@@ -39,7 +40,7 @@ log = logging.getLogger(__name__)
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = [CSRC / name for name in ("bindings.cpp", "lora_gather.cpp", "paged_decode.cpp",
                                     "paged_prefill.cpp", "layer_ops.cpp", "argmax.cpp",
-                                    "logprob_rows.cpp", "panel_gemm.cpp")]
+                                    "logprob_rows.cpp", "panel_gemm.cpp", "panel_gemm_bf16.cpp")]
 HEADERS = [CSRC / name for name in ("vec.h", "tile_6x16.h", "lora_blocks.h", "online_softmax.h")]
 _lock = threading.Lock()
 _module: ModuleType | None = None

@@ -1,19 +1,21 @@
-"""PackedLinear: a CPU linear whose weight is packed once, in one of two layouts (float32:
-either; bfloat16: oneDNN's, where the CPU has native bf16):
+"""PackedLinear: a CPU linear whose weight is packed once, in one of two layouts (float32
+and bfloat16 either; bfloat16 only where the CPU has native bf16):
 
-- "panels": the panel GEMM of the CPU kernels (csrc/panel_gemm.cpp: 16-column panels, 6 x 16
-  AVX2 register tiles). A row's result does not depend on its batch (the same FMA sequence
-  whatever the rows), and there is no per-size state.
+- "panels": the panel GEMMs of the CPU kernels: float32 in 16-column panels and 6 x 16
+  AVX2 register tiles (csrc/panel_gemm.cpp), bfloat16 in 32-column panels of k pairs and
+  8 x 32 AVX512-BF16 tiles (csrc/panel_gemm_bf16.cpp). A row's result does not depend on
+  its batch (the same FMA sequence whatever the rows), there is no per-size state, and a
+  call costs a few microseconds where oneDNN's costs ~20 (121 calls a decode step).
 - "onednn": oneDNN's pre-packed (blocked) layout, the one inductor's CPU freezing pass
   uses. Every distinct row count makes oneDNN build and cache a primitive (~0.6 MB of JIT
   code), so rows run padded to a bounded set of sizes (``padded_rows``) and longer inputs
   in chunks of ``CHUNK_ROWS``; ``warm_up`` builds every size at engine start.
 
-Which layout serves is a rule per instruction set (``GEMM_LAYOUT``), measured with
-``python -m loraplex.bench.gemm_layout`` on each ISA we could reach; results equal
-``F.linear`` up to fp32 summation order either way.
+Which layout serves is a rule per instruction set and dtype (``GEMM_LAYOUT``,
+``BF16_GEMM_LAYOUT``), measured with ``python -m loraplex.bench.gemm_layout [--dtype
+bfloat16]`` on each ISA we could reach; results equal ``F.linear`` up to summation order
+either way.
 """
-
 from __future__ import annotations
 
 import os
@@ -27,25 +29,40 @@ from .isa import HALF_NATIVE, cpu_isa
 BATCH_HINT = 32  # the row count oneDNN tunes the packing for; any row count works
 CHUNK_ROWS = 512  # longer inputs run in chunks of this many rows
 
-# isa.cpu_isa() -> the faster layout there (bench/gemm_layout.py; figures in bench/results/).
-# Unlisted ISAs take oneDNN, the library.
+# isa.cpu_isa() -> the faster layout there for float32 / bfloat16 linears
+# (bench/gemm_layout.py; figures in bench/results/). Unlisted ISAs take oneDNN, the library;
+# bfloat16 is packed only where the CPU has native bf16 (AVX512-BF16 or AMX).
 GEMM_LAYOUT: dict[str, str] = {
     "AVX2": "panels",
     "AVX512": "onednn",
     "AMX": "onednn",
 }
+BF16_GEMM_LAYOUT: dict[str, str] = {
+    "AVX512": "panels",  # AVX512-BF16: 1.1-1.7x oneDNN up to 128 rows, 0.97x at 512
+    "AMX": "onednn",  # oneDNN's AMX tiles
+}
 
 
-def gemm_layout() -> str:
-    """The packed layout this CPU's linears use: ``LORAPLEX_GEMM_LAYOUT`` if set (to check
-    the rule on another CPU), else GEMM_LAYOUT's entry for its ISA; "onednn" where unlisted
-    or where the panel GEMM is not built (no AVX2/FMA)."""
-    layout = os.environ.get("LORAPLEX_GEMM_LAYOUT") or GEMM_LAYOUT.get(cpu_isa(), "onednn")
+def gemm_layout(dtype: torch.dtype = torch.float32) -> str:
+    """The packed layout this CPU's ``dtype`` linears use: ``LORAPLEX_GEMM_LAYOUT`` if set
+    (to check the rule on another CPU), else the rule's entry for its ISA; "onednn" where
+    unlisted or where the panel GEMM of ``dtype`` is not built (float32: no AVX2/FMA;
+    bfloat16: no AVX512-BF16)."""
+    rules = GEMM_LAYOUT if dtype == torch.float32 else BF16_GEMM_LAYOUT
+    layout = os.environ.get("LORAPLEX_GEMM_LAYOUT") or rules.get(cpu_isa(), "onednn")
     if layout not in ("panels", "onednn"):
         raise ValueError(f"LORAPLEX_GEMM_LAYOUT={layout!r}; allowed: panels, onednn")
-    if layout == "panels" and not extension.load().panel_gemm_available():
+    if layout == "panels" and not panels_built(dtype):
         return "onednn"
     return layout
+
+
+def panels_built(dtype: torch.dtype) -> bool:
+    """Whether the panel GEMM of ``dtype`` was built for this CPU."""
+    kernels = extension.load()
+    if dtype == torch.float32:
+        return kernels.panel_gemm_available()
+    return dtype == torch.bfloat16 and kernels.bf16_panel_gemm_available()
 
 
 def padded_rows(rows: int) -> int:
@@ -68,9 +85,8 @@ def packing_available(dtype: torch.dtype) -> bool:
 
 
 def layout_for(dtype: torch.dtype) -> str:
-    """The packed layout of ``dtype``'s linears: ``gemm_layout()`` for float32; oneDNN's
-    for bfloat16 (the panel GEMM is float32 only)."""
-    return gemm_layout() if dtype == torch.float32 else "onednn"
+    """The packed layout of ``dtype``'s linears."""
+    return gemm_layout(dtype)
 
 
 # the resolved overload: cheaper per call than going through the op packet
@@ -90,15 +106,27 @@ class PackedLinear(nn.Module):
         self.bias = None if bias is None else bias.detach()
         self.panels = self.panel_bias = self.packed = None
         if layout == "panels":
-            if weight.dtype != torch.float32:
-                raise ValueError(f"the panel layout packs float32 weights, not {weight.dtype}")
-            self.panels = extension.load().pack_panels(weight.detach())
+            self._pack_panels(weight.detach())
+        else:
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), BATCH_HINT)
+
+    def _pack_panels(self, weight: torch.Tensor) -> None:
+        kernels = extension.load()
+        if weight.dtype == torch.float32:
+            self.panels = kernels.pack_panels(weight)
+            self._panel_linear = kernels.panel_linear
             if self.bias is not None:  # padded to the panels' columns
                 columns = self.panels.shape[0] * self.panels.shape[2]
                 self.panel_bias = self.bias.float().new_zeros(columns)
                 self.panel_bias[: self.out_features] = self.bias
+        elif weight.dtype == torch.bfloat16 and kernels.bf16_panel_gemm_available():
+            self.panels = kernels.pack_panels_bf16(weight)
+            self._panel_linear = kernels.panel_linear_bf16
+            if self.bias is not None:  # added in float32 before the one rounding to bf16
+                self.panel_bias = self.bias.float().contiguous()
         else:
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), BATCH_HINT)
+            raise ValueError(f"the panel layout packs float32 weights, and bfloat16 ones "
+                             f"where the CPU has AVX512-BF16; not {weight.dtype} here")
 
     @classmethod
     def of(cls, linear: nn.Linear, layout: str) -> PackedLinear:
@@ -108,8 +136,7 @@ class PackedLinear(nn.Module):
         rows = x.numel() // self.in_features
         flat = x.reshape(rows, self.in_features)
         if self.panels is not None:
-            out = extension.load().panel_linear(flat, self.panels, self.panel_bias,
-                                               self.out_features)
+            out = self._panel_linear(flat, self.panels, self.panel_bias, self.out_features)
         elif rows <= CHUNK_ROWS:
             out = self._rows(flat)
         else:

@@ -29,6 +29,10 @@ bool panel_gemm_available();
 torch::Tensor pack_panels(torch::Tensor weight);
 torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels,
                            c10::optional<torch::Tensor> bias, int64_t N);
+bool bf16_panel_gemm_available();
+torch::Tensor pack_panels_bf16(torch::Tensor weight);
+torch::Tensor panel_linear_bf16(torch::Tensor x, torch::Tensor panels,
+                                c10::optional<torch::Tensor> bias, int64_t N);
 
 // All release the GIL while they run (arguments are converted before, the result after),
 // as torch's own ops do: the gRPC loop and the adapter loader thread keep running.
@@ -73,6 +77,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_panels", &pack_panels, "a [N, K] weight as [ceil(N/16), K, 16] float32 panels",
         py::call_guard<py::gil_scoped_release>());
   m.def("panel_linear", &panel_linear, "x · Wᵀ (+ bias) over W's 16-column panels (float32)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("bf16_panel_gemm_available", &bf16_panel_gemm_available,
+        "whether panel_linear_bf16 was built (AVX512-BF16)");
+  m.def("pack_panels_bf16", &pack_panels_bf16,
+        "a [N, K] weight as [ceil(N/32), ceil(K/2), 64] bfloat16 panels (k in pairs)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("panel_linear_bf16", &panel_linear_bf16,
+        "x · Wᵀ (+ float32 bias) over W's 32-column bfloat16 panels (VDPBF16PS)",
         py::call_guard<py::gil_scoped_release>());
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused [T, 2I] gate_up",
         py::call_guard<py::gil_scoped_release>());
