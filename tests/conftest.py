@@ -215,6 +215,18 @@ def adapter_factory(tmp_path: Path) -> Callable[..., Path]:
     return make
 
 
+def rows_one_by_one(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,
+                    step: int) -> torch.Tensor:
+    """fn of every ``step``-th row of x alone, on one thread: the rows to compare with a
+    batched, multi-threaded call (x[::step])."""
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        return torch.cat([fn(x[i:i + 1]) for i in range(0, x.shape[0], step)])
+    finally:
+        torch.set_num_threads(threads)
+
+
 def read_json(path: Path) -> dict:
     return json.loads(path.read_text())
 
