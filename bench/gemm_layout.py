@@ -105,13 +105,13 @@ def main() -> None:
         return
     torch.manual_seed(0)
     dtype = getattr(torch, args.dtype)
-    rules = GEMM_LAYOUT if dtype == torch.float32 else BF16_GEMM_LAYOUT
+    name, rules = (("GEMM_LAYOUT", GEMM_LAYOUT) if dtype == torch.float32
+                   else ("BF16_GEMM_LAYOUT", BF16_GEMM_LAYOUT))
     models = {layout: build(layout, dtype) for layout in ("panels", "onednn")}
     for layers, head in models.values():  # oneDNN builds a primitive per row count
         for rows in args.rows:
             run(layers, head, rows)
     print(machine_line("cpu", args.dtype))
-    name = "GEMM_LAYOUT" if dtype == torch.float32 else "BF16_GEMM_LAYOUT"
     print(f"SmolLM2 linears x {LAYERS} layers + head, cold weights, best of {args.rounds}; "
           f"{name}[{cpu_isa()!r}] = {rules.get(cpu_isa(), 'onednn (unlisted)')!r}")
     print("| rows | panels ms | oneDNN ms | oneDNN / panels |")

@@ -192,7 +192,7 @@ def test_bfloat16_linears_pack_in_the_rules_layout_and_keep_their_outputs(tiny_m
     """bfloat16 linears (where native) are packed in BF16_GEMM_LAYOUT's layout for the ISA
     (the bf16 panel GEMM on AVX512-BF16, oneDNN's on AMX; test_panel_gemm_bf16.py tests the
     panels); oneDNN's outputs are those of F.linear in bf16."""
-    layout = packed_linear.layout_for(torch.bfloat16)
+    layout = gemm_layout(torch.bfloat16)
     assert layout == packed_linear.BF16_GEMM_LAYOUT.get(packed_linear.cpu_isa(), "onednn")
     with pytest.raises(ValueError, match="float32 weights"):
         PackedLinear(torch.randn(8, 8).half(), None, "panels")

@@ -15,7 +15,7 @@ from torch import nn
 from ..lora_segments import LoRASegments
 from ..torch import TorchBackend
 from . import attention, extension, isa, lora_routes
-from .packed_linear import layout_for, pack_model, packing_available, warm_up_packed
+from .packed_linear import gemm_layout, pack_model, packing_available, warm_up_packed
 from .segments import CPULoRASegments
 
 
@@ -42,7 +42,7 @@ class CPUBackend(TorchBackend):
 
     def prepare_model(self, model: nn.Module, max_tokens: int, max_seqs: int) -> None:
         if packing_available(self.dtype):
-            pack_model(model, layout_for(self.dtype))
+            pack_model(model, gemm_layout(self.dtype))
             warm_up_packed(model, max_tokens, max_seqs)
 
     def add_lora(self, out: torch.Tensor, x: torch.Tensor, lora_a: list[torch.Tensor],

@@ -41,7 +41,8 @@ CSRC = Path(__file__).with_name("csrc")
 SOURCES = [CSRC / name for name in ("bindings.cpp", "lora_gather.cpp", "paged_decode.cpp",
                                     "paged_prefill.cpp", "layer_ops.cpp", "argmax.cpp",
                                     "logprob_rows.cpp", "panel_gemm.cpp", "panel_gemm_bf16.cpp")]
-HEADERS = [CSRC / name for name in ("vec.h", "tile_6x16.h", "lora_blocks.h", "online_softmax.h")]
+HEADERS = [CSRC / name for name in ("vec.h", "tile_6x16.h", "lora_blocks.h", "online_softmax.h",
+                                    "strips.h")]
 _lock = threading.Lock()
 _module: ModuleType | None = None
 _error: Exception | None = None

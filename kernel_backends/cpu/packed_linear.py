@@ -84,11 +84,6 @@ def packing_available(dtype: torch.dtype) -> bool:
     return onednn and (dtype == torch.float32 or (dtype == torch.bfloat16 and HALF_NATIVE))
 
 
-def layout_for(dtype: torch.dtype) -> str:
-    """The packed layout of ``dtype``'s linears."""
-    return gemm_layout(dtype)
-
-
 # the resolved overload: cheaper per call than going through the op packet
 _LINEAR = (torch.ops.mkldnn._linear_pointwise.default
            if hasattr(torch.ops.mkldnn, "_linear_pointwise") else None)

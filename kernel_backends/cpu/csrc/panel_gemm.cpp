@@ -19,6 +19,7 @@
 #include <cstring>
 #include <memory>
 
+#include "strips.h"
 #include "tile_6x16.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -94,14 +95,6 @@ void tile_rows(int64_t rows, int64_t kc, const float* a, const float* b, float* 
     case 2: return tile<2>(kc, a, b, c, ldc, acc, bias, ahead, lines);
     default: return tile<1>(kc, a, b, c, ldc, acc, bias, ahead, lines);
   }
-}
-
-// Strip s of S holds rows strip_start(s) .. strip_start(s + 1) - 1: M rows shared out as
-// evenly as S = ceil(M / 6) strips allow (32 rows: 6, 6, 5, 5, 5, 5, not five of 6 and one
-// of 2, whose two-row tile waits on its FMA latency). Any split gives each row the same FMAs.
-inline int64_t strip_start(int64_t s, int64_t M, int64_t S) {
-  const int64_t base = M / S, extra = M % S;  // the first `extra` strips take base + 1
-  return s * base + std::min(s, extra);
 }
 
 // x [M, K] -> strips [S][K][6] (rows past a strip's own zero)

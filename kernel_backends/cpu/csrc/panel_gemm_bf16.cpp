@@ -22,6 +22,8 @@
 #include <cstring>
 #include <memory>
 
+#include "strips.h"
+
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #define LP_BF16_PANEL_GEMM 1
 #include <immintrin.h>
@@ -92,12 +94,6 @@ void tile_rows(int64_t rows, int64_t K2, const uint32_t* a, const __m512bh* b, u
   }
 }
 #endif
-
-// Strip s of S holds rows strip_start(s) .. strip_start(s + 1) - 1 (M shared out evenly).
-inline int64_t strip_start(int64_t s, int64_t M, int64_t S) {
-  const int64_t base = M / S, extra = M % S;
-  return s * base + std::min(s, extra);
-}
 
 // x [M, K] bf16 -> strips [S][K2][8] pairs (k 2j in the low half; a missing k or row is 0)
 void pack_rows(const uint16_t* x, int64_t M, int64_t K, uint32_t* strips) {
