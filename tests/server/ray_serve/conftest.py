@@ -128,3 +128,22 @@ def client(ray_app: RayApp) -> Iterator[Any]:
 def replica_ids(client: Any) -> set[str]:
     """Every replica the registry's adapters are held on (ListAdapters)."""
     return {r.replica for info in client.list_adapters() for r in info.replicas}
+
+
+def raw_generate(target: str, adapter: str, ids: list[int], n: int = N
+                 ) -> tuple[Any, str]:
+    """One Generate without the multiplexed_model_id metadata (as grpcurl sends it): Ray
+    routes it to any replica. (reply or grpc.RpcError, replica id from the trailer)."""
+    import grpc
+    from loraplex.proto import loraplex_pb2 as pb
+    from loraplex.proto import loraplex_pb2_grpc as pb_grpc
+
+    with grpc.insecure_channel(target) as channel:
+        stub = pb_grpc.InferenceStub(channel)
+        request = pb.GenerateRequest(adapter=adapter, prompt_token_ids=ids, params=pb.SamplingParams(
+            temperature=0.0, max_new_tokens=n, ignore_eos=True))
+        try:
+            reply, call = stub.Generate.with_call(request, timeout=60)
+            return reply, dict(call.trailing_metadata())[REPLICA]
+        except grpc.RpcError as e:
+            return e, dict(e.trailing_metadata() or ()).get(REPLICA, "")

@@ -2,7 +2,7 @@
 tests (conftest.py), reached through Ray's HTTP proxy with the official ``openai`` client and
 httpx. Outputs equal the gRPC front's (whose token ids equal PEFT's); load and unload over
 HTTP reach every replica; /metrics shows every replica; Ray's multiplexing header routes an
-adapter's requests to the replica holding it. Runs before test_ray_serve.py's fault tests."""
+adapter's requests to the replica holding it. Runs before the fault tests (test_ray_serve_faults.py)."""
 
 from __future__ import annotations
 

@@ -1,14 +1,11 @@
-"""Sampling outputs through the fronts, with the clients users run: the official ``openai``
-SDK on the HTTP front and loraplex's gRPC client, against a real server. Every logprob is
-checked against the oracle: PEFT's (or transformers') float32 ``log_softmax`` of the same
-tokens, never the engine's own numbers. Also: ``n`` choices and their usage, streams whose
-chunks add up to the whole answer, completions ``echo``, vLLM's ``prompt_logprobs`` and
-``return_tokens_as_token_ids``, and gRPC saying what HTTP says."""
+"""Sampling outputs through the HTTP front, with the client users run (the official
+``openai`` SDK) against a real server: every logprob against the oracle; ``n`` choices and
+their usage, streams whose chunks add up to the whole answer, completions ``echo``, vLLM's
+``prompt_logprobs`` and ``return_tokens_as_token_ids``. Set-up: conftest.py."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -16,95 +13,40 @@ import openai
 import pytest
 import torch
 
-ATOL = 2e-4  # float32 engine vs float32 transformers: summation order only
-PROMPT = "the cat is on the table with a dog"
-CHAT = [{"role": "user", "content": "the cat is on the table"}]
-GREEDY = {"temperature": 0.0}
-IGNORE_EOS = {"ignore_eos": True}
-
-
-@pytest.fixture(scope="module")
-def server(serve, make_engine, tiny_llama: Path, tiny_adapters: Callable[[str], Path]) -> Any:
-    return serve(lambda: make_engine(tiny_llama, lora_modules={"a": str(tiny_adapters("a0"))}),
-                 http_port=0)
-
-
-@pytest.fixture(scope="module")
-def oai(server: Any) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.http_url}/v1", api_key="none", max_retries=0,
-                         timeout=120)
-
-
-@pytest.fixture(scope="module")
-def grpc_client(server: Any):
-    with server.client() as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def oracle(tiny_llama: Path, tiny_adapters: Callable[[str], Path]
-           ) -> Callable[[str, list[int]], torch.Tensor]:
-    """oracle(model, ids)[j] = log p(. | ids[:j+1]) in float32, from transformers (base)
-    or PEFT (adapter "a")."""
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
-    models: dict[str, Any] = {}
-
-    def get(model: str) -> Any:
-        if model not in models:
-            hf = AutoModelForCausalLM.from_pretrained(tiny_llama, torch_dtype=torch.float32)
-            if model == "a":
-                hf = PeftModel.from_pretrained(hf, tiny_adapters("a0"))
-            models[model] = hf.eval()
-        return models[model]
-
-    def logprobs(model: str, ids: list[int]) -> torch.Tensor:
-        with torch.no_grad():
-            logits = get(model)(torch.tensor([ids])).logits[0].float()
-        return torch.log_softmax(logits, dim=-1)
-
-    return logprobs
-
-
-def _model(server: Any, name: str) -> str:
-    return server.server.state.model_name if name == "base" else name
-
-
-def _ids(server: Any, text: str) -> list[int]:
-    return list(server.engine.tokenizer(text).input_ids)
-
-
-def _chat_ids(server: Any) -> list[int]:
-    r = httpx.post(f"{server.http_url}/tokenize", json={"messages": CHAT}, timeout=60)
-    return r.json()["tokens"]
-
-
-def _word(server: Any, token_id: int) -> str:
-    return server.engine.tokenizer.decode([token_id])
+from tests.server.sampling_outputs.conftest import (
+    ATOL,
+    CHAT,
+    GREEDY,
+    IGNORE_EOS,
+    PROMPT,
+    chat_ids,
+    ids_of,
+    model_name,
+    word_of,
+)
 
 
 @pytest.mark.parametrize("name", ["base", "a"])
 def test_completion_echo_logprobs_equal_the_oracle(server: Any, oai: openai.OpenAI,
                                                    oracle: Callable, name: str) -> None:
     """lm-evaluation-harness's loglikelihood request: echo, logprobs=1, max_tokens=1."""
-    r = oai.completions.create(model=_model(server, name), prompt=PROMPT, echo=True,
+    r = oai.completions.create(model=model_name(server, name), prompt=PROMPT, echo=True,
                                logprobs=2, max_tokens=1, **GREEDY)
     lp = r.choices[0].logprobs
-    prompt = _ids(server, PROMPT)
+    prompt = ids_of(server, PROMPT)
     assert len(lp.tokens) == len(prompt) + 1 and r.choices[0].text.startswith(PROMPT)
-    words = [_word(server, t) for t in prompt]
+    words = [word_of(server, t) for t in prompt]
     assert lp.tokens[:-1] == words
     assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
     ref = oracle(name, prompt)
     generated = int(ref[-1].argmax())  # greedy
-    assert lp.tokens[-1] == _word(server, generated)
+    assert lp.tokens[-1] == word_of(server, generated)
     ids = [*prompt, generated]
     for j in range(1, len(ids)):
         want = ref[j - 1]
         assert lp.token_logprobs[j] == pytest.approx(float(want[ids[j]]), abs=ATOL), j
         top = torch.topk(want, 2)
-        expected = {_word(server, int(t)): float(v) for v, t in zip(top.values, top.indices)}
+        expected = {word_of(server, int(t)): float(v) for v, t in zip(top.values, top.indices)}
         expected.setdefault(words[j] if j < len(words) else lp.tokens[-1],
                             float(want[ids[j]]))
         got = lp.top_logprobs[j]
@@ -121,11 +63,11 @@ def test_completion_logprobs_zero_is_the_token_alone(server: Any, oai: openai.Op
     r = oai.completions.create(model="a", prompt=PROMPT, logprobs=0, max_tokens=4,
                                **GREEDY, extra_body=IGNORE_EOS)
     lp = r.choices[0].logprobs
-    ids = _ids(server, PROMPT)
+    ids = ids_of(server, PROMPT)
     for token, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
         assert top == {token: value}
         next_id = int(oracle("a", ids)[-1].argmax())
-        assert token == _word(server, next_id)
+        assert token == word_of(server, next_id)
         assert value == pytest.approx(float(oracle("a", ids)[-1, next_id]), abs=ATOL)
         ids.append(next_id)
 
@@ -136,15 +78,15 @@ def test_chat_logprobs_and_top_logprobs(server: Any, oai: openai.OpenAI,
                                     max_tokens=5, **GREEDY, extra_body=IGNORE_EOS)
     content = r.choices[0].logprobs.content
     assert len(content) == 5
-    ids = _chat_ids(server)
+    ids = chat_ids(server)
     for entry in content:
         ref = oracle("a", ids)[-1]
         top = torch.topk(ref, 3)
-        assert entry.token == _word(server, int(top.indices[0]))  # greedy
+        assert entry.token == word_of(server, int(top.indices[0]))  # greedy
         assert entry.logprob == pytest.approx(float(top.values[0]), abs=ATOL)
         assert entry.bytes == list(entry.token.encode())
         assert [t.token for t in entry.top_logprobs] == \
-            [_word(server, int(t)) for t in top.indices]
+            [word_of(server, int(t)) for t in top.indices]
         assert [t.logprob for t in entry.top_logprobs] == \
             pytest.approx([float(v) for v in top.values], abs=ATOL)
         assert all(t.bytes == list(t.token.encode()) for t in entry.top_logprobs)
@@ -172,9 +114,9 @@ def test_n_choices_and_their_usage(server: Any, oai: openai.OpenAI, grpc_client:
     after = _counters(server)
     # one request, its prompt once, every choice's tokens (vLLM's counting)
     assert (after[0] - before[0], after[1] - before[1], after[2] - before[2]) == \
-        (1, len(_ids(server, PROMPT)), 18)
+        (1, len(ids_of(server, PROMPT)), 18)
     assert [c.index for c in r.choices] == [0, 1, 2]
-    assert r.usage.prompt_tokens == len(_ids(server, PROMPT))  # the prompt once
+    assert r.usage.prompt_tokens == len(ids_of(server, PROMPT))  # the prompt once
     assert r.usage.completion_tokens == 18
     again = oai.completions.create(n=3, **kw)  # reproducible per seed
     assert [c.text for c in again.choices] == [c.text for c in r.choices]
@@ -228,7 +170,7 @@ def test_echo_with_max_tokens_zero_is_the_prompt_alone(server: Any, oai: openai.
     r = oai.completions.create(model="a", prompt=PROMPT, echo=True, logprobs=1,
                                max_tokens=0, **GREEDY)
     lp = r.choices[0].logprobs
-    prompt = _ids(server, PROMPT)
+    prompt = ids_of(server, PROMPT)
     assert r.choices[0].text == PROMPT and len(lp.tokens) == len(prompt)
     ref = oracle("a", prompt)
     assert lp.token_logprobs[1:] == pytest.approx(
@@ -242,7 +184,7 @@ def test_vllm_prompt_logprobs_and_token_ids(server: Any, oracle: Callable) -> No
             "prompt_logprobs": 2, "logprobs": 1, "return_tokens_as_token_ids": True}
     choice = httpx.post(f"{server.http_url}/v1/completions", json=body,
                         timeout=60).json()["choices"][0]
-    prompt = _ids(server, PROMPT)
+    prompt = ids_of(server, PROMPT)
     ref = oracle("a", prompt)
     plp = choice["prompt_logprobs"]
     assert len(plp) == len(prompt) and plp[0] is None
@@ -254,82 +196,6 @@ def test_vllm_prompt_logprobs_and_token_ids(server: Any, oracle: Callable) -> No
     assert all(t.startswith("token_id:") for t in choice["logprobs"]["tokens"])
 
 
-def test_grpc_logprobs_equal_the_oracle(server: Any, grpc_client: Any,
-                                        oracle: Callable) -> None:
-    prompt = _ids(server, PROMPT)
-    kw = {"prompt_token_ids": prompt, "adapter": "a", "max_new_tokens": 4,
-          "temperature": 0.0, "ignore_eos": True, "logprobs": 2, "prompt_logprobs": 1}
-    r = grpc_client.generate(**kw)
-    ids = list(prompt)
-    for lp, token in zip(r.logprobs, r.token_ids, strict=True):
-        ref = oracle("a", ids)[-1]
-        top = torch.topk(ref, 2)
-        assert lp.token_id == token == int(top.indices[0]) and lp.rank == 1
-        assert lp.logprob == pytest.approx(float(top.values[0]), abs=ATOL)
-        assert [t.token_id for t in lp.top] == [int(t) for t in top.indices]
-        assert [t.rank for t in lp.top] == [1, 2]
-        ids.append(token)
-    assert r.cumulative_logprob == pytest.approx(sum(lp.logprob for lp in r.logprobs),
-                                                 abs=ATOL)
-    ref = oracle("a", prompt)
-    assert [p.token_id for p in r.prompt_logprobs] == prompt[1:]
-    assert [p.logprob for p in r.prompt_logprobs] == pytest.approx(
-        [float(ref[j - 1, prompt[j]]) for j in range(1, len(prompt))], abs=ATOL)
-    messages = list(grpc_client.generate_stream(**kw))
-    assert [lp for m in messages for lp in m.logprobs] == list(r.logprobs)
-    assert list(messages[0].prompt_logprobs) == list(r.prompt_logprobs)
-    assert all(not m.prompt_logprobs for m in messages[1:])
-
-
-def test_grpc_stream_names_each_choice(grpc_client: Any) -> None:
-    messages = list(grpc_client.generate_stream(PROMPT, adapter="a", n=2, max_new_tokens=3,
-                                                temperature=1.0, seed=1, ignore_eos=True))
-    whole = grpc_client.generate(PROMPT, adapter="a", n=2, max_new_tokens=3, temperature=1.0,
-                                 seed=1, ignore_eos=True)
-    for choice in whole.choices:
-        mine = [m for m in messages if m.index == choice.index]
-        assert "".join(m.text for m in mine) == choice.text
-        assert [m.finished for m in mine][-1] and not any(m.finished for m in mine[:-1])
-    assert messages[-1].usage.completion_tokens == 6
-
-
-def _token_ids_of(choice: Any) -> list[int]:
-    return [int(t.removeprefix("token_id:")) for t in choice["logprobs"]["tokens"]]
-
-
-def _complete(server: Any, **fields: Any) -> dict:
-    body = {"model": "a", "prompt": PROMPT, "max_tokens": 4, "ignore_eos": True,
-            "logprobs": 0, "return_tokens_as_token_ids": True, **fields}
-    r = httpx.post(f"{server.http_url}/v1/completions", json=body, timeout=60)
-    assert r.status_code == 200, r.text
-    return r.json()["choices"][0]
-
-
-def test_processors_reach_the_engine(server: Any, grpc_client: Any) -> None:
-    """min_p, logit_bias, allowed_token_ids, bad_words and the penalties change what is
-    sampled (they are not dropped on the way), and HTTP and gRPC agree on them."""
-    greedy = _token_ids_of(_complete(server, temperature=0))
-    # min_p = 1 keeps only the most likely token: sampling at temperature 1 is greedy
-    assert _token_ids_of(_complete(server, temperature=1.0, seed=3, min_p=1.0)) == greedy
-    forced = next(t for t in range(10, 40) if t not in greedy)
-    assert _token_ids_of(_complete(server, temperature=0, logit_bias={str(forced): 100})) \
-        == [forced] * 4
-    allowed = _token_ids_of(_complete(server, temperature=1.0, seed=4,
-                                      allowed_token_ids=[11, 12]))
-    assert set(allowed) <= {11, 12}
-    banned = server.engine.tokenizer.decode([greedy[0]])
-    assert greedy[0] not in _token_ids_of(_complete(server, temperature=0,
-                                                    bad_words=[banned]))
-    penalties = {"presence_penalty": 1.5, "frequency_penalty": 0.5, "repetition_penalty": 1.3}
-    http = _token_ids_of(_complete(server, temperature=0, max_tokens=8, **penalties))
-    over_grpc = grpc_client.generate(PROMPT, adapter="a", temperature=0.0, max_new_tokens=8,
-                                     ignore_eos=True, **penalties)
-    assert http == list(over_grpc.token_ids)
-    plain = grpc_client.generate(PROMPT, adapter="a", temperature=0.0, max_new_tokens=8,
-                                 ignore_eos=True)
-    assert list(plain.token_ids) != http  # the penalties did something
-
-
 def test_streamed_echo_adds_up_to_the_whole(oai: openai.OpenAI) -> None:
     kw = {"model": "a", "prompt": PROMPT, "echo": True, "logprobs": 1, "max_tokens": 3,
           **GREEDY, "extra_body": IGNORE_EOS}
@@ -339,26 +205,3 @@ def test_streamed_echo_adds_up_to_the_whole(oai: openai.OpenAI) -> None:
     for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
         assert [x for c in chunks for x in getattr(c.logprobs, name)] == \
             getattr(whole.logprobs, name), name
-
-
-def test_async_client_passes_the_fields_through(server: Any, grpc_client: Any) -> None:
-    import asyncio
-
-    from loraplex.client import AsyncClient
-
-    kw = {"adapter": "a", "n": 2, "max_new_tokens": 3, "temperature": 1.0, "seed": 2,
-          "ignore_eos": True, "logprobs": 1, "presence_penalty": 0.5, "min_p": 0.05,
-          "logit_bias": {7: -5.0}}
-
-    async def run() -> tuple[Any, list]:
-        async with AsyncClient(server.target) as c:
-            whole = await c.generate(PROMPT, **kw)
-            return whole, [m async for m in c.generate_stream(PROMPT, **kw)]
-
-    whole, messages = asyncio.run(run())
-    sync = grpc_client.generate(PROMPT, **kw)
-    assert [c.text for c in whole.choices] == [c.text for c in sync.choices]
-    assert [len(c.logprobs) for c in whole.choices] == [3, 3]
-    for choice in whole.choices:
-        mine = [m for m in messages if m.index == choice.index]
-        assert [lp for m in mine for lp in m.logprobs] == list(choice.logprobs)
