@@ -103,7 +103,7 @@ def test_rope_store_kv_refuses_a_slot_past_the_cache(kernels) -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("width", [1536, 36, 5])
+@pytest.mark.parametrize("width", [1536, 36, 24, 5])  # 24: 16-wide then 8-wide vectors
 def test_silu_mul_matches_twin(kernels, dtype: torch.dtype, width: int) -> None:
     gate_up = _randn(9, 2 * width, dtype=dtype, seed=5, scale=4.0)
     gate_up[0, :4] = torch.tensor([-100.0, -87.0, 0.0, 90.0]).to(dtype)  # exp's range ends

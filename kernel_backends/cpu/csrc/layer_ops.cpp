@@ -70,6 +70,30 @@ inline void norm_row_bf16(c10::BFloat16* row, const c10::BFloat16* add,
 }
 #endif
 
+#if defined(__AVX512F__)
+// norm_row_bf16 in 16-wide vectors (width a multiple of 16): the same roundings; the sum of
+// squares in another order of fp32 additions.
+inline void norm_row_bf16_512(c10::BFloat16* row, const c10::BFloat16* add,
+                              const c10::BFloat16* w, int64_t n, float eps,
+                              c10::BFloat16* o) {
+  using T = c10::BFloat16;
+  __m512 squares = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += 16) {
+    __m512 x = load16(row + i);
+    if (add != nullptr) {
+      x = round16<T>(_mm512_add_ps(x, load16(add + i)));
+      store16(row + i, x);
+    }
+    squares = _mm512_fmadd_ps(x, x, squares);
+  }
+  const __m512 inv = _mm512_set1_ps(1.f / std::sqrt(_mm512_reduce_add_ps(squares) / n + eps));
+  for (int64_t i = 0; i < n; i += 16) {
+    const __m512 normed = round16<T>(_mm512_mul_ps(load16(row + i), inv));
+    store16(o + i, _mm512_mul_ps(load16(w + i), normed));
+  }
+}
+#endif
+
 template <typename scalar_t>
 void norm_rows(const torch::Tensor& x, const torch::Tensor* add, const torch::Tensor& w,
                double eps, torch::Tensor& out) {
@@ -79,6 +103,15 @@ void norm_rows(const torch::Tensor& x, const torch::Tensor* add, const torch::Te
       scalar_t* row = x.data_ptr<scalar_t>() + r * x.stride(0);
       const scalar_t* a = add != nullptr ? add->data_ptr<scalar_t>() + r * add->stride(0)
                                          : nullptr;
+#if defined(__AVX512F__)
+      if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+        if (n % 16 == 0) {
+          norm_row_bf16_512(row, a, w.data_ptr<scalar_t>(), n, static_cast<float>(eps),
+                            out.data_ptr<scalar_t>() + r * n);
+          continue;
+        }
+      }
+#endif
 #if defined(__AVX2__) && defined(__FMA__)
       if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
         if (n % 8 == 0) {
@@ -183,6 +216,17 @@ void silu_mul_rows(const torch::Tensor& gu, torch::Tensor& out) {
       const scalar_t* u = g + n;
       scalar_t* o = out.data_ptr<scalar_t>() + r * n;
       int64_t i = 0;
+#if defined(__AVX512F__)
+      if constexpr (kVec8<scalar_t>) {  // the 8-wide forms' results, 16 lanes a step
+        const __m512 one = _mm512_set1_ps(1.f), zero = _mm512_setzero_ps();
+        for (; i + 16 <= n; i += 16) {
+          const __m512 x = load16(g + i);
+          const __m512 silu = round16<scalar_t>(
+              _mm512_div_ps(x, _mm512_add_ps(one, exp512(_mm512_sub_ps(zero, x)))));
+          store16(o + i, _mm512_mul_ps(silu, load16(u + i)));
+        }
+      }
+#endif
 #if defined(__AVX2__) && defined(__FMA__)
       if constexpr (std::is_same_v<scalar_t, float>) {
         const __m256 one = _mm256_set1_ps(1.f), zero = _mm256_setzero_ps();

@@ -97,12 +97,6 @@ int64_t expand_block_t_vec(const scalar_t* bt, int64_t ld, const float* h, int64
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
-// Sixteen bfloat16 values widened to floats (exact: a bfloat16 is a float's high half).
-inline __m512 load16(const c10::BFloat16* p) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(
-      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
-}
-
 // expand_block_t_vec for bfloat16 on AVX-512: 32 columns a step in 16-wide vectors; o
 // rounded once on store to nearest even (as c10 rounds).
 template <int CNT>

@@ -129,8 +129,71 @@ inline float exp_shift_sum(float* s, int64_t n, float m) {
   return total;
 }
 
+#if defined(__AVX512F__)
+// The 16-wide twins of load8, store8, round8 and exp256 for AVX-512: lane by lane the same
+// results (the same rounding, NaN rule and polynomial), so a kernel may use either width.
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {  // exact: a bfloat16 is a float's high half
+  return _mm512_castsi512_ps(_mm512_slli_epi32(
+      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+
+// v's bits rounded to bfloat16 as c10 rounds (nearest even; NaN to 0x7FC0), still in a
+// float's high half.
+inline __m512i round_bits16(__m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i rounded =
+      _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
+  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  return _mm512_mask_blend_epi32(nan, rounded, _mm512_set1_epi32(0x7FC00000));
+}
+
+inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+inline void store16(c10::BFloat16* p, __m512 v) {
+  const __m256i packed = _mm512_cvtepi32_epi16(_mm512_srli_epi32(round_bits16(v), 16));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), packed);
+}
+
+template <typename T>
+inline __m512 round16(__m512 v) {
+  if constexpr (std::is_same_v<T, float>) {
+    return v;
+  } else {
+    return _mm512_castsi512_ps(_mm512_and_si512(round_bits16(v), _mm512_set1_epi32(-65536)));
+  }
+}
+
+inline __m512 exp512(__m512 x) {
+  const __m512 lo = _mm512_set1_ps(-87.33654f);
+  const __mmask16 under = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
+  x = _mm512_min_ps(_mm512_max_ps(x, lo), _mm512_set1_ps(88.37626f));
+  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  x = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  x = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), x);
+  __m512 y = _mm512_set1_ps(1.9875691500E-4f);
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507E-3f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073E-3f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894E-2f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459E-1f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201E-1f));
+  y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.f)));
+  const __m512i e = _mm512_slli_epi32(
+      _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  y = _mm512_mul_ps(y, _mm512_castsi512_ps(e));
+  return _mm512_maskz_mov_ps(static_cast<__mmask16>(~under), y);
+}
+#endif
+
 }  // namespace loraplex_vec
 
+#if defined(__AVX512F__)
+using loraplex_vec::exp512;
+using loraplex_vec::load16;
+using loraplex_vec::round16;
+using loraplex_vec::store16;
+#endif
 using loraplex_vec::exp256;
 using loraplex_vec::hsum8;
 using loraplex_vec::kVec8;
