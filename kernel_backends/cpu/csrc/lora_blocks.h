@@ -97,32 +97,43 @@ int64_t expand_block_t_vec(const scalar_t* bt, int64_t ld, const float* h, int64
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
-// expand_block_t_vec for bfloat16 on AVX-512: 32 columns a step in 16-wide vectors; o
-// rounded once on store to nearest even (as c10 rounds).
-template <int CNT>
-int64_t expand_block_t_512(const c10::BFloat16* bt, int64_t ld, const float* h, int64_t r,
-                           int64_t width, c10::BFloat16* const* o) {
-  int64_t n = 0;
-  for (; n + 32 <= width; n += 32) {
-    __m512 acc[CNT][2];
-    for (int q = 0; q < CNT; ++q) acc[q][0] = acc[q][1] = _mm512_setzero_ps();
+// expand_cols for bfloat16 on AVX-512: CNT rows, 16·NV columns a step in 16-wide vectors
+// (CNT·NV independent accumulators: one row alone would wait on two FMA chains); o rounded
+// once on store to nearest even (as c10 rounds). Every output is the same sum whatever NV.
+template <int CNT, int NV>
+int64_t expand_cols_512(const c10::BFloat16* bt, int64_t ld, const float* h, int64_t r,
+                        int64_t width, c10::BFloat16* const* o, int64_t n) {
+  for (; n + 16 * NV <= width; n += 16 * NV) {
+    __m512 acc[CNT][NV];
+    for (int q = 0; q < CNT; ++q)
+      for (int v = 0; v < NV; ++v) acc[q][v] = _mm512_setzero_ps();
     for (int64_t k = 0; k < r; ++k) {
-      const __m512 b0 = load16(bt + k * ld + n);
-      const __m512 b1 = load16(bt + k * ld + n + 16);
+      __m512 b[NV];
+      for (int v = 0; v < NV; ++v) b[v] = load16(bt + k * ld + n + 16 * v);
       for (int q = 0; q < CNT; ++q) {
         const __m512 hq = _mm512_set1_ps(h[q * r + k]);
-        acc[q][0] = _mm512_fmadd_ps(hq, b0, acc[q][0]);
-        acc[q][1] = _mm512_fmadd_ps(hq, b1, acc[q][1]);
+        for (int v = 0; v < NV; ++v) acc[q][v] = _mm512_fmadd_ps(hq, b[v], acc[q][v]);
       }
     }
     for (int q = 0; q < CNT; ++q)
-      for (int half = 0; half < 2; ++half) {
-        c10::BFloat16* dst = o[q] + n + 16 * half;
-        const __m512 sum = _mm512_add_ps(load16(dst), acc[q][half]);
+      for (int v = 0; v < NV; ++v) {
+        c10::BFloat16* dst = o[q] + n + 16 * v;
+        const __m512 sum = _mm512_add_ps(load16(dst), acc[q][v]);
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst),
                             reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(sum)));
       }
   }
+  return n;
+}
+
+// expand_block_t_vec for bfloat16 on AVX-512: 64 columns a step for one or two rows, 32 for
+// more, then 32; the columns done are the multiples of 32 below width whatever CNT.
+template <int CNT>
+int64_t expand_block_t_512(const c10::BFloat16* bt, int64_t ld, const float* h, int64_t r,
+                           int64_t width, c10::BFloat16* const* o) {
+  constexpr int NV = CNT <= 2 ? 4 : 2;
+  int64_t n = expand_cols_512<CNT, NV>(bt, ld, h, r, width, o, 0);
+  if constexpr (NV > 2) n = expand_cols_512<CNT, 2>(bt, ld, h, r, width, o, n);
   return n;
 }
 #endif
@@ -254,24 +265,48 @@ void shrink_block(const scalar_t* a, int64_t lda, int64_t in, const float* x, in
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
-// shrink_block for bfloat16 A and x (x's own rows, in % 32 == 0): h[q * r + k] = a_k · x_q
-// by VDPBF16PS, 32 products a step, each exact in fp32 and summed in fp32 (the same sums
-// as the fp32 form, in another order).
+// KR rank rows of A against CNT rows of x (bfloat16, in % 32 == 0) by VDPBF16PS, 32
+// products a step, each exact in fp32 and summed in fp32: h[q * r + k0 + j] = a_{k0+j} · x_q.
+// KR·CNT independent accumulators; each sums its products in order of c, then its lanes, so
+// a row's h does not depend on its block or on KR.
+template <int CNT, int KR>
+void shrink_tile_bf16_512(const c10::BFloat16* a, int64_t lda, int64_t in,
+                          const c10::BFloat16* const* x, int64_t r, int64_t k0, float* h) {
+  __m512 s[KR][CNT];
+  for (int j = 0; j < KR; ++j)
+    for (int q = 0; q < CNT; ++q) s[j][q] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < in; c += 32) {
+    __m512bh xv[CNT];
+    for (int q = 0; q < CNT; ++q)
+      xv[q] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(x[q] + c));
+    for (int j = 0; j < KR; ++j) {
+      const __m512bh av = reinterpret_cast<__m512bh>(_mm512_loadu_si512(a + (k0 + j) * lda + c));
+      for (int q = 0; q < CNT; ++q) s[j][q] = _mm512_dpbf16_ps(s[j][q], av, xv[q]);
+    }
+  }
+  for (int j = 0; j < KR; ++j)
+    for (int q = 0; q < CNT; ++q) h[q * r + k0 + j] = _mm512_reduce_add_ps(s[j][q]);
+}
+
+// shrink_block for bfloat16 A and x (x's own rows, in % 32 == 0): KR rank rows at a time so
+// that KR·CNT >= 8 accumulators hide VDPBF16PS's latency, the last ones singly (the same
+// sums as the fp32 form, in another order).
+template <int CNT>
+void shrink_rows_bf16_512(const c10::BFloat16* a, int64_t lda, int64_t in,
+                          const c10::BFloat16* const* x, int64_t r, float* h) {
+  constexpr int KR = CNT == 1 ? 8 : CNT == 2 ? 4 : 2;
+  int64_t k = 0;
+  for (; k + KR <= r; k += KR) shrink_tile_bf16_512<CNT, KR>(a, lda, in, x, r, k, h);
+  for (; k < r; ++k) shrink_tile_bf16_512<CNT, 1>(a, lda, in, x, r, k, h);
+}
+
 inline void shrink_block_bf16_512(const c10::BFloat16* a, int64_t lda, int64_t in,
                                   const c10::BFloat16* const* x, int64_t cnt, int64_t r,
                                   float* h) {
-  for (int64_t k = 0; k < r; ++k) {
-    const c10::BFloat16* a_k = a + k * lda;
-    __m512 s[kBlock];
-    for (int64_t q = 0; q < cnt; ++q) s[q] = _mm512_setzero_ps();
-    for (int64_t c = 0; c < in; c += 32) {
-      const __m512bh av = reinterpret_cast<__m512bh>(_mm512_loadu_si512(a_k + c));
-      for (int64_t q = 0; q < cnt; ++q)
-        s[q] = _mm512_dpbf16_ps(
-            s[q], av, reinterpret_cast<__m512bh>(_mm512_loadu_si512(x[q] + c)));
-    }
-    for (int64_t q = 0; q < cnt; ++q) h[q * r + k] = _mm512_reduce_add_ps(s[q]);
-  }
+  by_count(cnt, [&]<int C>() {
+    shrink_rows_bf16_512<C>(a, lda, in, x, r, h);
+    return int64_t{0};
+  });
 }
 #endif
 
