@@ -60,22 +60,30 @@ inline float hsum8(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 0x55)));
 }
 
+// Cephes' expf constants, shared by exp256 and exp512 (the same polynomial at either width).
+namespace expf_consts {
+constexpr float kLo = -87.33654f, kHi = 88.37626f, kLog2e = 1.44269504088896341f;
+constexpr float kLn2Hi = 0.693359375f, kLn2Lo = -2.12194440e-4f;
+constexpr float kP[6] = {1.9875691500E-4f, 1.3981999507E-3f, 8.3334519073E-3f,
+                         4.1665795894E-2f, 1.6666665459E-1f, 5.0000001201E-1f};
+}  // namespace expf_consts
+
 // e^x for 8 floats (Cephes' expf: range reduction by ln 2, degree-5 polynomial; within
 // 2 ulp of std::exp over the softmax's range x <= 0, and 0 below -87.3).
 inline __m256 exp256(__m256 x) {
-  const __m256 lo = _mm256_set1_ps(-87.33654f);
+  const __m256 lo = _mm256_set1_ps(expf_consts::kLo);
   const __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
-  x = _mm256_min_ps(_mm256_max_ps(x, lo), _mm256_set1_ps(88.37626f));
-  __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+  x = _mm256_min_ps(_mm256_max_ps(x, lo), _mm256_set1_ps(expf_consts::kHi));
+  __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(expf_consts::kLog2e)),
                              _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
-  __m256 y = _mm256_set1_ps(1.9875691500E-4f);
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507E-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073E-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894E-2f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459E-1f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201E-1f));
+  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(expf_consts::kLn2Hi), x);
+  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(expf_consts::kLn2Lo), x);
+  __m256 y = _mm256_set1_ps(expf_consts::kP[0]);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(expf_consts::kP[1]));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(expf_consts::kP[2]));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(expf_consts::kP[3]));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(expf_consts::kP[4]));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(expf_consts::kP[5]));
   y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.f)));
   const __m256i e = _mm256_slli_epi32(
       _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
@@ -165,19 +173,19 @@ inline __m512 round16(__m512 v) {
 }
 
 inline __m512 exp512(__m512 x) {
-  const __m512 lo = _mm512_set1_ps(-87.33654f);
+  const __m512 lo = _mm512_set1_ps(expf_consts::kLo);
   const __mmask16 under = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
-  x = _mm512_min_ps(_mm512_max_ps(x, lo), _mm512_set1_ps(88.37626f));
-  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+  x = _mm512_min_ps(_mm512_max_ps(x, lo), _mm512_set1_ps(expf_consts::kHi));
+  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(expf_consts::kLog2e)),
                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  x = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  x = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), x);
-  __m512 y = _mm512_set1_ps(1.9875691500E-4f);
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507E-3f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073E-3f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894E-2f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459E-1f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201E-1f));
+  x = _mm512_fnmadd_ps(n, _mm512_set1_ps(expf_consts::kLn2Hi), x);
+  x = _mm512_fnmadd_ps(n, _mm512_set1_ps(expf_consts::kLn2Lo), x);
+  __m512 y = _mm512_set1_ps(expf_consts::kP[0]);
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(expf_consts::kP[1]));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(expf_consts::kP[2]));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(expf_consts::kP[3]));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(expf_consts::kP[4]));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(expf_consts::kP[5]));
   y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.f)));
   const __m512i e = _mm512_slli_epi32(
       _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
