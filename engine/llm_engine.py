@@ -20,7 +20,7 @@ from .choices import choices_to_fork, report_choices, run_to_completion
 from .config import EngineConfig
 from .constraints import Constraints
 from .engine_adapters import EngineAdapters
-from .errors import AdapterNotFoundError, InvalidRequestError
+from .errors import InvalidRequestError
 from .lora_capacity import LoRACapacity
 from .memory_use import MemoryUse, memory_use
 from .model_runner import ModelRunner, num_kv_blocks
@@ -146,8 +146,7 @@ class LLMEngine(EngineAdapters):
         seq = Sequence(
             request_id=request_id if request_id is not None else f"req-{next(self._ids)}",
             prompt_token_ids=ids, params=params, adapter_name=adapter or None,
-            adapter_id=adapter_id,
-            adapter_version=self.lora.version_of(adapter_id) if adapter_id else None,
+            adapter_id=adapter_id,  # add_sequence binds it and sets adapter_version
             eos_token_ids=self.base.eos_token_ids,
             max_tokens=len(ids) + max_new, bad_words_ids=bad_words_ids,
         )
@@ -188,9 +187,9 @@ class LLMEngine(EngineAdapters):
     def add_sequence(self, seq: Sequence) -> str:
         if seq.request_id in self.requests:
             raise InvalidRequestError(f"request_id {seq.request_id!r} is already in use")
-        if seq.adapter_id:
-            if seq.adapter_id not in self.lora.by_id:
-                raise AdapterNotFoundError(f"adapter {seq.adapter_name!r} was unloaded")
+        if seq.adapter_id:  # a load in place since make_sequence moves it to the new load
+            adapter = self.lora.bind(seq.adapter_id, seq.adapter_name or "")
+            seq.adapter_id, seq.adapter_version = adapter.adapter_id, adapter.version
             self.lora.request_started(seq.adapter_id)
         self.requests[seq.request_id] = [seq]
         self.scheduler.add(seq)

@@ -171,6 +171,19 @@ class AdapterCache:
         if a is not None:
             self.host.prefetch(a)
 
+    def bind(self, adapter_id: int, name: str) -> CachedAdapter:
+        """Engine thread: the load a request made for load ``adapter_id`` of ``name`` (on
+        another thread, before it reached the engine) runs on: that load while it serves
+        new requests; the name's current load once a load in place replaced it in between;
+        AdapterNotFoundError once the name was unloaded (or its new load failed)."""
+        a = self.by_id.get(adapter_id)
+        if a is not None and not a.retired:
+            return a
+        current = self.names.get(name)
+        if current is None:
+            raise AdapterNotFoundError(f"adapter {name!r} was unloaded")
+        return self.by_id[self.lookup(name)]
+
     def request_started(self, adapter_id: int) -> None:
         """A request for the adapter arrived: counts where it found the adapter (the cache's
         hit rate per tier) and starts its read when a reader is free."""
@@ -195,9 +208,6 @@ class AdapterCache:
         if a is not None and a.adapter_id == adapter_id:
             a.version = version
             self.versions[name] = max(self.versions[name], version)
-
-    def version_of(self, adapter_id: int) -> int:
-        return self.by_id[adapter_id].version
 
     def failed(self, adapter_id: int) -> str | None:
         a = self.by_id.get(adapter_id)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from loraplex import LLMEngine, SamplingParams
-from loraplex.engine.errors import AdapterExistsError
+from loraplex.engine.errors import AdapterExistsError, AdapterNotFoundError
 from loraplex.lora.peft_checks import AdapterError
 from peft import PeftModel
 from safetensors.torch import load_file
@@ -90,6 +90,27 @@ def test_versions_rise_and_in_flight_requests_keep_theirs(tiny_llama, versions, 
     assert [a.version for a in engine.list_adapters()] == [3]
     assert engine.generate([PROMPT], greedy(), adapters=[None])[0].adapter_version is None
     assert_clean(engine)
+
+
+def test_a_request_built_before_a_load_in_place_runs_on_the_new_load(
+        tiny_llama, versions, reference):
+    """The server builds a Sequence on its processor thread, then hands it to the engine
+    thread: a load in place in between (the old load idle, so dropped at once) moves the
+    request to the new load; an unload in between refuses it with NOT_FOUND."""
+    engine = engine_for(tiny_llama)
+    engine.add_adapter("x", versions[0])
+    early = engine.make_sequence(PROMPT, greedy(), adapter="x", request_id="early")
+    engine.add_adapter("x", versions[1], replace=True)  # version 1 is dropped here
+    engine.add_sequence(early)
+    outs = run_all(engine)
+    assert outs["early"].adapter_version == 2
+    assert outs["early"].token_ids == reference(versions[1], PROMPT)
+    late = engine.make_sequence(PROMPT, greedy(), adapter="x", request_id="late")
+    engine.remove_adapter("x")
+    with pytest.raises(AdapterNotFoundError, match="'x' was unloaded"):
+        engine.add_sequence(late)
+    assert not engine.has_unfinished_requests()
+    assert_clean(engine, adapters=0)
 
 
 def test_an_idle_replace_of_the_same_shape_reuses_the_rows(tiny_llama, versions, reference):
