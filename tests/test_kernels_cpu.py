@@ -257,6 +257,16 @@ def test_build_is_keyed_by_content_not_by_checkout(tmp_path) -> None:
     assert extension.build_name(copies) != extension.build_name(files)
 
 
+def test_build_is_keyed_by_the_cpus_features(monkeypatch) -> None:
+    """-march=native code of one "avx512" CPU (say with AMX) must not load on another
+    (without it): the entry's name carries the CPU's feature flags."""
+    files = extension.SOURCES + extension.HEADERS
+    here = extension.build_name(files)
+    assert len(extension.cpu_flags_digest()) == 8 or extension.cpu_flags_digest() == "any"
+    monkeypatch.setattr(extension, "cpu_flags_digest", lambda: "0badf00d")
+    assert extension.build_name(files) != here
+
+
 def test_a_built_library_loads_past_a_stale_lock(tmp_path) -> None:
     """A process killed while torch held a cache entry's lock file leaves it behind; a built
     entry must still load (torch's own load waits on that lock forever)."""

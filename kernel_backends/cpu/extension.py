@@ -89,13 +89,28 @@ def _load_built(name: str) -> ModuleType | None:
 def build_name(files: list[Path]) -> str:
     """The cache entry's name: keyed by what the build depends on and nothing else, the
     files' content, the ISA (-march=native code must not be picked up by another kind of
-    CPU) and torch's version. No build flag names a checkout's path (the headers are found
-    beside the sources), so checkouts with identical sources share one build and different
-    sources never rebuild over each other's entry."""
+    CPU: torch's capability names the width, the CPU's feature flags the rest, since two
+    "avx512" CPUs may differ in AMX or AVX512-BF16) and torch's version. No build flag names
+    a checkout's path (the headers are found beside the sources), so checkouts with
+    identical sources share one build and different sources never rebuild over each
+    other's entry."""
     digest = hashlib.sha256(b"".join(p.read_bytes() for p in files)).hexdigest()
     isa = torch.backends.cpu.get_cpu_capability().lower()
     version = torch.__version__.split("+")[0].replace(".", "_")
-    return f"loraplex_cpu_kernels_{isa}_torch{version}_{digest[:12]}"
+    return f"loraplex_cpu_kernels_{isa}_{cpu_flags_digest()}_torch{version}_{digest[:12]}"
+
+
+def cpu_flags_digest() -> str:
+    """Eight hex digits of this CPU's feature flags (Linux /proc/cpuinfo; "any" elsewhere)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return "any"
+    for line in text.splitlines():
+        if line.startswith(("flags", "Features")):  # x86, arm64
+            flags = " ".join(sorted(line.split(":", 1)[1].split()))
+            return hashlib.sha256(flags.encode()).hexdigest()[:8]
+    return "any"
 
 
 def load() -> ModuleType:

@@ -35,6 +35,70 @@ struct ContextRows {
   }
 };
 
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
+// The eight lane sums of a[0..7] (16 lanes each), as one vector: halves added, then sum8.
+inline __m256 sum8x16(const __m512* a) {
+  __m256 h[8];
+  for (int j = 0; j < 8; ++j)
+    h[j] = _mm256_add_ps(_mm512_castps512_ps256(a[j]), _mm512_extractf32x8_ps(a[j], 1));
+  return sum8(h);
+}
+
+// scores_of on AVX-512 for head_dim % 16 == 0: eight positions, 16 lanes a step.
+template <typename scalar_t>
+int64_t scores_512(const float* q, const ContextRows<scalar_t>& k, int64_t first,
+                   int64_t len, int64_t dim, float* s) {
+  int64_t p = 0;
+  for (; p + 8 <= len; p += 8) {
+    __m512 acc[8];
+    const scalar_t* rows[8];
+    for (int j = 0; j < 8; ++j) {
+      acc[j] = _mm512_setzero_ps();
+      rows[j] = k.row(first + p + j);
+    }
+    for (int64_t d = 0; d < dim; d += 16) {
+      const __m512 qv = _mm512_loadu_ps(q + d);
+      for (int j = 0; j < 8; ++j) acc[j] = _mm512_fmadd_ps(load16(rows[j] + d), qv, acc[j]);
+    }
+    _mm256_storeu_ps(s + p, sum8x16(acc));
+  }
+  return p;
+}
+#endif
+
+#if defined(__AVX512F__) && defined(__AVX512DQ__) && defined(__AVX512BF16__)
+// s[i] = scale · (q · k_{first + i}) for bfloat16 rows, head_dim % 32 == 0, eight positions
+// at a time: VDPBF16PS sums the exact products of bfloat16 pairs in float32 (q stays
+// bfloat16, as the model gave it; the scale multiplies the sum). Returns the positions done.
+inline int64_t scores_dpbf16(const c10::BFloat16* q, const ContextRows<c10::BFloat16>& k,
+                             int64_t first, int64_t len, int64_t dim, float scale, float* s) {
+  const __m256 sv = _mm256_set1_ps(scale);
+  int64_t p = 0;
+  for (; p + 8 <= len; p += 8) {
+    __m512 acc[8];
+    const c10::BFloat16* rows[8];
+    for (int j = 0; j < 8; ++j) {
+      acc[j] = _mm512_setzero_ps();
+      rows[j] = k.row(first + p + j);
+    }
+    for (int64_t d = 0; d < dim; d += 32) {
+      const __m512bh qv = reinterpret_cast<__m512bh>(_mm512_loadu_si512(q + d));
+      for (int j = 0; j < 8; ++j)
+        acc[j] = _mm512_dpbf16_ps(
+            acc[j], reinterpret_cast<__m512bh>(_mm512_loadu_si512(rows[j] + d)), qv);
+    }
+    _mm256_storeu_ps(s + p, _mm256_mul_ps(sum8x16(acc), sv));
+  }
+  for (; p < len; ++p) {  // the last positions: the same products, summed in order
+    const c10::BFloat16* kp = k.row(first + p);
+    float dot = 0.f;
+    for (int64_t d = 0; d < dim; ++d) dot += static_cast<float>(q[d]) * static_cast<float>(kp[d]);
+    s[p] = dot * scale;
+  }
+  return len;
+}
+#endif
+
 // s[i] = q · k_{first + i} for i < len (q already scaled).
 template <typename scalar_t>
 void scores_of(const float* q, const ContextRows<scalar_t>& k, int64_t first, int64_t len,
@@ -42,6 +106,9 @@ void scores_of(const float* q, const ContextRows<scalar_t>& k, int64_t first, in
   int64_t p = 0;
 #if defined(__AVX2__) && defined(__FMA__)
   if constexpr (kVec8<scalar_t>) {
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
+    if (dim % 16 == 0) p = scores_512(q, k, first, len, dim, s);
+#endif
     if (dim % 8 == 0) {
       for (; p + 8 <= len; p += 8) {  // eight positions, one hadd tree for their sums
         __m256 acc[8];
@@ -66,6 +133,24 @@ void scores_of(const float* q, const ContextRows<scalar_t>& k, int64_t first, in
     for (int64_t d = 0; d < dim; ++d) dot += q[d] * static_cast<float>(kp[d]);
     s[p] = dot;
   }
+}
+
+// s[i] = scale · (q · k_{first + i}) for i < len: qf is q · scale in float32, qraw q as
+// the model gave it (bfloat16 rows with head_dim % 32 == 0 take VDPBF16PS on it).
+template <typename scalar_t>
+void scores_window(const float* qf, const scalar_t* qraw, const ContextRows<scalar_t>& k,
+                   int64_t first, int64_t len, int64_t dim, float scale, float* s) {
+#if defined(__AVX512F__) && defined(__AVX512DQ__) && defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+    if (dim % 32 == 0) {
+      scores_dpbf16(qraw, k, first, len, dim, scale, s);
+      return;
+    }
+  }
+#endif
+  (void)qraw;
+  (void)scale;
+  scores_of(qf, k, first, len, dim, s);
 }
 
 // s[p] = softcap · tanh(s[p] / softcap) for p < len (Gemma 2's soft-capping).
@@ -106,6 +191,22 @@ void accumulate_columns(const float* w, const ContextRows<scalar_t>& v, int64_t 
 }
 #endif
 
+#if defined(__AVX512F__)
+// accumulate_columns in 16-wide vectors: acc[16W columns] += Σ_i w[i] v_{first + i}.
+template <int W, typename scalar_t>
+void accumulate_columns_512(const float* w, const ContextRows<scalar_t>& v, int64_t first,
+                            int64_t len, int64_t d0, float* acc) {
+  __m512 a[W];
+  for (int j = 0; j < W; ++j) a[j] = _mm512_loadu_ps(acc + d0 + 16 * j);
+  for (int64_t i = 0; i < len; ++i) {
+    const __m512 wi = _mm512_set1_ps(w[i]);
+    const scalar_t* vi = v.row(first + i) + d0;
+    for (int j = 0; j < W; ++j) a[j] = _mm512_fmadd_ps(wi, load16(vi + 16 * j), a[j]);
+  }
+  for (int j = 0; j < W; ++j) _mm512_storeu_ps(acc + d0 + 16 * j, a[j]);
+}
+#endif
+
 // acc[:dim] += Σ_i w[i] v_{first + i} (fp32 accumulators).
 template <typename scalar_t>
 void weighted_accumulate(const float* w, const ContextRows<scalar_t>& v, int64_t first,
@@ -113,6 +214,10 @@ void weighted_accumulate(const float* w, const ContextRows<scalar_t>& v, int64_t
   int64_t d0 = 0;
 #if defined(__AVX2__) && defined(__FMA__)
   if constexpr (kVec8<scalar_t>) {
+#if defined(__AVX512F__)
+    for (; d0 + 64 <= dim; d0 += 64) accumulate_columns_512<4>(w, v, first, len, d0, acc);
+    for (; d0 + 16 <= dim; d0 += 16) accumulate_columns_512<1>(w, v, first, len, d0, acc);
+#endif
     for (; d0 + 64 <= dim; d0 += 64) accumulate_columns<8>(w, v, first, len, d0, acc);
     for (; d0 + 8 <= dim; d0 += 8) accumulate_columns<1>(w, v, first, len, d0, acc);
   }
@@ -147,6 +252,7 @@ void decode_heads(const torch::Tensor& q, const torch::Tensor& k_cache,
   // long context's rows outgrew L2 and came from memory `group` times).
   at::parallel_for(0, batch * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(group * head_dim), scores, acc(group * head_dim), denom(group);
+    std::vector<scalar_t> qraw(group * head_dim);  // the group's q rows, dense
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / num_kv_heads, kvh = item % num_kv_heads;
       // positions first .. first + len - 1: the context, or its last `window` positions
@@ -159,14 +265,17 @@ void decode_heads(const torch::Tensor& q, const torch::Tensor& k_cache,
                                     table, shift, v_cache.stride(0), v_cache.stride(1)};
       const int64_t head0 = (b * num_heads + kvh * group) * head_dim;  // the group's out
       for (int64_t g = 0; g < group; ++g)
-        for (int64_t d = 0; d < head_dim; ++d)
-          qf[g * head_dim + d] =
-              static_cast<float>(q_p[b * q_seq + (kvh * group + g) * q_head + d]) * sc;
+        for (int64_t d = 0; d < head_dim; ++d) {
+          const scalar_t x = q_p[b * q_seq + (kvh * group + g) * q_head + d];
+          qraw[g * head_dim + d] = x;
+          qf[g * head_dim + d] = static_cast<float>(x) * sc;
+        }
       scores.resize(group * len);  // scores[g * len + p] of position first + p
       for (int64_t p0 = 0; p0 < len; p0 += kWindow)
         for (int64_t g = 0; g < group; ++g)
-          scores_of(qf.data() + g * head_dim, k, first + p0, std::min(kWindow, len - p0),
-                    head_dim, scores.data() + g * len + p0);
+          scores_window(qf.data() + g * head_dim, qraw.data() + g * head_dim, k, first + p0,
+                        std::min(kWindow, len - p0), head_dim, sc,
+                        scores.data() + g * len + p0);
       if (softcap > 0) soft_cap(scores.data(), group * len, static_cast<float>(softcap));
       for (int64_t g = 0; g < group; ++g) denom[g] = exp_normalise(scores.data() + g * len, len);
       std::fill(acc.begin(), acc.end(), 0.f);
