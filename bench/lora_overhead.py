@@ -1,7 +1,7 @@
 """What multi-LoRA costs, measured in an order that cannot hide a state one run leaves behind.
 
     .venv/bin/python -m loraplex.bench.lora_overhead [--dtype auto] [--adapters 32]
-        [--rounds 3] [--peft-rounds 1] [--out bench/results/DATE-lora-overhead]
+        [--rounds 3] [--processes 1] [--peft-rounds 1] [--out bench/results/DATE-lora-overhead]
 
 SmolLM2-135M, 32 requests x 64 prompt x 32 new tokens, greedy, random rank-8 adapters on
 all seven targets; output tokens/s of ``LLMEngine.generate`` (the median of ``--rounds``):
@@ -13,7 +13,10 @@ Every figure comes from a fresh process (the baselines too), and the engine runs
 - order "base first": (a) before any adapter was ever read, then (c), (b), then (a) again;
 - order "adapters first": (c) first, then (b), then (a).
 So the base is measured clean (first, in its own process) and after adapters were served,
-and (c) both first and after the base. It prints the ratios against their targets and
+and (c) both first and after the base. ``--processes N`` runs the HF and engine processes N
+times, interleaved (HF, base first, adapters first, HF, ...), and pools their rounds: on a
+shared machine a whole process may run ~10 % slow, which one process per figure cannot
+tell from a state one phase leaves behind (PEFT, far from its target, runs once). It prints the ratios against their targets and
 fails (exit 1) when the base after adapters runs below 0.95 of the base before them: that
 is a process-wide slowdown left behind by serving adapters (bench/results/
 2026-12-02-omp-pools.md). ``--out`` writes the figures as JSON and a Markdown table.
@@ -160,6 +163,17 @@ def resolve_dtype(dtype: str) -> str:
     return str(backend.auto_dtype(torch.bfloat16, torch.device("cpu"))).removeprefix("torch.")
 
 
+def pooled(runs: list[dict]) -> dict:
+    """One role's processes as one result: each phase's rounds in process order (so each
+    median spans the processes); the first process's other fields."""
+    out = dict(runs[0])
+    tps = runs[0]["tps"]
+    out["tps"] = {phase: [v for r in runs for v in r["tps"][phase]] for phase in tps} \
+        if isinstance(tps, dict) else [v for r in runs for v in r["tps"]]
+    out["processes"] = len(runs)
+    return out
+
+
 def ratios(results: dict) -> dict[str, float]:
     med = {key: statistics.median(v) for key, v in _figures(results).items()}
     return {
@@ -182,7 +196,9 @@ def _figures(results: dict) -> dict[str, list[float]]:
 
 
 def report(results: dict) -> list[str]:
-    lines = [results["base first"]["machine"], "output tok/s (median of rounds; rounds):"]
+    processes = results["base first"].get("processes", 1)
+    lines = [results["base first"]["machine"],
+             f"output tok/s (median of the rounds of {processes} process(es) each; rounds):"]
     for key, values in _figures(results).items():
         phase, _, order = key.partition("@")
         label = PHASE_NAMES.get(phase, {"hf": "HF generate", "peft": "PEFT mixed generate"}
@@ -205,6 +221,8 @@ def main() -> int:
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--processes", type=int, default=1,
+                    help="fresh processes per engine order and for HF (their rounds pooled)")
     ap.add_argument("--peft-rounds", type=int, default=1, help="0: skip PEFT")
     ap.add_argument("--adapter-dir", type=Path, default=Path(tempfile.gettempdir()) /
                     "loraplex-bench-adapters")
@@ -215,8 +233,11 @@ def main() -> int:
         print("RESULT " + json.dumps(child(args.child, args)))
         return 0
     dtype = resolve_dtype(args.dtype)
-    roles = ["hf", *ORDERS, *(["peft"] if args.peft_rounds else [])]
-    results = {role: run_child(role, args, dtype) for role in roles}
+    runs: dict[str, list[dict]] = {}
+    for n in range(args.processes):  # interleaved: a slow spell hits every role alike
+        for role in ["hf", *ORDERS, *(["peft"] if args.peft_rounds and n == 0 else [])]:
+            runs.setdefault(role, []).append(run_child(role, args, dtype))
+    results = {role: pooled(r) for role, r in runs.items()}
     lines = report(results)
     print("\n".join(lines))
     if args.out is not None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from loraplex.bench.lora_overhead import ORDERS, engine_phases, peft_tps, ratios, report
+from loraplex.bench.lora_overhead import ORDERS, engine_phases, peft_tps, pooled, ratios, report
 from loraplex.bench.run_all import _peft
 from loraplex.bench.serving import RunOptions, RunSpec
 from loraplex.bench.workload import Request
@@ -59,3 +59,14 @@ def test_lora_overhead_ratios_take_the_fresh_base_as_the_reference() -> None:
     assert r["base / HF"] == 2.0 and r["c / PEFT"] == 5.0
     text = "\n".join(report(results))
     assert "base after / base before" in text and "0.80  (target >= 0.95: MISSED)" in text
+
+
+def test_lora_overhead_pools_the_rounds_of_its_processes() -> None:
+    """--processes N: each figure is the median over every process's rounds."""
+    runs = [{"machine": "m", "tps": {"a": [100.0, 101.0], "c": [80.0, 81.0]}},
+            {"machine": "m", "tps": {"a": [90.0, 91.0], "c": [70.0, 71.0]}},
+            {"machine": "m", "tps": {"a": [95.0, 96.0], "c": [75.0, 76.0]}}]
+    merged = pooled(runs)
+    assert merged["tps"]["a"] == [100.0, 101.0, 90.0, 91.0, 95.0, 96.0]
+    assert merged["processes"] == 3 and merged["machine"] == "m"
+    assert pooled([{"tps": [1.0, 2.0]}, {"tps": [3.0]}])["tps"] == [1.0, 2.0, 3.0]
