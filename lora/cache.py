@@ -179,8 +179,7 @@ class AdapterCache:
         a = self.by_id.get(adapter_id)
         if a is not None and not a.retired:
             return a
-        current = self.names.get(name)
-        if current is None:
+        if name not in self.names:
             raise AdapterNotFoundError(f"adapter {name!r} was unloaded")
         return self.by_id[self.lookup(name)]
 
