@@ -6,6 +6,8 @@
 #include <torch/extension.h>
 
 #include <algorithm>
+#include <cstdint>
+#include <cstring>
 #include <type_traits>
 
 #include "vec.h"
@@ -97,43 +99,78 @@ int64_t expand_block_t_vec(const scalar_t* bt, int64_t ld, const float* h, int64
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
-// expand_cols for bfloat16 on AVX-512: CNT rows, 16·NV columns a step in 16-wide vectors
-// (CNT·NV independent accumulators: one row alone would wait on two FMA chains); o rounded
-// once on store to nearest even (as c10 rounds). Every output is the same sum whatever NV.
+// The bfloat16 bits of h[k] and h[k + 1] (0 past the rank) as one VDPBF16PS pair, in every
+// lane. h holds bfloat16 values already (round_to_bf16): taking the high halves is exact.
+inline __m512bh h_pair(const float* h, int64_t k, int64_t r) {
+  uint32_t lo = 0, hi = 0;
+  std::memcpy(&lo, h + k, sizeof lo);
+  if (k + 1 < r) std::memcpy(&hi, h + k + 1, sizeof hi);
+  return reinterpret_cast<__m512bh>(_mm512_set1_epi32((lo >> 16) | (hi & 0xFFFF0000u)));
+}
+
+// The expand of CNT rows by VDPBF16PS from an r-major bfloat16 B, 32·NV columns a step from
+// column n on: rank rows k and k + 1 of B are interleaved per column (unpacklo/hi: columns
+// 0-3, 8-11, 16-19, 24-27 of each 32 in one vector, the others in the second), each
+// column's pair of products added to its fp32 sum, k in order; the sums are put back in
+// column order and added to o once, rounded to nearest even. Every output is the same sum
+// whatever CNT and NV, so a row's result does not depend on its block. Never reads B past
+// rank row r - 1. h: [CNT][r], bfloat16 values (the shrink's sums rounded, as PEFT's bf16
+// lora_A output is). Returns the columns done.
 template <int CNT, int NV>
-int64_t expand_cols_512(const c10::BFloat16* bt, int64_t ld, const float* h, int64_t r,
-                        int64_t width, c10::BFloat16* const* o, int64_t n) {
-  for (; n + 16 * NV <= width; n += 16 * NV) {
-    __m512 acc[CNT][NV];
+int64_t expand_cols_dpbf16(const c10::BFloat16* bt, int64_t ld, const float* h, int64_t r,
+                           int64_t width, c10::BFloat16* const* o, int64_t n) {
+  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i second =
+      _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  for (; n + 32 * NV <= width; n += 32 * NV) {
+    __m512 lo[CNT][NV], hi[CNT][NV];
     for (int q = 0; q < CNT; ++q)
-      for (int v = 0; v < NV; ++v) acc[q][v] = _mm512_setzero_ps();
-    for (int64_t k = 0; k < r; ++k) {
-      __m512 b[NV];
-      for (int v = 0; v < NV; ++v) b[v] = load16(bt + k * ld + n + 16 * v);
+      for (int v = 0; v < NV; ++v) lo[q][v] = hi[q][v] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < r; k += 2) {
+      __m512bh pl[NV], ph[NV];
+      for (int v = 0; v < NV; ++v) {
+        const __m512i b0 = _mm512_loadu_si512(bt + k * ld + n + 32 * v);
+        const __m512i b1 =
+            k + 1 < r ? _mm512_loadu_si512(bt + (k + 1) * ld + n + 32 * v) : _mm512_setzero_si512();
+        pl[v] = reinterpret_cast<__m512bh>(_mm512_unpacklo_epi16(b0, b1));
+        ph[v] = reinterpret_cast<__m512bh>(_mm512_unpackhi_epi16(b0, b1));
+      }
       for (int q = 0; q < CNT; ++q) {
-        const __m512 hq = _mm512_set1_ps(h[q * r + k]);
-        for (int v = 0; v < NV; ++v) acc[q][v] = _mm512_fmadd_ps(hq, b[v], acc[q][v]);
+        const __m512bh hq = h_pair(h + q * r, k, r);
+        for (int v = 0; v < NV; ++v) {
+          lo[q][v] = _mm512_dpbf16_ps(lo[q][v], pl[v], hq);
+          hi[q][v] = _mm512_dpbf16_ps(hi[q][v], ph[v], hq);
+        }
       }
     }
     for (int q = 0; q < CNT; ++q)
-      for (int v = 0; v < NV; ++v) {
-        c10::BFloat16* dst = o[q] + n + 16 * v;
-        const __m512 sum = _mm512_add_ps(load16(dst), acc[q][v]);
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst),
-                            reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(sum)));
-      }
+      for (int v = 0; v < NV; ++v)
+        for (int half = 0; half < 2; ++half) {
+          const __m512 sums = _mm512_permutex2var_ps(lo[q][v], half ? second : first, hi[q][v]);
+          c10::BFloat16* dst = o[q] + n + 32 * v + 16 * half;
+          const __m512 sum = _mm512_add_ps(load16(dst), sums);
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst),
+                              reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(sum)));
+        }
   }
   return n;
 }
 
-// expand_block_t_vec for bfloat16 on AVX-512: 64 columns a step for one or two rows, 32 for
-// more, then 32; the columns done are the multiples of 32 below width whatever CNT.
+// h[0, n) rounded to bfloat16 values (nearest even), in place: the expand's inputs where it
+// runs on VDPBF16PS.
+inline void round_to_bf16(float* h, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) h[i] = static_cast<float>(c10::BFloat16(h[i]));
+}
+
+// expand_cols_dpbf16 over as many columns as it allows: 2·CNT·NV >= 6 accumulators (128
+// columns a step for one row, 64 for two, 32 for more), then 32; the columns done are the
+// multiples of 32 below width whatever CNT.
 template <int CNT>
-int64_t expand_block_t_512(const c10::BFloat16* bt, int64_t ld, const float* h, int64_t r,
-                           int64_t width, c10::BFloat16* const* o) {
-  constexpr int NV = CNT <= 2 ? 4 : 2;
-  int64_t n = expand_cols_512<CNT, NV>(bt, ld, h, r, width, o, 0);
-  if constexpr (NV > 2) n = expand_cols_512<CNT, 2>(bt, ld, h, r, width, o, n);
+int64_t expand_block_dpbf16(const c10::BFloat16* bt, int64_t ld, const float* h, int64_t r,
+                            int64_t width, c10::BFloat16* const* o) {
+  constexpr int NV = CNT == 1 ? 4 : CNT == 2 ? 2 : 1;
+  int64_t n = expand_cols_dpbf16<CNT, NV>(bt, ld, h, r, width, o, 0);
+  if constexpr (NV > 1) n = expand_cols_dpbf16<CNT, 1>(bt, ld, h, r, width, o, n);
   return n;
 }
 #endif
@@ -157,7 +194,7 @@ void expand_block_t(const scalar_t* bt, int64_t ld, const float* h, int64_t r, i
   int64_t n = 0;
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
   if constexpr (std::is_same_v<scalar_t, c10::BFloat16>)  // 32 columns a step; the rest below
-    n = by_count(cnt, [&]<int C>() { return expand_block_t_512<C>(bt, ld, h, r, width, o); });
+    n = by_count(cnt, [&]<int C>() { return expand_block_dpbf16<C>(bt, ld, h, r, width, o); });
 #endif
   if constexpr (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, c10::BFloat16>) {
     if (n < width) {  // 16 columns a step from column `done` on

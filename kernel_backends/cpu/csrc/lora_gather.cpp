@@ -6,7 +6,8 @@
 // with slot s = row_slots[j] and each slice i; only the first ranks[i][s] rows of A_i[s]
 // and columns of B_i[s] are read (the slot buffers are overlapping views of rank-row pools:
 // what lies past a slot's rank is the next adapter's). Accumulation in fp32, one rounding
-// into out.
+// into out. bfloat16 on AVX512-BF16: h is rounded to bfloat16 (as PEFT's bf16 lora_A output
+// is) and the expand's pairs of rank rows run on VDPBF16PS (lora_blocks.h).
 // prefetch > 0: each thread requests the weights of its work item that many items ahead
 // into L2 (a per-ISA choice, kernel_backends/cpu/lora_routes.py); the result is the same.
 // A_i is a [units, r_max, in] view with unit stride along in (its slot and row strides are
@@ -115,6 +116,9 @@ void add_lora_rows(torch::Tensor& out, const torch::Tensor& x, const torch::Tens
         }
         shrink_block(a_p[i] + s * a_slot_stride[i], lda[i], in, xf.data(), cnt, r, h.data());
       }
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+      if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) round_to_bf16(h.data(), cnt * r);
+#endif
       const scalar_t* b = b_p[i] + s * b_slot_stride[i];
       if (r_major[i]) {
         scalar_t* outs[kBlock];
