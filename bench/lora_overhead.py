@@ -16,10 +16,15 @@ So the base is measured clean (first, in its own process) and after adapters wer
 and (c) both first and after the base. ``--processes N`` runs the HF and engine processes N
 times, interleaved (HF, base first, adapters first, HF, ...), and pools their rounds: on a
 shared machine a whole process may run ~10 % slow, which one process per figure cannot
-tell from a state one phase leaves behind (PEFT, far from its target, runs once). It prints the ratios against their targets and
-fails (exit 1) when the base after adapters runs below 0.95 of the base before them: that
-is a process-wide slowdown left behind by serving adapters (bench/results/
-2026-12-02-omp-pools.md). ``--out`` writes the figures as JSON and a Markdown table.
+tell from a state one phase leaves behind (PEFT, far from its target, runs once).
+
+It prints the ratios against their targets, and the budget that base / HF >= 2 leaves a
+decode step: the fresh base's and HF's prefill are also timed alone (one new token), and
+where HF's prefill runs the same GEMMs at the cores' peak, the decode alone must make up
+the factor. It fails (exit 1) when the base after adapters runs below 0.95 of the base
+before them: that is a process-wide slowdown left behind by serving adapters
+(bench/results/2026-12-02-omp-pools.md). ``--out`` writes the figures as JSON and a
+Markdown table.
 """
 
 from __future__ import annotations
@@ -63,14 +68,20 @@ def engine_phases(model_dir: Path, adapters: dict[str, Path], prompts: list[list
     per_phase = {"a": [None] * n, "a_after": [None] * n, "b": [names[0]] * n, "c": names}
     warm = SamplingParams(temperature=0.0, max_new_tokens=2)
     params = SamplingParams(temperature=0.0, max_new_tokens=new_tokens, ignore_eos=True)
+    prefill = SamplingParams(temperature=0.0, max_new_tokens=1, ignore_eos=True)
     tps: dict[str, list[float]] = {}
     adapters_read_before: dict[str, int] = {}
+    out: dict = {}
     for phase in order:
         adapters_read_before[phase] = engine.stats()["adapters_in_host"]
         engine.generate([p[:8] for p in prompts], warm, adapters=per_phase[phase])
         tps[phase] = [_timed_tps(lambda names=per_phase[phase]: engine.generate(
             prompts, params, adapters=names)) for _ in range(rounds)]
-    return {"tps": tps, "adapters_read_before": adapters_read_before,
+        if phase == "a":  # the fresh base's prefill alone (and its first token)
+            out["prefill_s"] = [_seconds(lambda: engine.generate(prompts, prefill))
+                                for _ in range(rounds)]
+    return {**out, "tps": tps, "adapters_read_before": adapters_read_before,
+            "shape": {"requests": n, "new_tokens": new_tokens},
             "machine": machine_line(engine.base.kernels.name,
                                     str(engine.base.dtype).removeprefix("torch."))}
 
@@ -81,26 +92,38 @@ def _timed_tps(run: Callable[[], list]) -> float:
     return sum(len(o.token_ids) for o in outs) / (time.perf_counter() - start)
 
 
+def _seconds(run: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    run()
+    return time.perf_counter() - start
+
+
 def hf_tps(model_dir: Path, prompts: list[list[int]], dtype: str, rounds: int,
-           new_tokens: int) -> list[float]:
-    """HF ``generate`` on the base model: output tok/s per round, after one untimed round of
-    the same shapes (oneDNN builds its kernels per shape on first use: a short warm-up left
-    the first timed rounds at a tenth of HF's speed on a Xeon with AMX)."""
+           new_tokens: int) -> dict[str, list[float]]:
+    """HF ``generate`` on the base model: output tok/s per round ("tps"), after one untimed
+    round of the same shapes (oneDNN builds its kernels per shape on first use: a short
+    warm-up left the first timed rounds at a tenth of HF's speed on a Xeon with AMX); then
+    the seconds of its prefill alone, with one new token, per round ("prefill_s")."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
     ids = torch.tensor(prompts)
     with torch.inference_mode():
         _hf_round(model, ids, new_tokens)
-        return [_hf_round(model, ids, new_tokens) for _ in range(rounds)]
+        tps = [_hf_round(model, ids, new_tokens) for _ in range(rounds)]
+        prefill = [_hf_seconds(model, ids, 1) for _ in range(rounds)]
+    return {"tps": tps, "prefill_s": prefill}
 
 
 def _hf_round(model: object, ids: torch.Tensor, new_tokens: int, **kwargs: object) -> float:
-    start = time.perf_counter()
-    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),  # type: ignore[attr-defined]
-                         max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                         pad_token_id=0, **kwargs)
-    return (out.shape[1] - ids.shape[1]) * ids.shape[0] / (time.perf_counter() - start)
+    """Output tok/s of one greedy ``generate`` of exactly ``new_tokens`` a row."""
+    return new_tokens * ids.shape[0] / _hf_seconds(model, ids, new_tokens, **kwargs)
+
+
+def _hf_seconds(model: object, ids: torch.Tensor, new_tokens: int, **kwargs: object) -> float:
+    return _seconds(lambda: model.generate(  # type: ignore[attr-defined]
+        input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens, do_sample=False, pad_token_id=0, **kwargs))
 
 
 def load_peft(model_dir: Path, adapters: dict[str, Path], dtype: str) -> object:
@@ -145,7 +168,7 @@ def child(role: str, args: argparse.Namespace) -> dict:
     adapters = make_random_adapters(model_dir, args.adapters, args.adapter_dir)
     prompts = random_prompts(args.adapters, args.prompt_len, vocab=49152, seed=2)
     if role == "hf":
-        return {"tps": hf_tps(model_dir, prompts, args.dtype, args.rounds, args.new_tokens)}
+        return hf_tps(model_dir, prompts, args.dtype, args.rounds, args.new_tokens)
     if role == "peft":
         return {"tps": peft_tps(model_dir, adapters, prompts, list(adapters), args.new_tokens,
                                 args.dtype, args.peft_rounds)}
@@ -164,12 +187,14 @@ def resolve_dtype(dtype: str) -> str:
 
 
 def pooled(runs: list[dict]) -> dict:
-    """One role's processes as one result: each phase's rounds in process order (so each
-    median spans the processes); the first process's other fields."""
+    """One role's processes as one result: each phase's rounds, and the prefill's, in process
+    order (so each median spans the processes); the first process's other fields."""
     out = dict(runs[0])
     tps = runs[0]["tps"]
     out["tps"] = {phase: [v for r in runs for v in r["tps"][phase]] for phase in tps} \
         if isinstance(tps, dict) else [v for r in runs for v in r["tps"]]
+    if "prefill_s" in out:
+        out["prefill_s"] = [v for r in runs for v in r["prefill_s"]]
     out["processes"] = len(runs)
     return out
 
@@ -195,6 +220,23 @@ def _figures(results: dict) -> dict[str, list[float]]:
     return figures
 
 
+def decode_budget(results: dict) -> dict[str, float] | None:
+    """Seconds of the base's and HF's prefill alone (medians), and the ms a decode step takes
+    now against the most it may take for base / HF >= 2 (HF's run halved, less the engine's
+    prefill, over the decode steps); None where the prefill was not timed."""
+    base, hf = results["base first"], results["hf"]
+    if "prefill_s" not in base or "prefill_s" not in hf:
+        return None
+    requests, new_tokens = base["shape"]["requests"], base["shape"]["new_tokens"]
+    steps = max(new_tokens - 1, 1)
+    engine_run = requests * new_tokens / statistics.median(base["tps"]["a"])
+    hf_run = requests * new_tokens / statistics.median(hf["tps"])
+    prefill = statistics.median(base["prefill_s"])
+    return {"engine prefill s": prefill, "HF prefill s": statistics.median(hf["prefill_s"]),
+            "decode step ms": (engine_run - prefill) / steps * 1e3,
+            "decode step ms for base / HF = 2": (hf_run / 2 - prefill) / steps * 1e3}
+
+
 def report(results: dict) -> list[str]:
     processes = results["base first"].get("processes", 1)
     lines = [results["base first"]["machine"],
@@ -211,6 +253,12 @@ def report(results: dict) -> list[str]:
         verdict = "" if target is None else f"  (target >= {target}: " \
                   f"{'met' if value >= target else 'MISSED'})"
         lines.append(f"{name:40s} {value:5.2f}{verdict}")
+    budget = decode_budget(results)
+    if budget is not None:
+        lines.append(f"prefill alone (1 new token): engine {budget['engine prefill s']:.2f} s, "
+                     f"HF {budget['HF prefill s']:.2f} s; a decode step: "
+                     f"{budget['decode step ms']:.1f} ms, at most "
+                     f"{budget['decode step ms for base / HF = 2']:.1f} ms for base / HF >= 2")
     return lines
 
 

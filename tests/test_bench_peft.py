@@ -1,13 +1,23 @@
 """The baselines and orders of the benchmarks on a tiny model: bench/lora_overhead.py's
 peft_tps (and run_all's use of it) reports one figure per round; its engine phases measure
-the base before any adapter is read; its verdict compares the base after adapters with the
-base before them."""
+the base before any adapter is read (and time its prefill alone, as HF's); its verdict
+compares the base after adapters with the base before them; its decode budget is what 2x HF
+leaves a decode step."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from loraplex.bench.lora_overhead import ORDERS, engine_phases, peft_tps, pooled, ratios, report
+from loraplex.bench.lora_overhead import (
+    ORDERS,
+    decode_budget,
+    engine_phases,
+    hf_tps,
+    peft_tps,
+    pooled,
+    ratios,
+    report,
+)
 from loraplex.bench.run_all import _peft
 from loraplex.bench.serving import RunOptions, RunSpec
 from loraplex.bench.workload import Request
@@ -39,10 +49,37 @@ def test_lora_overhead_measures_the_base_before_any_adapter_is_read(
     assert all(len(v) == 2 and min(v) > 0 for v in out["tps"].values())
     assert out["adapters_read_before"]["a"] == 0  # the base ran before any adapter was read
     assert out["adapters_read_before"]["a_after"] == 3
+    assert len(out["prefill_s"]) == 2 and min(out["prefill_s"]) > 0  # the fresh base's alone
+    assert out["shape"] == {"requests": 3, "new_tokens": 3}
     first = engine_phases(tiny_llama, adapters, prompts, "float32", ORDERS["adapters first"],
                           rounds=1, new_tokens=3, max_model_len=64)
     assert list(first["tps"]) == ["c", "b", "a_after"]
     assert first["adapters_read_before"]["c"] == 0
+    assert "prefill_s" not in first  # no fresh base in this order
+
+    hf = hf_tps(tiny_llama, prompts, "float32", rounds=2, new_tokens=3)
+    assert len(hf["tps"]) == 2 and len(hf["prefill_s"]) == 2 and min(hf["prefill_s"]) > 0
+
+
+def test_lora_overhead_decode_budget_for_twice_hf() -> None:
+    """32 requests x 32 tokens: the engine's run 1024 / 200 = 5.12 s, of which prefill 1.5 s
+    (31 decode steps of 3.62 / 31 s); HF's 1024 / 128 = 8 s, so 2x HF leaves (4 - 1.5) / 31 s
+    a decode step."""
+    results = {
+        "base first": {"machine": "m", "shape": {"requests": 32, "new_tokens": 32},
+                       "tps": {"a": [200.0], "c": [180.0], "b": [190.0], "a_after": [198.0]},
+                       "prefill_s": [1.4, 1.5, 1.6]},
+        "adapters first": {"tps": {"c": [200.0], "b": [220.0], "a_after": [250.0]}},
+        "hf": {"tps": [128.0], "prefill_s": [2.0]},
+    }
+    budget = decode_budget(results)
+    assert budget is not None
+    assert budget["engine prefill s"] == 1.5 and budget["HF prefill s"] == 2.0
+    assert abs(budget["decode step ms"] - 3620 / 31) < 1e-9
+    assert abs(budget["decode step ms for base / HF = 2"] - 2500 / 31) < 1e-9
+    assert "at most 80.6 ms for base / HF >= 2" in "\n".join(report(results))
+    del results["hf"]["prefill_s"]  # results written before the prefill was timed
+    assert decode_budget(results) is None
 
 
 def test_lora_overhead_ratios_take_the_fresh_base_as_the_reference() -> None:
@@ -70,3 +107,5 @@ def test_lora_overhead_pools_the_rounds_of_its_processes() -> None:
     assert merged["tps"]["a"] == [100.0, 101.0, 90.0, 91.0, 95.0, 96.0]
     assert merged["processes"] == 3 and merged["machine"] == "m"
     assert pooled([{"tps": [1.0, 2.0]}, {"tps": [3.0]}])["tps"] == [1.0, 2.0, 3.0]
+    hf = pooled([{"tps": [1.0], "prefill_s": [0.5]}, {"tps": [2.0], "prefill_s": [0.7]}])
+    assert hf["prefill_s"] == [0.5, 0.7]
