@@ -8,7 +8,10 @@
 // packed per call into strips of up to 8 rows, [K/2][8] pairs (rows past a strip's own
 // zero), shared out as evenly as ceil(M / 8) strips allow. A tile runs the whole K in
 // registers (16 fp32 accumulators), then adds nothing more: y = bf16(bias + Σ pairs), rounded
-// to nearest even once. Threads split the panels.
+// to nearest even once. Threads split the panels. With two strips or more, each strip's
+// tile requests its share of the thread's next panel while it computes (the panel's first
+// strip then finds it in cache: 32 rows, 13 % faster than each strip reading its own panel
+// a little ahead, which one strip alone still does).
 //
 // Every output element is the same sequence of VDPBF16PS steps (k pairs in order, the bias
 // first) whatever the number of rows and threads: a row's result does not depend on what it
@@ -59,9 +62,11 @@ constexpr int64_t kMr = 8, kNr = 32;
 // y[R][cols] (rows ldy apart) = bf16(bias + Σ_j a[j][0..R) · b[j]): a: a strip of packed x
 // ([K2][8] pairs); b: a panel ([K2][2] vectors of 16 pairs, 64-byte aligned). `stream`: this
 // tile is the panel's first read, so prefetch the panel a few pairs ahead of the loads.
+// `next_lines` cache lines from `next` on are requested too, evenly over the k pairs.
 template <int R>
 void tile(int64_t K2, const uint32_t* __restrict a, const __m512bh* __restrict b,
-          uint16_t* __restrict y, int64_t ldy, int64_t cols, const float* bias, bool stream) {
+          uint16_t* __restrict y, int64_t ldy, int64_t cols, const float* bias, bool stream,
+          const char* next, int64_t next_lines) {
   const __mmask16 lo = cols >= 16 ? 0xFFFF : (1u << cols) - 1;
   const __mmask16 hi = cols >= 32 ? 0xFFFF : cols <= 16 ? 0 : (1u << (cols - 16)) - 1;
   const __m512 init0 = bias ? _mm512_maskz_loadu_ps(lo, bias) : _mm512_setzero_ps();
@@ -69,7 +74,9 @@ void tile(int64_t K2, const uint32_t* __restrict a, const __m512bh* __restrict b
   BG_ROWS(BG_DECLARE)
   BG_ROWS(BG_INIT)
   constexpr int64_t kAhead = 8;  // pairs: 1 KB of the panel ahead
+  int64_t owed = 0;  // next_lines per k pair, in K2ths: every line requested by the last pair
   for (int64_t j = 0; j < K2; ++j, a += kMr, b += 2) {
+    for (owed += next_lines; owed >= K2; owed -= K2, next += 64) _mm_prefetch(next, _MM_HINT_T0);
     if (stream) {
       _mm_prefetch(reinterpret_cast<const char*>(b + 2 * kAhead), _MM_HINT_T0);
       _mm_prefetch(reinterpret_cast<const char*>(b + 2 * kAhead + 1), _MM_HINT_T0);
@@ -81,16 +88,17 @@ void tile(int64_t K2, const uint32_t* __restrict a, const __m512bh* __restrict b
 }
 
 void tile_rows(int64_t rows, int64_t K2, const uint32_t* a, const __m512bh* b, uint16_t* y,
-               int64_t ldy, int64_t cols, const float* bias, bool stream) {
+               int64_t ldy, int64_t cols, const float* bias, bool stream, const char* next,
+               int64_t next_lines) {
   switch (rows) {
-    case 8: return tile<8>(K2, a, b, y, ldy, cols, bias, stream);
-    case 7: return tile<7>(K2, a, b, y, ldy, cols, bias, stream);
-    case 6: return tile<6>(K2, a, b, y, ldy, cols, bias, stream);
-    case 5: return tile<5>(K2, a, b, y, ldy, cols, bias, stream);
-    case 4: return tile<4>(K2, a, b, y, ldy, cols, bias, stream);
-    case 3: return tile<3>(K2, a, b, y, ldy, cols, bias, stream);
-    case 2: return tile<2>(K2, a, b, y, ldy, cols, bias, stream);
-    default: return tile<1>(K2, a, b, y, ldy, cols, bias, stream);
+    case 8: return tile<8>(K2, a, b, y, ldy, cols, bias, stream, next, next_lines);
+    case 7: return tile<7>(K2, a, b, y, ldy, cols, bias, stream, next, next_lines);
+    case 6: return tile<6>(K2, a, b, y, ldy, cols, bias, stream, next, next_lines);
+    case 5: return tile<5>(K2, a, b, y, ldy, cols, bias, stream, next, next_lines);
+    case 4: return tile<4>(K2, a, b, y, ldy, cols, bias, stream, next, next_lines);
+    case 3: return tile<3>(K2, a, b, y, ldy, cols, bias, stream, next, next_lines);
+    case 2: return tile<2>(K2, a, b, y, ldy, cols, bias, stream, next, next_lines);
+    default: return tile<1>(K2, a, b, y, ldy, cols, bias, stream, next, next_lines);
   }
 }
 #endif
@@ -174,13 +182,19 @@ torch::Tensor panel_linear_bf16(torch::Tensor x, torch::Tensor panels,
   const float* pb = bias ? bias->data_ptr<float>() : nullptr;
   const auto* w = reinterpret_cast<const __m512bh*>(panels.data_ptr<at::BFloat16>());
   uint16_t* out = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
+  const int64_t panel_lines = 2 * K2;  // a panel: K2 pairs of two 64-byte vectors
   at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t cols = std::min(kNr, N - p * kNr);
+      const bool ahead = S >= 2 && p + 1 < p1;  // strip s requests part s of the next panel
+      const char* next = reinterpret_cast<const char*>(w + (p + 1) * K2 * 2);
       for (int64_t s = 0; s < S; ++s) {
         const int64_t first = strip_start(s, M, S), rows = strip_start(s + 1, M, S) - first;
+        const int64_t l0 = s * panel_lines / S, l1 = (s + 1) * panel_lines / S;
         tile_rows(rows, K2, strips.get() + s * K2 * kMr, w + p * K2 * 2,
-                  out + first * N + p * kNr, N, cols, pb ? pb + p * kNr : nullptr, s == 0);
+                  out + first * N + p * kNr, N, cols, pb ? pb + p * kNr : nullptr,
+                  s == 0 && (S == 1 || p == p0), ahead ? next + 64 * l0 : nullptr,
+                  ahead ? l1 - l0 : 0);
       }
     }
   });
