@@ -40,7 +40,8 @@ class ServerOptions:
     admin_token: str | None = flag(  # accepted on every route too
         None, group=NETWORK, env="LORAPLEX_ADMIN_TOKEN",
         help="require it on the admin routes (AdapterAdmin, load/unload_lora_adapter, "
-        "reset_prefix_cache); accepted on the others (env LORAPLEX_ADMIN_TOKEN)")
+        "reset_prefix_cache); accepted on every other route, which needs a token once any is "
+        "set (env LORAPLEX_ADMIN_TOKEN)")
     adapter_roots: tuple[Path, ...] = flag(  # LoadAdapter paths must be inside; resolved
         (), group=NETWORK, name="adapter-root", metavar="DIR",
         help="LoadAdapter / load_lora_adapter paths, and every file in them, must lie under "
