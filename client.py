@@ -11,8 +11,11 @@ a single server ignores it. The sampling keywords (``n``, ``logprobs``,
 ``prompt_logprobs``, penalties, ``logit_bias``, ``min_p``, ...) are client_requests.py's.
 With ``n`` > 1, ``generate`` returns every choice in ``.choices`` and each stream message
 names the choice it extends (``.index``). Readiness probe: ``python -m loraplex.client
-health --server HOST:PORT`` exits 0 only when the server reports SERVING. Tokens go out as ``authorization: Bearer <token>``: ``api_token``
-on Inference and ServerInfo, ``admin_token`` on AdapterAdmin.
+health --server HOST:PORT`` exits 0 only when the server reports SERVING. Tokens go out as
+``authorization: Bearer <token>``: ``api_token`` on Inference and ServerInfo,
+``admin_token`` on AdapterAdmin; each falls back to the other when it is not given (the
+server's rule: the admin token is accepted everywhere, and with no ``--admin-token`` the API
+token guards AdapterAdmin).
 """
 
 from __future__ import annotations
@@ -90,8 +93,11 @@ class _Stubs:
         self.info = pb_grpc.ServerInfoStub(channel)
         self.health = health_pb2_grpc.HealthStub(channel)
 
+    # the server's one rule (server/auth.py): API routes take the API or the admin token,
+    # admin routes the admin token, or the API token when the server has no admin token
     def api(self, timeout: float | None) -> dict:
-        return {"metadata": self.options.metadata(self.options.api_token),
+        o = self.options
+        return {"metadata": o.metadata(o.api_token or o.admin_token),
                     "timeout": timeout if timeout is not None else self.options.timeout}
 
     def inference_kw(self, timeout: float | None, request: pb.GenerateRequest) -> dict:
@@ -101,7 +107,8 @@ class _Stubs:
         return kw
 
     def adm(self, timeout: float | None) -> dict:
-        return {"metadata": self.options.metadata(self.options.admin_token),
+        o = self.options
+        return {"metadata": o.metadata(o.admin_token or o.api_token),
                     "timeout": timeout if timeout is not None else self.options.timeout}
 
 

@@ -17,3 +17,9 @@ class AdapterExistsError(ValueError):
 
 class EngineDeadError(RuntimeError):
     """The engine loop has stopped after an internal fault."""
+
+
+class AdapterConfinementError(ValueError):
+    """A file an adapter's directory holds (or names) lies outside the root the adapter is
+    confined to (a symlink out of ``--adapter-root``, the resolver's directory, an upload's
+    directory): refused, never read. The servers answer PERMISSION_DENIED."""

@@ -42,14 +42,18 @@ class EngineAdapters:
     is_base_model: Callable[[str | None], bool]
 
     def read_adapter(self, path: str | Path, name: str = "",
-                     meta: AdapterMeta | None = None) -> LoRAWeights:
+                     meta: AdapterMeta | None = None, *, root: Path | None = None,
+                     shown: str = "") -> LoRAWeights:
         """Read and validate a PEFT adapter dir for this base model (safe on any thread; the
         loader threads' read of a registered adapter passes its ``meta``, so its checks are
-        not redone while the files are unchanged). Timed for ``adapter_load_observers``."""
+        not redone while the files are unchanged). ``root``: every file read must lie under
+        it (a server's confinement; None for an operator's path); ``shown``: how messages
+        name the directory. Timed for ``adapter_load_observers``."""
         start = time.perf_counter()
         with intra_op.serial():  # callers' threads start no OpenMP pool (kernel_backends/intra_op.py)
             weights = read_peft_adapter(path, self.base_shapes, self.config.max_lora_rank,
-                                        name, meta=meta, dtype=self.lora_dtype)
+                                        name, meta=meta, dtype=self.lora_dtype, root=root,
+                                        shown=shown)
         self._observe_adapter_load("host", time.perf_counter() - start)
         return weights
 

@@ -2,6 +2,7 @@
 ``loraplex.errors``, so that lora/ raises them too)."""
 
 from ..errors import (  # noqa: F401  (re-exported: the engine's error surface)
+    AdapterConfinementError,
     AdapterExistsError,
     AdapterNotFoundError,
     EngineDeadError,

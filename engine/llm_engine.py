@@ -72,8 +72,10 @@ class LLMEngine(EngineAdapters):
         self.uploads = UploadStore()  # adapters given as tensors or bytes, as PEFT dirs
         self.lora = AdapterCache(self.lora_capacity.max_loras, self.resolved.max_cpu_loras,
                                  RankPool(self.lora_capacity.num_units, kernels.rank_unit),
-                                 read=lambda meta: self.read_adapter(meta.path, meta.name,
-                                                                     meta),
+                                 # re-reads are confined as the first read was
+                                 read=lambda meta: self.read_adapter(
+                                     meta.path, meta.name, meta, root=meta.root,
+                                     shown=meta.shown),
                                  load_slot=self._load_slot, clear_slot=self.slot_buffers.clear,
                                  move_slot=self.slot_buffers.move,
                                  max_concurrent_reads=cfg.max_adapter_reads,

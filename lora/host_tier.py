@@ -143,7 +143,7 @@ class HostTier:
         try:
             weights = read.result()
         except Exception as e:  # noqa: BLE001 - a broken file on disk fails the adapter
-            return f"reloading {a.path} failed: {e}"
+            return f"reloading {a.meta.files.label()} failed: {e}"
         self.loads += 1
         self.put(a, weights)
         self.trim(a, next_use)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 import math
 import re
 from pathlib import Path
@@ -62,30 +63,30 @@ def module_key(layer: int, module: str) -> str:
     return f"model.layers.{layer}.{MODULE_PARENT[module]}.{module}"
 
 
-def read_lora_config(adapter_dir: Path) -> LoraConfig:
-    """Read ``adapter_config.json`` through PEFT's own loader; refuse anything but a LoRA config."""
-    path = adapter_dir / "adapter_config.json"
-    if not path.is_file():
-        raise AdapterError(f"{path} is missing; a PEFT LoRA adapter directory holds "
-                           "adapter_config.json and adapter_model.safetensors")
-    if path.stat().st_size == 0:
-        raise AdapterError(f"{path} is empty; it must be the JSON object PEFT writes")
+def parse_lora_config(raw: bytes, where: str | Path) -> LoraConfig:
+    """``adapter_config.json``'s bytes (as read, once: peft_files.lora_config) through PEFT's
+    own checks, as ``LoraConfig.from_json_file`` reads them; refuse anything but a LoRA
+    config. ``where`` names the file in messages."""
+    if not raw:
+        raise AdapterError(f"{where} is empty; it must be the JSON object PEFT writes")
     try:
-        raw = LoraConfig.from_json_file(str(path))
-    except (OSError, ValueError) as exc:  # JSONDecodeError, UnicodeDecodeError are ValueErrors
-        raise AdapterError(f"{path} is not readable JSON: {exc}") from exc
-    if not isinstance(raw, dict):
-        raise AdapterError(f"{path} holds a JSON {type(raw).__name__}; it must be a JSON object")
-    if raw.get("peft_type") != "LORA":
-        raise AdapterError(f"{path}: peft_type is {raw.get('peft_type')!r}, not a LoRA adapter; "
-                           "only peft_type 'LORA' can be served")
+        raw_obj = json.loads(raw)
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError are ValueErrors
+        raise AdapterError(f"{where} is not readable JSON: {exc}") from exc
+    if not isinstance(raw_obj, dict):
+        raise AdapterError(f"{where} holds a JSON {type(raw_obj).__name__}; it must be a "
+                           "JSON object")
+    raw_obj.pop("runtime_config", None)  # PEFT's from_json_file ignores it too
+    if raw_obj.get("peft_type") != "LORA":
+        raise AdapterError(f"{where}: peft_type is {raw_obj.get('peft_type')!r}, not a LoRA "
+                           "adapter; only peft_type 'LORA' can be served")
     try:
-        return LoraConfig.from_peft_type(**LoraConfig.check_kwargs(**raw))
+        return LoraConfig.from_peft_type(**LoraConfig.check_kwargs(**raw_obj))
     except Exception as exc:  # PEFT validates in __post_init__ with ValueError/TypeError/...
-        raise AdapterError(f"{path}: PEFT rejects this LoRA config: {exc}") from exc
+        raise AdapterError(f"{where}: PEFT rejects this LoRA config: {exc}") from exc
 
 
-def check_servable(config: LoraConfig, where: Path) -> None:
+def check_servable(config: LoraConfig, where: str | Path) -> None:
     """Refuse the features that the engine's ``base(x) + scaling * B(A(x))`` cannot express."""
     variants = _active_variants(config)
     if variants:
@@ -114,7 +115,7 @@ def _active_variants(config: LoraConfig) -> list[str]:
     return active
 
 
-def _check_target_names(config: LoraConfig, where: Path) -> None:
+def _check_target_names(config: LoraConfig, where: str | Path) -> None:
     """Every listed target ends in a wrappable module; a regex matches no embedding or head."""
     targets = config.target_modules
     if not targets:
@@ -138,7 +139,7 @@ def _check_target_names(config: LoraConfig, where: Path) -> None:
                                f"engine; {SUPPORTED}")
 
 
-def plan_modules(config: LoraConfig, num_layers: int, max_lora_rank: int, where: Path,
+def plan_modules(config: LoraConfig, num_layers: int, max_lora_rank: int, where: str | Path,
                  modules: tuple[str, ...] = LORA_TARGETS) -> Plan:
     """(layer, module) -> (r, alpha) for each of the base's ``modules`` the config targets in
     ``num_layers`` layers."""
@@ -160,7 +161,8 @@ def plan_modules(config: LoraConfig, num_layers: int, max_lora_rank: int, where:
     return plan
 
 
-def _rank_alpha(config: LoraConfig, key: str, max_lora_rank: int, where: Path) -> tuple[int, float]:
+def _rank_alpha(config: LoraConfig, key: str, max_lora_rank: int, where: str | Path
+                ) -> tuple[int, float]:
     """The module's (r, alpha), with rank_pattern / alpha_pattern applied exactly as PEFT does."""
     rank_pattern = config.rank_pattern or {}
     alpha_pattern = config.alpha_pattern or {}
@@ -191,7 +193,7 @@ def _shown(targets: object) -> object:
 # ---- the tensors of the safetensors header ------------------------------------------------------
 
 
-def index_tensors(names: list[str], where: Path) -> TensorKeys:
+def index_tensors(names: list[str], where: str | Path) -> TensorKeys:
     """Group the file's tensor names by (layer, module); every name must be a LoRA A or B."""
     if not any(".lora_" in n for n in names):
         raise AdapterError(f"{where} holds no LoRA tensors (found {sorted(names)[:5]}); expected "
@@ -212,7 +214,7 @@ def index_tensors(names: list[str], where: Path) -> TensorKeys:
     return keys
 
 
-def parse_name(tensor: str, where: Path) -> tuple[int, str, str, str | None]:
+def parse_name(tensor: str, where: str | Path) -> tuple[int, str, str, str | None]:
     """``...layers.3.mlp.up_proj.lora_B[.default].weight`` -> (3, "up_proj", "B", "default")."""
     m = _LORA_NAME.fullmatch(tensor)
     if m and m[4] in MODULE_PARENT and MODULE_PARENT[m[4]] == m[3]:  # the common case, at once
@@ -237,7 +239,7 @@ def parse_name(tensor: str, where: Path) -> tuple[int, str, str, str | None]:
     return int(path[-3]), module, kind[-1], rest[0] if len(rest) == 2 else None
 
 
-def check_pairs(keys: TensorKeys, plan: Plan, num_layers: int, where: Path) -> None:
+def check_pairs(keys: TensorKeys, plan: Plan, num_layers: int, where: str | Path) -> None:
     """Layer in range, both halves present, and targeted by adapter_config.json."""
     for (layer, module), ab in sorted(keys.items()):
         some = next(iter(ab.values()))
@@ -255,7 +257,7 @@ def check_pairs(keys: TensorKeys, plan: Plan, num_layers: int, where: Path) -> N
 
 
 def check_shapes(header: Header, keys: TensorKeys, plan: Plan,
-                 modules: dict[str, tuple[int, int]], where: Path) -> None:
+                 modules: dict[str, tuple[int, int]], where: str | Path) -> None:
     """A is [r, in] and B is [out, r] with r from the config and (in, out) from the base."""
     for (layer, module), ab in sorted(keys.items()):
         r = plan[(layer, module)][0]
@@ -268,7 +270,7 @@ def check_shapes(header: Header, keys: TensorKeys, plan: Plan,
                                    f"{module} of the base is in={d_in}, out={d_out})")
 
 
-def check_dtypes(header: Header, keys: TensorKeys, where: Path) -> None:
+def check_dtypes(header: Header, keys: TensorKeys, where: str | Path) -> None:
     for _, ab in sorted(keys.items()):
         for tensor in ab.values():
             dtype = header[tensor][0]

@@ -19,17 +19,28 @@ be compared, i.e. it names a local directory (other than the served base) whose
 ``config.json`` loads and differs from the served base in model_type, hidden_size,
 num_layers, vocab_size or a module shape. A bare name that differs, a path that does not
 exist here, or a config that cannot be read is not an error: the tensor shapes are checked anyway.
+An adapter confined to a root (``root``: one a server loaded for a client) never makes the
+server open a path outside it: a ``base_model_name_or_path`` that does not resolve inside
+the root is not followed (not compared).
+
+Files: every file is opened through ``AdapterFiles`` (lora/adapter_files.py) with the
+adapter's ``root``, at inspection and at every read after (``AdapterMeta`` keeps the root,
+so the host tier's re-reads after an eviction are confined as the first read was).
+Messages name the directory by ``shown`` (what the client named), never by its real path.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
+from .adapter_files import AdapterFiles, MissingFile, read_all, real_path
 from .peft_checks import (
     LORA_TARGETS,
     AdapterError,
@@ -41,10 +52,11 @@ from .peft_checks import (
     plan_modules,
 )
 from .peft_files import (
-    CONFIG_NAME,
     PARSED,
+    WEIGHTS_NAME,
     ContentKey,
-    config_key,
+    SafetensorsHeader,
+    content_key,
     lora_config,
     safetensors_header,
 )
@@ -56,7 +68,6 @@ if TYPE_CHECKING:
 __all__ = ["LORA_TARGETS", "AdapterError", "AdapterMeta", "BaseShapes", "LoRAWeights",
            "inspect_peft_adapter", "read_peft_adapter"]
 
-WEIGHTS_NAME = "adapter_model.safetensors"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
 
 
@@ -120,6 +131,12 @@ class AdapterMeta:
     layout: TensorLayout = field(repr=False, compare=False)  # where the tensors lie
     config: ContentKey = field(repr=False, compare=False)  # of the adapter_config.json read
     dtype: torch.dtype = torch.float32  # what read_peft_adapter holds A and B in
+    root: Path | None = None  # every file read (now and after an eviction) lies under it
+    shown: str = ""  # how messages name the directory ("" = the path)
+
+    @property
+    def files(self) -> AdapterFiles:
+        return AdapterFiles(self.path, self.root, self.shown)
 
 
 @dataclass
@@ -141,116 +158,135 @@ class LoRAWeights:
 
 
 def inspect_peft_adapter(path: str | Path, base: BaseShapes, max_lora_rank: int,
-                         name: str = "", dtype: torch.dtype = torch.float32) -> AdapterMeta:
+                         name: str = "", dtype: torch.dtype = torch.float32, *,
+                         root: Path | None = None, shown: str = "") -> AdapterMeta:
     """Check the PEFT LoRA dir at ``path`` for ``base`` without reading tensor data;
     AdapterError says what is wrong. Parses go through ``peft_files.PARSED``. ``dtype``:
-    what the weights will be held in once read (the engine's pool dtype)."""
-    adapter_dir = _adapter_dir(path)
-    config_read = _config_key(adapter_dir)  # before parsing: a later change is one read_ sees
-    config = lora_config(adapter_dir)
-    check_servable(config, adapter_dir)
-    _check_same_base(config.base_model_name_or_path, base, adapter_dir)
-    plan = plan_modules(config, base.num_layers, max_lora_rank, adapter_dir,
-                        tuple(base.modules))
-    weights_file = _weights_file(adapter_dir)
-    header = safetensors_header(weights_file)
+    what the weights will be held in once read (the engine's pool dtype). ``root``: every
+    file opened must lie under it (AdapterConfinementError); ``shown``: how messages name
+    the directory (module docstring)."""
+    files = _adapter_files(path, root, shown)
+    config, config_read = lora_config(files)
+    where = files.label()
+    check_servable(config, where)
+    _check_same_base(config.base_model_name_or_path, base, files)
+    plan = plan_modules(config, base.num_layers, max_lora_rank, where, tuple(base.modules))
+    header = _header(files)
+    weights_file = files.label(WEIGHTS_NAME)
     keys = index_tensors(list(header.tensors), weights_file)
     check_pairs(keys, plan, base.num_layers, weights_file)
     check_shapes(header.tensors, keys, plan, base.modules, weights_file)
     check_dtypes(header.tensors, keys, weights_file)
     layout = TensorLayout.of(header, keys, plan, base.modules, bool(config.use_rslora))
     return AdapterMeta(
-        name=name or adapter_dir.name, path=adapter_dir, rank=max(layout.ranks.values()),
+        name=name or files.dir.name, path=files.dir, rank=max(layout.ranks.values()),
         ranks=layout.ranks, target_modules=sorted({m for _, m in layout.ranks}),
         size_bytes=layout.held_bytes(dtype), file_bytes=header.file_bytes,
         dtypes=tuple(sorted(set(layout.dtypes))), lora_alpha=float(config.lora_alpha),
         use_rslora=bool(config.use_rslora),
         base_model_name_or_path=config.base_model_name_or_path, layout=layout, config=config_read,
-        dtype=dtype)
+        dtype=dtype, root=root, shown=shown)
 
 
 def read_peft_adapter(path: str | Path, base: BaseShapes, max_lora_rank: int,
                       name: str = "", meta: AdapterMeta | None = None,
-                      dtype: torch.dtype = torch.float32) -> LoRAWeights:
+                      dtype: torch.dtype = torch.float32, *, root: Path | None = None,
+                      shown: str = "") -> LoRAWeights:
     """Read the PEFT LoRA dir at ``path`` for ``base``: inspect it, then load its tensors
     in ``dtype`` (AdapterError says what is wrong). ``meta``, from ``inspect_peft_adapter``
-    of the same ``path`` and ``dtype``, stands for the inspection while neither file has
-    changed since."""
+    of the same ``path``, ``dtype`` and ``root``, stands for the inspection while neither
+    file has changed since. Every file is opened confined to ``root``."""
     name = name or (meta.name if meta is not None else "")
-    if meta is None or meta.path != Path(path) or meta.dtype != dtype \
-            or _config_key(meta.path) != meta.config:
-        meta = inspect_peft_adapter(path, base, max_lora_rank, name, dtype)
-    elif name != meta.name:
-        meta = dataclasses.replace(meta, name=name)
+    if meta is None or meta.path != Path(path) or meta.dtype != dtype or meta.root != root \
+            or lora_config(meta.files)[1] != meta.config:
+        meta = inspect_peft_adapter(path, base, max_lora_rank, name, dtype, root=root,
+                                    shown=shown)
+    elif name != meta.name or shown != meta.shown:
+        meta = dataclasses.replace(meta, name=name, shown=shown)
     try:
         layers = _load(meta)
     except StaleLayout:  # the weights changed since ``meta``: once more, from the top
-        meta = inspect_peft_adapter(path, base, max_lora_rank, name, dtype)
+        meta = inspect_peft_adapter(path, base, max_lora_rank, name, dtype, root=root,
+                                    shown=shown)
         layers = _load(meta)
     return LoRAWeights(meta, layers)
 
 
 def _load(meta: AdapterMeta) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
-    weights_file = meta.path / WEIGHTS_NAME
-    return meta.layout.load(weights_file, lambda: index_tensors(
-        list(safetensors_header(weights_file).tensors), weights_file), meta.dtype)
+    files = meta.files
+    return meta.layout.load(files, lambda: index_tensors(
+        list(safetensors_header(files).tensors), files.label(WEIGHTS_NAME)), meta.dtype)
 
 
-def _config_key(adapter_dir: Path) -> ContentKey | None:
-    try:
-        return config_key(adapter_dir / CONFIG_NAME)
-    except OSError:
-        return None  # missing: inspecting says so
-
-
-def _adapter_dir(path: str | Path) -> Path:
+def _adapter_files(path: str | Path, root: Path | None, shown: str) -> AdapterFiles:
     p = Path(path)
+    files = AdapterFiles(p, root, shown)
     if not p.exists():
         kind = "is a dangling symlink" if p.is_symlink() else "does not exist"
-        raise AdapterError(f"adapter path {p} {kind}; give a PEFT LoRA adapter directory")
+        raise AdapterError(f"adapter path {files.label()} {kind}; give a PEFT LoRA adapter "
+                           "directory")
     if not p.is_dir():
-        raise AdapterError(f"adapter path {p} is a file, not a directory; give the directory "
-                           "that holds adapter_config.json and adapter_model.safetensors")
-    return p
+        raise AdapterError(f"adapter path {files.label()} is a file, not a directory; give the "
+                           "directory that holds adapter_config.json and "
+                           "adapter_model.safetensors")
+    return files
 
 
-def _check_same_base(trained_on: str | None, base: BaseShapes, where: Path) -> None:
-    """Refuse only when trained_on is a readable local model dir that differs (module docstring)."""
-    if not trained_on or not (Path(trained_on) / "config.json").is_file():
+def _check_same_base(trained_on: str | None, base: BaseShapes, files: AdapterFiles) -> None:
+    """Refuse only when trained_on is a readable local model dir that differs (module
+    docstring); for a confined adapter, only one inside its root is opened."""
+    if not trained_on:
         return
-    if Path(base.name_or_path).exists() and Path(trained_on).resolve() == Path(
-            base.name_or_path).resolve():
+    model_dir = Path(trained_on)
+    if not files.inside(model_dir):
+        return  # never open a path an adapter names outside its root
+    if Path(base.name_or_path).exists() and os.path.realpath(model_dir) == os.path.realpath(
+            base.name_or_path):
         return
-    other = PARSED.get("base_shapes", Path(trained_on) / "config.json", config_key, _base_shapes)
+    other = _base_shapes(files, model_dir)
     diffs = base.differences(other) if other is not None else []
     if diffs:
-        raise AdapterError(f"{where}: adapter was trained on base model {trained_on!r}, which "
-                           f"differs from the served base {base.name_or_path!r} (served vs "
-                           f"trained: {'; '.join(diffs)}); serve it with its own base model")
+        raise AdapterError(f"{files.label()}: adapter was trained on base model {trained_on!r}, "
+                           f"which differs from the served base model (served vs trained: "
+                           f"{'; '.join(diffs)}); serve it with its own base model")
 
 
-def _base_shapes(config_json: Path) -> BaseShapes | None:
-    """The shapes of the model dir holding ``config_json``; None if unreadable or not
+def _base_shapes(files: AdapterFiles, model_dir: Path) -> BaseShapes | None:
+    """The shapes of the model dir ``model_dir`` from its config.json, opened confined to
+    the adapter's root (parsed once per content); None if it cannot be read or is not
     Llama-like (then nothing can be compared)."""
     try:
-        from transformers import AutoConfig
+        with AdapterFiles(model_dir, files.root).open("config.json") as f:
+            raw = read_all(f)
+            key = content_key(real_path(f, model_dir / "config.json"), len(raw), raw)
+    except ValueError:  # missing, unreadable, outside the root (AdapterError and kin)
+        return None
+    return PARSED.get("base_shapes", key, lambda: _shapes_of(raw, str(model_dir)))
 
-        model_dir = str(config_json.parent)
-        return BaseShapes.from_hf_config(
-            AutoConfig.from_pretrained(model_dir, local_files_only=True), model_dir)
+
+def _shapes_of(raw: bytes, name_or_path: str) -> BaseShapes | None:
+    """A config.json's bytes as AutoConfig.from_pretrained reads them (the model type's
+    config class, ``from_dict``); None if they are not a known, Llama-like config."""
+    try:
+        from transformers import CONFIG_MAPPING
+
+        config = json.loads(raw)
+        config_class = CONFIG_MAPPING[config["model_type"]]
+        return BaseShapes.from_hf_config(config_class.from_dict(config), name_or_path)
     except Exception:  # noqa: BLE001
         return None
 
 
-def _weights_file(adapter_dir: Path) -> Path:
-    path = adapter_dir / WEIGHTS_NAME
-    if not path.is_file():
-        pickles = sorted(p.name for p in adapter_dir.iterdir() if p.suffix in PICKLE_SUFFIXES)
+def _header(files: AdapterFiles) -> SafetensorsHeader:
+    """The weights file's header; the refusal of a directory without one (pickles say so)."""
+    try:
+        return safetensors_header(files)
+    except MissingFile:
+        pickles = sorted(p.name for p in files.dir.iterdir() if p.suffix in PICKLE_SUFFIXES)
         if pickles:
-            raise AdapterError(f"{adapter_dir}: only pickle weights {pickles}, which loraplex "
+            raise AdapterError(f"{files.label()}: only pickle weights {pickles}, which loraplex "
                                f"never loads (unpickling can run code); save the adapter as "
-                               f"{WEIGHTS_NAME} (PEFT save_pretrained with safe_serialization)")
-        raise AdapterError(f"{path} is missing; the adapter weights must be in {WEIGHTS_NAME}")
-    if path.stat().st_size == 0:
-        raise AdapterError(f"{path} is empty (0 bytes); it must be a safetensors file")
-    return path
+                               f"{WEIGHTS_NAME} (PEFT save_pretrained with safe_serialization)"
+                               ) from None
+        raise AdapterError(f"{files.label(WEIGHTS_NAME)} is missing; the adapter weights must "
+                           f"be in {WEIGHTS_NAME}") from None

@@ -18,12 +18,12 @@ import os
 from array import array
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
+from .adapter_files import AdapterFiles, real_path
 from .peft_checks import AdapterError, Plan, TensorKeys, scaling
-from .peft_files import ITEMSIZE, ContentKey, SafetensorsHeader, content_key
+from .peft_files import ITEMSIZE, WEIGHTS_NAME, ContentKey, SafetensorsHeader, content_key
 
 Pair = tuple[int, str]  # (layer, module)
 Layers = dict[Pair, tuple[torch.Tensor, torch.Tensor]]  # -> (A [r, in], B [out, r])
@@ -74,12 +74,14 @@ class TensorLayout:
         itemsize = torch.empty(0, dtype=dtype).element_size()
         return itemsize * sum(r * sum(self.dims[m]) for (_, m), r in self.ranks.items())
 
-    def load(self, path: Path, names: Callable[[], TensorKeys],
+    def load(self, files: AdapterFiles, names: Callable[[], TensorKeys],
              dtype: torch.dtype = torch.float32) -> Layers:
         """Read A and B (B scaled in float32, both then held in ``dtype``) from the
-        safetensors file ``path``; ``names`` gives the tensor names for an error message.
-        StaleLayout if the file's header is no longer the one this layout was built from."""
-        raw = self._read(path)  # [data_bytes] uint8, our own memory
+        adapter's safetensors file (opened confined: ``files.open``); ``names`` gives the
+        tensor names for an error message. StaleLayout if the file's header is no longer
+        the one this layout was built from."""
+        path = files.label(WEIGHTS_NAME)  # what messages call the file
+        raw = self._read(files)  # [data_bytes] uint8, our own memory
         if len(self.dtypes) == 1:
             stored = TORCH_DTYPES[self.dtypes[0]]
             # scaled in the stored dtype when it is the one held (torch multiplies a half
@@ -108,12 +110,14 @@ class TensorLayout:
                             flat.as_strided((d_out, r), (r, 1), b_at // size))
         return layers
 
-    def _read(self, path: Path) -> torch.Tensor:
+    def _read(self, files: AdapterFiles) -> torch.Tensor:
         """The data section, from the same open file as the header it is checked against."""
         raw = torch.empty(self.data_bytes, dtype=torch.uint8)
-        with path.open("rb") as f:
+        path = files.label(WEIGHTS_NAME)
+        with files.open(WEIGHTS_NAME) as f:
             head = f.read(self.data_start)
-            if content_key(path, os.fstat(f.fileno()).st_size, head) != self.header:
+            real = real_path(f, files.dir / WEIGHTS_NAME)
+            if content_key(real, os.fstat(f.fileno()).st_size, head) != self.header:
                 raise StaleLayout(f"{path} changed since it was inspected")
             done = f.readinto(memoryview(raw.numpy()))  # a buffered read: all, or up to EOF
         if done != self.data_bytes:
@@ -131,7 +135,7 @@ class TensorLayout:
         return layers
 
     @staticmethod
-    def _name_nonfinite(layers: Layers, path: Path, names: Callable[[], TensorKeys]) -> None:
+    def _name_nonfinite(layers: Layers, path: str, names: Callable[[], TensorKeys]) -> None:
         """AdapterError naming the first tensor with a NaN or Inf (a sum can also overflow
         to Inf on finite values: then there is none, and nothing is raised)."""
         for pair, ab in layers.items():

@@ -4,21 +4,25 @@ cache read offline). A request naming an adapter that is not registered loads ``
 (else the cached snapshot of the Hub repo ``<name>``) with LoadAdapter's checks, then runs
 on it.
 
-Invariants: a resolved path lies inside DIR once ``..`` and symlinks are resolved (else
-the name is unknown: NOT_FOUND); concurrent first requests for a name share one read (one
-task per name, on the server's event loop); the first request waits for the read, and a
-broken directory fails it with LoadAdapter's error for that directory. A name loaded
-meanwhile by LoadAdapter is used as it is.
+Invariants: names are LoadAdapter's (canonical: server/adapter_paths.py), and a resolved
+directory lies inside DIR once symlinks are resolved (else the name is unknown: NOT_FOUND);
+every file of it is confined to DIR (or to the Hub cache) when opened, now and after an
+eviction, so a file that links out of it is refused (PERMISSION_DENIED, as LoadAdapter's);
+concurrent first requests for a name share one read (one task per name, on the server's
+event loop); the first request waits for the read, and a broken directory fails it with
+LoadAdapter's error for that directory (naming it ``<resolver NAME>``, never DIR). A name
+loaded meanwhile by LoadAdapter is used as it is.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 from pathlib import Path
 
 from ..engine.errors import AdapterExistsError, AdapterNotFoundError
 from . import adapter_ops
-from .adapter_paths import NAME_RE
+from .adapter_paths import check_adapter_name
 from .state import ServerState
 
 
@@ -66,32 +70,38 @@ class AdapterResolver:
             read.add_done_callback(lambda _: self._reads.pop(name, None))
         await asyncio.shield(read)  # a waiter that leaves does not cancel the others' read
 
-    def path_of(self, name: str) -> Path:
-        """``DIR/name`` resolved, else the Hub cache's snapshot of ``name``; NOT_FOUND when
-        neither holds it (or ``DIR/name`` leads outside DIR)."""
+    def path_of(self, name: str) -> tuple[Path, Path]:
+        """(``DIR/name`` resolved, DIR), else (the Hub cache's snapshot of ``name``, the
+        cache); NOT_FOUND when neither holds it (or ``DIR/name`` leads outside DIR).
+        Messages name neither directory."""
         unknown = f"unknown adapter {name!r}: not loaded, and"
-        if not NAME_RE.fullmatch(name):
-            raise AdapterNotFoundError(f"{unknown} not a name the resolver looks up")
+        try:
+            check_adapter_name(name, None)
+        except ValueError:
+            raise AdapterNotFoundError(f"{unknown} not a name the resolver looks up") from None
         where = []
         if self.root is not None:
-            path = (self.root / name).resolve()
+            path = Path(os.path.realpath(self.root / name))  # a loop: a path, not an error
             if not path.is_relative_to(self.root) or path == self.root:
-                raise AdapterNotFoundError(f"{unknown} {self.root}/{name} leads outside the "
-                                           "--lora-resolver-dir")
+                raise AdapterNotFoundError(f"{unknown} the resolver's {name!r} leads outside "
+                                           "its directory (--lora-resolver-dir)")
             if path.is_dir():
-                return path
-            where.append(f"{self.root} holds no directory {name!r}")
+                return path, self.root
+            where.append(f"the resolver directory (--lora-resolver-dir) holds no directory "
+                         f"{name!r}")
         if self.hf_cache is not None:
             snapshot = hf_cached_snapshot(self.hf_cache, name)
-            if snapshot is not None and snapshot.resolve().is_relative_to(self.hf_cache):
-                return snapshot
-            where.append(f"the Hugging Face cache {self.hf_cache} holds no repo {name!r}")
+            if snapshot is not None and \
+                    Path(os.path.realpath(snapshot)).is_relative_to(self.hf_cache):
+                return snapshot, self.hf_cache
+            where.append(f"the Hugging Face cache holds no repo {name!r}")
         raise AdapterNotFoundError(f"{unknown} {'; '.join(where)}")
 
     async def _load(self, name: str) -> None:
-        path = self.path_of(name)
+        path, root = self.path_of(name)
         self.reads += 1
         try:
-            await adapter_ops.load_adapter(self.state, name, str(path), source="resolver")
+            await adapter_ops.load_adapter(self.state, name, str(path), source="resolver",
+                                           root=root)
         except AdapterExistsError:
             pass  # loaded meanwhile (LoadAdapter): use that

@@ -29,6 +29,7 @@ from ..engine.llm_engine import LLMEngine
 from ..engine.sampling_params import SamplingParams
 from ..proto import loraplex_pb2_grpc as pb_grpc
 from .adapter_admin import AdapterAdminServicer
+from .adapter_paths import path_loading_warning
 from .adapter_resolver import attach_resolver
 from .description import describe
 from .grpc_auth import TokenAuthInterceptor
@@ -48,9 +49,12 @@ EngineSource = LLMEngine | Callable[[], LLMEngine]
 
 
 class LoraplexServer:
-    def __init__(self, options: ServerOptions, engine: EngineSource):
+    def __init__(self, options: ServerOptions, engine: EngineSource,
+                 exposed: bool | None = None):
+        """``exposed``: reachable beyond loopback (default: unless ``--host`` is loopback;
+        a Ray replica is, behind a proxy on every interface)."""
         self.options = options
-        self.state = ServerState(options)
+        self.state = ServerState(options, exposed)
         self.health = PhaseHealth()  # grpc.health.v1, following the phase
         self.state.phase_observers.append(self.health.follow)
         self._engine_source = engine
@@ -78,6 +82,9 @@ class LoraplexServer:
         self._server = server
         log.info("listening on %s:%d (%s)", options.host, self.port,
                  "mutual TLS" if options.ssl_ca_certs else "TLS" if options.tls else "plaintext")
+        warning = path_loading_warning(options, self.state.exposed)
+        if warning is not None:
+            log.warning("%s", warning)
         if options.http_port is not None:
             await self._start_http()
         return self.port

@@ -1,10 +1,14 @@
 """Bearer-token auth: the rule both fronts share (``required_tokens``, ``refusal``),
 front-neutral; server/grpc_auth.py applies it to gRPC calls, server/http/auth.py to HTTP
-routes.
+routes, server/ray/context.py to Ray's gRPC proxy.
 
-AdapterAdmin needs the admin token when one is set; Inference and ServerInfo need the API
-token when one is set (the admin token is accepted there too). Health and reflection stay
-open so that load balancers and grpcurl can probe without secrets.
+The one rule: with no token set, every route is open. When any token is set, every route
+except health (gRPC Health, HTTP /health and /ping), gRPC reflection and /metrics needs
+one: admin routes (AdapterAdmin, /v1/load_lora_adapter, /v1/unload_lora_adapter,
+/reset_prefix_cache) the admin token when ``--admin-token`` is set, else the API token; every
+other route (inference, models, tokenizer, server info, /version) the API token or the admin
+token. Open routes stay open so that load balancers, probes, Prometheus and grpcurl need no
+secret.
 """
 
 from __future__ import annotations
@@ -31,21 +35,22 @@ def _matches(token: str | None, accepted: Sequence[str]) -> bool:
 
 
 class Scope(enum.Enum):
-    ADMIN = "admin"  # adapter load / unload
-    API = "api"  # inference and server info
-    OPEN = "open"  # health, reflection, version, metrics
+    ADMIN = "admin"  # adapter load / unload / upload, prefix-cache reset
+    API = "api"  # everything else that is not OPEN: inference, info, models, tokenizer
+    OPEN = "open"  # health, reflection, metrics
 
 
 def required_tokens(scope: Scope, api_token: str | None, admin_token: str | None
                     ) -> tuple[str, list[str]] | None:
-    """(the flag that sets the token, the tokens accepted) for ``scope``; None if open.
-    The one rule of both fronts: admin calls need --admin-token when it is set; API calls
-    need --api-token when it is set, and take the admin token too."""
-    if scope is Scope.ADMIN and admin_token is not None:
-        return "--admin-token", [admin_token]
-    if scope is Scope.API and api_token is not None:
-        return "--api-token", [t for t in (api_token, admin_token) if t]
-    return None
+    """(the flag that sets the token asked for, the tokens accepted) for ``scope``; None if
+    the scope is open (module docstring: the one rule of both fronts)."""
+    if scope is Scope.OPEN or (api_token is None and admin_token is None):
+        return None
+    accepted = [t for t in (api_token, admin_token) if t is not None]
+    if scope is Scope.ADMIN:
+        return ("--admin-token", [admin_token]) if admin_token is not None else \
+            ("--api-token", accepted)
+    return ("--api-token" if api_token is not None else "--admin-token"), accepted
 
 
 def refusal(token: str | None, scope: Scope, api_token: str | None, admin_token: str | None,

@@ -7,6 +7,7 @@ from importlib import metadata
 from typing import Any
 
 from ..engine.llm_engine import LLMEngine
+from .auth import Scope, required_tokens
 from .options import ServerOptions
 
 
@@ -23,6 +24,7 @@ def describe(engine: LLMEngine, options: ServerOptions) -> dict[str, Any]:
     once the engine is built, and the pools' page counts from the OS (any thread)."""
     cfg = engine.config
     memory = engine.memory_use()
+    tokens = (options.api_token, options.admin_token)
     return {
         "version": version(), "model": str(engine.base.path),
         "served_model_name": options.served_model_name or "",
@@ -39,7 +41,9 @@ def describe(engine: LLMEngine, options: ServerOptions) -> dict[str, Any]:
         "kv_cache_memory": cfg.kv_cache_memory or 0,
         "gpu_memory_utilization": cfg.gpu_memory_utilization,
         "vocab_size": engine.base.hf_config.vocab_size,
-        "api_token_required": options.api_token is not None,
-        "admin_token_required": options.admin_token is not None, "tls": options.tls,
+        # does an API / admin route need a bearer token (server/auth.py's one rule)
+        "api_token_required": required_tokens(Scope.API, *tokens) is not None,
+        "admin_token_required": required_tokens(Scope.ADMIN, *tokens) is not None,
+        "tls": options.tls,
         "adapter_roots": [str(r) for r in options.adapter_roots],
     }

@@ -11,6 +11,7 @@ import enum
 import logging
 
 from ..engine.errors import (
+    AdapterConfinementError,
     AdapterExistsError,
     AdapterNotFoundError,
     EngineDeadError,
@@ -26,7 +27,7 @@ class ErrorCode(enum.Enum):
     INVALID_ARGUMENT = "INVALID_ARGUMENT"  # a bad field, prompt or adapter
     NOT_FOUND = "NOT_FOUND"  # an unknown adapter
     ALREADY_EXISTS = "ALREADY_EXISTS"  # a taken adapter name, without replace
-    PERMISSION_DENIED = "PERMISSION_DENIED"  # an adapter path outside the adapter roots
+    PERMISSION_DENIED = "PERMISSION_DENIED"  # an adapter path (or a file) outside its roots
     UNAUTHENTICATED = "UNAUTHENTICATED"  # no token, or a wrong one
     RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"  # the queue is full; an upload too large
     FAILED_PRECONDITION = "FAILED_PRECONDITION"  # the set-up refuses the call
@@ -48,6 +49,8 @@ def code_of(exc: BaseException) -> tuple[ErrorCode, str]:
     """The code and message a caller sees for ``exc`` (an unexpected one is logged)."""
     if isinstance(exc, ServiceError):
         return exc.code, exc.message
+    if isinstance(exc, AdapterConfinementError):  # a ValueError: before the ValueError rule
+        return ErrorCode.PERMISSION_DENIED, str(exc)
     if isinstance(exc, AdapterExistsError):  # a ValueError: before the ValueError rule
         return ErrorCode.ALREADY_EXISTS, str(exc)
     if isinstance(exc, AdapterNotFoundError):

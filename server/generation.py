@@ -16,6 +16,7 @@ from contextlib import AsyncExitStack, aclosing
 from dataclasses import dataclass
 
 from ..engine.async_engine import AsyncEngine
+from ..engine.errors import AdapterNotFoundError
 from ..engine.output_processor import RequestOutput
 from ..engine.sampling_params import SamplingParams
 from .error_code import ErrorCode, ServiceError
@@ -47,9 +48,7 @@ async def outputs(state: ServerState, engine: AsyncEngine, inp: GenerateInput
         async with aclosing(stream) as outs:
             async for out in outs:
                 if out.finish_reason == "error":
-                    raise ServiceError(ErrorCode.INTERNAL,
-                                       f"request {out.request_id} failed in the engine: "
-                                       f"{out.error or 'no detail'}")
+                    raise _failure(engine, adapter, out)
                 track.observe(out)
                 choices_left -= out.finished
                 yield out
@@ -57,6 +56,17 @@ async def outputs(state: ServerState, engine: AsyncEngine, inp: GenerateInput
         if choices_left > 0:  # the caller left: the engine aborts it
             track.finish("abort")
         raise
+
+
+def _failure(engine: AsyncEngine, adapter: str | None, out: RequestOutput) -> Exception:
+    """The error of a request the engine ended with "error": NOT_FOUND when its adapter
+    could not be read again from disk (as every later request for it gets:
+    ``AdapterCache.lookup``), else INTERNAL."""
+    loaded = engine.engine.lora.names.get(adapter) if adapter is not None else None
+    if loaded is not None and loaded.error is not None:  # one dict read: safe off its thread
+        return AdapterNotFoundError(f"adapter {adapter!r} failed to load: {loaded.error}")
+    return ServiceError(ErrorCode.INTERNAL, f"request {out.request_id} failed in the engine: "
+                                            f"{out.error or 'no detail'}")
 
 
 async def complete(state: ServerState, inp: GenerateInput) -> list[RequestOutput]:

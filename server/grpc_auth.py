@@ -10,13 +10,16 @@ import grpc
 from .auth import Scope, bearer_token, refusal
 
 ADMIN_PREFIX = "/loraplex.v1.AdapterAdmin/"
-API_PREFIXES = ("/loraplex.v1.Inference/", "/loraplex.v1.ServerInfo/")
+# health and reflection (both versions) stay open; every other service is API by default,
+# so a service added later is guarded without a change here
+OPEN_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.v1alpha.ServerReflection/",
+                 "/grpc.reflection.v1.ServerReflection/")
 
 
 def scope_of_method(method: str) -> Scope:
     if method.startswith(ADMIN_PREFIX):
         return Scope.ADMIN
-    return Scope.API if method.startswith(API_PREFIXES) else Scope.OPEN
+    return Scope.OPEN if method.startswith(OPEN_PREFIXES) else Scope.API
 
 
 class TokenAuthInterceptor(grpc.aio.ServerInterceptor):

@@ -86,12 +86,13 @@ def lora_modules_dict(modules: Iterable[LoraModule]) -> dict[str, str]:
 def check_servable(modules: dict[str, str]) -> None:
     """Read each adapter_config.json as the engine will (PEFT's loader, the same refusals);
     ValueError naming the adapter. Weights and shapes are checked when the engine loads."""
+    from ..lora.adapter_files import AdapterFiles
     from ..lora.peft_checks import check_servable as check_config
-    from ..lora.peft_checks import read_lora_config
+    from ..lora.peft_files import lora_config
 
     for name, path in modules.items():
         try:
-            check_config(read_lora_config(Path(path)), Path(path))
+            check_config(lora_config(AdapterFiles(Path(path)))[0], Path(path))
         except ValueError as e:
             raise ValueError(f"--lora-modules {name}={path}: {e}") from None
 

@@ -31,15 +31,25 @@ class ServerOptions:
     max_queue: int = flag(  # requests in flight (waiting + running)
         DEFAULT_MAX_QUEUE, group="capacity",
         help="requests in flight (waiting + running); RESOURCE_EXHAUSTED beyond")
-    api_token: str | None = flag(  # guards Inference and ServerInfo when set
+    # server/auth.py's one rule: with any token set, every route but health, reflection and
+    # /metrics needs one; admin routes the admin token when set, else this one
+    api_token: str | None = flag(
         None, group=NETWORK, env="LORAPLEX_API_TOKEN",
-        help="require it on Inference/ServerInfo (env LORAPLEX_API_TOKEN)")
-    admin_token: str | None = flag(  # guards AdapterAdmin when set (also accepted for the rest)
+        help="require a bearer token on every route but health, reflection and /metrics "
+        "(also on the admin routes when --admin-token is not set) (env LORAPLEX_API_TOKEN)")
+    admin_token: str | None = flag(  # accepted on every route too
         None, group=NETWORK, env="LORAPLEX_ADMIN_TOKEN",
-        help="require it on AdapterAdmin (env LORAPLEX_ADMIN_TOKEN)")
+        help="require it on the admin routes (AdapterAdmin, load/unload_lora_adapter, "
+        "reset_prefix_cache); accepted on every other route, which needs a token once any is "
+        "set (env LORAPLEX_ADMIN_TOKEN)")
     adapter_roots: tuple[Path, ...] = flag(  # LoadAdapter paths must be inside; resolved
         (), group=NETWORK, name="adapter-root", metavar="DIR",
-        help="LoadAdapter paths must lie under one of these (repeatable)")
+        help="LoadAdapter / load_lora_adapter paths, and every file in them, must lie under "
+        "one of these (repeatable)")
+    allow_any_adapter_path: bool = flag(  # without --adapter-root, beyond loopback
+        False, group=NETWORK,
+        help="with no --adapter-root, let a server that listens beyond loopback load "
+        "adapters at runtime from any path it can read (else such loads are refused)")
     # flag() makes a dataclasses.field, which ruff's RUF009 does not know
     ssl_certfile: Path | None = flag(  # noqa: RUF009
         None, group=NETWORK, help="server certificate (TLS on)")

@@ -19,6 +19,7 @@ from typing import Any
 
 from ..engine.async_engine import AsyncEngine
 from ..engine.llm_engine import names_base_model
+from .adapter_paths import check_canonical, is_loopback
 from .error_code import ErrorCode, ServiceError
 from .metrics import ServerMetrics
 from .options import ServerOptions
@@ -43,8 +44,11 @@ _UNAVAILABLE_WHY = {
 
 
 class ServerState:
-    def __init__(self, options: ServerOptions):
+    def __init__(self, options: ServerOptions, exposed: bool | None = None):
         self.options = options
+        # listens beyond loopback (runtime loads by path need --adapter-root or
+        # --allow-any-adapter-path: adapter_paths.check_path_loading); default: from --host
+        self.exposed = not is_loopback(options.host) if exposed is None else exposed
         self.phase = Phase.STARTING
         self.engine: AsyncEngine | None = None
         # told each new phase, in order (gRPC's health: server/health.py)
@@ -89,10 +93,11 @@ class ServerState:
 
     def adapter_of(self, model: str) -> str | None:
         """None for the base model (the engine's rule, ``names_base_model``), else the
-        adapter name (which the engine resolves, NOT_FOUND if unknown)."""
+        adapter name (which the engine resolves, NOT_FOUND if unknown); INVALID_ARGUMENT for
+        a name that is not canonical (``x/../good`` would be ``good`` under another name)."""
         if names_base_model(model, self.options.served_model_name, self.model_name):
             return None
-        return model
+        return check_canonical(model)
 
     # ---- admission ----------------------------------------------------------------------
     def require_engine(self, while_draining: bool = False) -> AsyncEngine:

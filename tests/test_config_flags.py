@@ -166,15 +166,17 @@ def test_server_and_ray_flags_reach_their_options(captured: Captured, tmp_path: 
               "--ssl-ca-certs": str(files["ca"]), "--max-upload-bytes": "2MiB",
               "--upload-dir": str(tmp_path / "up"), "--lora-resolver-dir": str(tmp_path),
               "--lora-resolver-hf-cache": str(tmp_path), "--tool-call-parser": "hermes"}
-    assert set(server) | {"--enable-auto-tool-choice"} == options_of(ServerOptions)
-    run(captured, "serve", "--model", str(tmp_path), "--enable-auto-tool-choice",
+    switches = ("--enable-auto-tool-choice", "--allow-any-adapter-path")
+    assert set(server) | set(switches) == options_of(ServerOptions)
+    run(captured, "serve", "--model", str(tmp_path), *switches,
         *[x for kv in server.items() for x in kv])
     assert captured.server == ServerOptions(
         host="0.0.0.0", port=1234, http_port=8080, max_queue=5, api_token="t",
         admin_token="u", adapter_roots=(tmp_path,), shutdown_grace_s=3.0,
         ssl_certfile=files["cert"], ssl_keyfile=files["key"], ssl_ca_certs=files["ca"],
         max_upload_bytes=2 << 20, upload_dir=tmp_path / "up", lora_resolver_dir=tmp_path,
-        lora_resolver_hf_cache=tmp_path, enable_auto_tool_choice=True, tool_call_parser="hermes")
+        lora_resolver_hf_cache=tmp_path, enable_auto_tool_choice=True, tool_call_parser="hermes",
+        allow_any_adapter_path=True)
     ray = {"--ray-address": "auto", "--min-replicas": "2", "--max-replicas": "3",
            "--replica-cpus": "2", "--replica-gpus": "0.5"}
     assert set(ray) | {"--num-replicas"} == options_of(RayOptions)

@@ -37,7 +37,10 @@ def test_a_replica_added_by_autoscaling_serves_every_adapter(tiny_llama: Path,
     hot = make_adapter(tiny_llama, tmp_path / "hot", seed=4)
     port = free_port()
     log = tmp_path / "serve.log"
-    proc = popen_serve_ray(tiny_llama, launch, port, log, "--min-replicas", "1",
+    # --adapter-root: Ray's gRPC proxy listens on every interface, so a runtime load by path
+    # needs a root (issue 42)
+    proc = popen_serve_ray(tiny_llama, launch, port, log, "--adapter-root", str(tmp_path),
+                           "--min-replicas", "1",
                            "--max-replicas", "2", "--replica-cpus", "1", "--max-num-seqs", "2",
                            "--max-model-len", "256")
     target = f"127.0.0.1:{port}"

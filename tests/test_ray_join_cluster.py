@@ -37,7 +37,10 @@ def test_serve_joins_a_two_node_cluster_and_leaves_it_running(tiny_llama: Path,
         hot = make_adapter(tiny_llama, tmp_path / "hot", seed=4)
         port = free_port()
         log = tmp_path / "serve.log"
-        proc = popen_serve_ray(tiny_llama, launch, port, log, "--ray-address", cluster.address,
+        # --adapter-root: Ray's gRPC proxy listens on every interface, so a runtime load by
+        # path needs a root (issue 42)
+        proc = popen_serve_ray(tiny_llama, launch, port, log, "--adapter-root", str(tmp_path),
+                               "--ray-address", cluster.address,
                                "--num-replicas", "2", "--replica-cpus", "2",
                                "--max-model-len", "128")
         target = f"127.0.0.1:{port}"

@@ -13,6 +13,7 @@ from ..adapter_ops import AdapterOps, LocalAdapters
 from ..description import version
 from ..state import ServerState
 from . import completions, errors, models, probes, tokens
+from .auth import check_scopes
 
 
 def build_app(state: ServerState, adapters: AdapterOps | None = None,
@@ -28,4 +29,5 @@ def build_app(state: ServerState, adapters: AdapterOps | None = None,
     errors.install(app)
     for module in (completions, models, tokens, probes):
         app.include_router(module.router)
+    check_scopes(app)  # every route declares who may call it
     return app

@@ -1,27 +1,30 @@
-"""GET /health, /ping, /version and /metrics: open routes (no token), as vLLM has them,
-so that load balancers, Kubernetes probes and Prometheus need no secret."""
+"""GET /health, /ping and /metrics: open routes (no token), as vLLM has them, so that load
+balancers, Kubernetes probes and Prometheus need no secret; GET /version, which needs the
+API token when one is set (server/auth.py's rule: it is not a probe)."""
 
 from __future__ import annotations
 
 from http import HTTPStatus
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from ...engine.errors import EngineDeadError
+from ..auth import Scope
 from ..description import version
 from ..engine_snapshot import take_snapshot
 from ..state import Phase, ServerState
-from .auth import server_state
+from .auth import require, server_state
 from .errors import error_response
 
 router = APIRouter()
+OPEN = [Depends(require(Scope.OPEN))]
 
 
-@router.get("/health")
-@router.get("/ping")
-@router.post("/ping")
+@router.get("/health", dependencies=OPEN)
+@router.get("/ping", dependencies=OPEN)
+@router.post("/ping", dependencies=OPEN)
 async def health(request: Request) -> Response:
     """200 (empty) while SERVING; 503 with the reason while starting, draining or dead."""
     state = server_state(request)
@@ -34,12 +37,12 @@ async def health(request: Request) -> Response:
     return error_response(HTTPStatus.SERVICE_UNAVAILABLE, state.phase.value)
 
 
-@router.get("/version")
+@router.get("/version", dependencies=[Depends(require(Scope.API))])
 async def get_version() -> dict[str, str]:
     return {"version": version()}
 
 
-@router.get("/metrics")
+@router.get("/metrics", dependencies=OPEN)
 async def metrics(request: Request) -> Response:
     """Prometheus text (``app.state.exposition``: this server's, or every replica's)."""
     return Response(await request.app.state.exposition(), media_type=CONTENT_TYPE_LATEST)

@@ -75,8 +75,11 @@ class ClusterAdapters:
             raise ServiceError(ErrorCode.FAILED_PRECONDITION, UPLOADS_NEED_A_SHARED_DIR)
         info = await adapter_ops.load_adapter(self.state, name, path, replace=replace, pin=pin,
                                               source=source)
+        # every replica reads it confined as this one did (the follower passes them on)
+        _, root, shown = adapter_ops.source_files(self.state, info.name, path, source)
         change = await self.registry_call("register", info.name, str(info.path), replace, pin,
-                                          uuid.uuid4().hex)
+                                          uuid.uuid4().hex, None if root is None else str(root),
+                                          shown)
         if change.refused is not None:  # a concurrent load of the same name won
             await self.follower.resync(info.name, await self.registry_call("snapshot"))
             raise AdapterExistsError(change.refused)

@@ -43,6 +43,7 @@ from ...engine.config import EngineConfig
 from ...engine.llm_engine import LLMEngine
 from ...proto import loraplex_pb2 as pb
 from ..adapter_ops import list_adapters
+from ..adapter_paths import segment_problem
 from ..app import LoraplexServer
 from ..health import SERVICE_NAMES
 from ..http.probes import local_exposition
@@ -90,8 +91,9 @@ class LoraplexReplica:
         self.config = config
         self.options = config.options
         self.replica_id = serve.get_replica_context().replica_id.unique_id
+        # exposed: Ray's gRPC proxy listens on every interface, whatever --host says
         self.server = LoraplexServer(config.options,
-                                     lambda: LLMEngine.from_config(config.engine))
+                                     lambda: LLMEngine.from_config(config.engine), exposed=True)
         await self.server.load()  # build, start the engine thread, warm up: SERVING
         self.state = self.server.state
         registry = ray.get_actor(config.registry_name, namespace=config.namespace)
@@ -149,8 +151,10 @@ class LoraplexReplica:
 
     async def _report_adapter(self, adapter: str) -> None:
         """Tell Ray's multiplexing this replica holds ``adapter`` (when the client routed
-        on it). An unknown adapter is not reported; the servicer answers NOT_FOUND."""
+        on it). An unknown adapter is not reported; the servicer answers NOT_FOUND (or
+        INVALID_ARGUMENT for a name that is not canonical)."""
         if adapter and serve.get_multiplexed_model_id() == adapter \
+                and segment_problem(adapter) is None \
                 and self.state.adapter_of(adapter) is not None:
             try:
                 await self.hold_adapter(adapter)  # type: ignore[attr-defined]

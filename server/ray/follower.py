@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from pathlib import Path
 from typing import Any
 
 from ray.exceptions import RayActorError
@@ -71,7 +72,9 @@ class RegistryFollower:
     async def _load(self, entry: Entry) -> None:
         model = self.engine.engine
         try:
-            weights = await asyncio.to_thread(model.read_adapter, entry.path, entry.name)
+            root = Path(entry.root) if entry.root is not None else None  # confined as loaded
+            weights = await asyncio.to_thread(model.read_adapter, entry.path, entry.name,
+                                              root=root, shown=entry.shown)
             await self.engine.run(lambda e: e.add_adapter(
                 entry.name, entry.path, replace=True, pin=entry.pin,
                 preloaded=entry.preloaded, weights=weights,

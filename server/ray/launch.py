@@ -30,6 +30,7 @@ from ray.serve.config import HTTPOptions, gRPCOptions
 
 from ...engine.config import EngineConfig
 from ...kernel_backends import backend_name
+from ..adapter_paths import path_loading_warning
 from ..options import ServerOptions
 from .deployment import ReplicaConfig, deployment_class
 from .options import RayOptions
@@ -165,6 +166,9 @@ def serve_ray(options: ServerOptions, ray_options: RayOptions, engine: EngineCon
         if options.http_port is not None:
             log.info("OpenAI-compatible HTTP on %s:%d (Ray Serve HTTP proxy)", options.host,
                      options.http_port)
+        warning = path_loading_warning(options, exposed=True)  # the gRPC proxy: everywhere
+        if warning is not None:
+            log.warning("%s", warning)
         shutdown.wait()
     except KeyboardInterrupt:
         if not shutdown.requested:

@@ -52,6 +52,8 @@ class Entry:
     preloaded: bool = False  # given at launch (--lora-modules)
     version: int = 0
     token: str = ""  # the register call that set it (a retried call is recognised)
+    root: str | None = None  # every file read lies under it (lora/adapter_files.py)
+    shown: str = ""  # how messages name it (server/adapter_ops.py source_files)
 
 
 @dataclass(frozen=True)
@@ -186,7 +188,8 @@ class AdapterRegistry:
         return Snapshot(self.version, dict(self.entries))
 
     async def register(self, name: str, path: str, replace: bool = False,
-                       pin: bool = False, token: str = "") -> Change:
+                       pin: bool = False, token: str = "", root: str | None = None,
+                       shown: str = "") -> Change:
         """Register (or with ``replace`` swap) ``name``. A call repeated with the same
         non-empty ``token`` (a retry after the actor restarted: the first may or may not
         have run) answers what the first did."""
@@ -197,7 +200,7 @@ class AdapterRegistry:
             return Change(self.version, f"adapter {name!r} already exists; pass replace to "
                                         "swap it")
         self.version += 1
-        self.entries[name] = Entry(name, path, pin, False, self.version, token)
+        self.entries[name] = Entry(name, path, pin, False, self.version, token, root, shown)
         self._save()
         await self._notify()
         return Change(self.version)

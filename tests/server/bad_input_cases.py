@@ -125,7 +125,8 @@ GENERATE_CASES = [
     gen("adapter-unknown", NOT_FOUND, "'nope'", adapter="nope"),
     gen("adapter-over-long", NOT_FOUND, "unknown adapter", adapter="x" * 20000),
     gen("adapter-control-chars", NOT_FOUND, "unknown adapter", adapter="a\x00b\n\x1b[2J"),
-    gen("adapter-unloaded-never-loaded-path", NOT_FOUND, "unknown adapter",
+    # a path-like name is not canonical (issue 42): INVALID_ARGUMENT, not NOT_FOUND
+    gen("adapter-unloaded-never-loaded-path", INVALID, "'..' segment",
         adapter="../../etc/passwd"),
 ]
 
@@ -312,3 +313,40 @@ HTTP_CASES = [
     HttpCase("unload-unknown", "/v1/unload_lora_adapter", {"lora_name": "nope"}, 404,
              "unknown adapter 'nope'"),
 ]
+
+
+# ---- issue 42 (a): canonical adapter names, files confined to their root ------------------
+# (a name with '.', '..' or empty segments, or a backslash, is a 400 wherever it comes in; an
+# adapter dir inside the root whose files link out of it is PERMISSION_DENIED)
+NAMES_AND_CONFINEMENT = [
+    load("name-dotdot-segment", INVALID, "'..' segment", name="a/../b"),
+    load("name-dot-segment", INVALID, "'.' or '..' segment", name="a/./b"),
+    load("name-empty-segment", INVALID, "empty segment", name="a//b"),
+    load("name-trailing-slash", INVALID, "empty segment", name="a/"),
+    load("name-backslash", INVALID, "backslash", name="a\\b"),
+    load("files-linked-out-of-root", "PERMISSION_DENIED", "outside", path="@links-out"),
+    load("weights-linked-out-of-root", "PERMISSION_DENIED", "outside",
+         path="@weights-link-out"),
+    load("path-symlink-loop", INVALID, "dangling symlink", path="@symlink-loop"),
+    gen("adapter-dotdot-segment", INVALID, "'..' segment", adapter=f"x/../{GOOD}"),
+    gen("adapter-empty-segment", INVALID, "empty segment", adapter=f"{GOOD}//"),
+    gen("adapter-backslash", INVALID, "backslash", adapter=f"x\\{GOOD}"),
+]
+NAMES_AND_CONFINEMENT_HTTP = [
+    completion("model-dotdot-segment", 400, "'..' segment", model=f"x/../{GOOD}"),
+    chat("chat-model-dot-segment", 400, "'.' or '..' segment", model=f"./{GOOD}"),
+    completion("model-backslash", 400, "backslash", model=f"x\\{GOOD}"),
+    HttpCase("tokenize-model-dotdot-segment", "/tokenize",
+             {"model": f"x/../{GOOD}", "prompt": "hi"}, 400, "'..' segment"),
+    HttpCase("load-name-dotdot-segment", "/v1/load_lora_adapter",
+             {"lora_name": "a/../b", "lora_path": "@ok"}, 400, "'..' segment"),
+    HttpCase("load-name-backslash", "/v1/load_lora_adapter",
+             {"lora_name": "a\\b", "lora_path": "@ok"}, 400, "backslash"),
+    HttpCase("load-files-linked-out-of-root", "/v1/load_lora_adapter",
+             {"lora_name": "new", "lora_path": "@links-out"}, 403, "outside"),
+    HttpCase("load-weights-linked-out-of-root", "/v1/load_lora_adapter",
+             {"lora_name": "new", "lora_path": "@weights-link-out"}, 403, "outside"),
+]
+GENERATE_CASES += [c for c in NAMES_AND_CONFINEMENT if c.call == "generate"]
+ALL_CASES += NAMES_AND_CONFINEMENT
+HTTP_CASES += NAMES_AND_CONFINEMENT_HTTP

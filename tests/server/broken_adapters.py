@@ -1,10 +1,12 @@
 """BROKEN: the broken adapter directories of tests/server/test_bad_inputs.py, each made
 from a copy of a good PEFT adapter by one edit: ``BROKEN[name](dir, extra)`` breaks ``dir``
-in place (``extra["other_base"]``: a base model dir of another size)."""
+in place (``extra["other_base"]``: a base model dir of another size; ``extra["outside"]``:
+a good adapter out of the adapter root)."""
 
 from __future__ import annotations
 
 import math
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -37,6 +39,14 @@ def _poison(x: float) -> Callable[[torch.Tensor], torch.Tensor]:
     return f
 
 
+def _link_out(d: Path, outside: Path, names: tuple[str, ...]) -> None:
+    """``d``'s files ``names`` become symlinks to the same files of ``outside`` (a good
+    adapter out of the adapter root): the directory is inside the root, the files are not."""
+    for name in names:
+        (d / name).unlink()
+        (d / name).symlink_to(outside / name)
+
+
 def _rename_layer(t: dict[str, torch.Tensor]) -> None:
     for k in [k for k in t if ".layers.0." in k]:
         t[k.replace(".layers.0.", ".layers.9.")] = t.pop(k)
@@ -67,4 +77,8 @@ BROKEN: dict[str, Callable[[Path, dict[str, Path]], None]] = {
     "layer-9": lambda d, x: edit_tensors(d, _rename_layer),
     "base-tensor": lambda d, x: edit_tensors(
         d, lambda t: t.__setitem__("base_model.model.model.norm.weight", torch.ones(64))),
+    # issue 42 (a): files that link out of the adapter root
+    "links-out": lambda d, x: _link_out(d, x["outside"], (CONFIG, WEIGHTS)),
+    "weights-link-out": lambda d, x: _link_out(d, x["outside"], (WEIGHTS,)),
+    "symlink-loop": lambda d, x: (shutil.rmtree(d), d.symlink_to(d)),
 }

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -52,17 +53,19 @@ def layout(tmp_path_factory: pytest.TempPathFactory, tiny_llama: Path, tiny_adap
     good = tiny_adapters("a0")
     shutil.copytree(good, root / "ok")
     shutil.copytree(good, outside)
-    other_base = top / "other_base"  # a base of another size: only config.json is read
+    # a base of another size (only config.json is read), inside the root: a confined
+    # adapter's base_model_name_or_path is followed only there
+    other_base = root / "other_base"
     other_base.mkdir()
     cfg = json.loads((tiny_llama / "config.json").read_text())
     (other_base / "config.json").write_text(json.dumps({**cfg, "hidden_size": 128}))
-    extra = {"other_base": other_base}
+    extra = {"other_base": other_base, "outside": outside}
     for name, breaks in BROKEN.items():
         shutil.copytree(good, root / name)
         breaks(root / name, extra)
     make_adapter_dir(tiny_llama, root / "rank-32", r=32)
     (root / "symlink-out").symlink_to(outside, target_is_directory=True)
-    return {"root": root, "ok": root / "ok", **extra}
+    return {"root": root, "ok": root / "ok", "model": tiny_llama, **extra}
 
 
 @pytest.fixture(scope="module")
@@ -124,6 +127,8 @@ def test_bad_input(client: Any, layout: dict[str, Path], healthy_reference: list
     err = info.value
     assert err.code().name == case.code, err.details()
     assert case.fragment in err.details(), err.details()
+    sent = _path(case.kwargs["path"], layout) if case.call == "load" else ""
+    assert_no_internal_path(err.details(), sent, layout)
     healthy = client.generate(prompt_token_ids=HEALTHY_IDS, adapter=GOOD, temperature=0.0,
                               max_new_tokens=HEALTHY_N, ignore_eos=True, timeout=30)
     assert list(healthy.token_ids) == healthy_reference
@@ -147,10 +152,22 @@ def test_bad_http_input(server: Any, client: Any, layout: dict[str, Path], case:
     error = r.json()["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["code"] == case.status
     assert case.fragment in error["message"], error
+    assert_no_internal_path(error["message"], body.get("lora_path", "")
+                            if isinstance(body, dict) else "", layout)
     assert server.server.state.in_flight == 0
     healthy = client.generate(prompt_token_ids=HEALTHY_IDS, adapter=GOOD, temperature=0.0,
                               max_new_tokens=HEALTHY_N, ignore_eos=True, timeout=30)
     assert list(healthy.token_ids) == healthy_reference
+
+
+def assert_no_internal_path(message: str, sent: str, layout: dict[str, Path]) -> None:
+    """No message shows a server-internal path (issue 42): what is left once the path the
+    client sent and the adapter's own base_model_name_or_path are taken out holds neither
+    the adapter root, the temp dir, nor the model dir."""
+    shown = message.replace(sent, "<sent>") if sent else message
+    shown = shown.replace(str(layout["other_base"]), "<its base>")
+    for internal in (str(layout["root"]), tempfile.gettempdir(), str(layout["model"])):
+        assert internal not in shown, (internal, message)
 
 
 def _aborted(server: Any) -> float:

@@ -129,7 +129,7 @@ def test_64_streams_across_8_adapters(server: Any, reference) -> None:
         return name, ids, got
 
     async def run_all() -> list:
-        async with AsyncClient(server.target) as c:
+        async with AsyncClient(server.target, admin_token=ADMIN) as c:  # the only token
             return await asyncio.gather(*(one(c, i) for i in range(64)))
 
     for name, ids, got in asyncio.run(run_all()):

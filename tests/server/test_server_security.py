@@ -48,11 +48,16 @@ def test_admin_with_token_passes_auth(admin_server) -> None:
             assert e.code() == grpc.StatusCode.UNIMPLEMENTED
 
 
-def test_inference_and_health_stay_open_with_only_admin_token(admin_server) -> None:
+def test_only_admin_token_guards_inference_too(admin_server) -> None:
+    """One token set: every route but health needs one (the admin token, the only one)."""
     with admin_server.client() as client:
-        assert client.generate("the cat", max_new_tokens=2).usage.completion_tokens == 2
-        assert client.server_info().admin_token_required
+        assert code_of(client.generate, "the cat", max_new_tokens=2) == \
+            grpc.StatusCode.UNAUTHENTICATED
         assert client.health() == "SERVING"
+    with admin_server.client(api_token=ADMIN) as client:
+        assert client.generate("the cat", max_new_tokens=2).usage.completion_tokens == 2
+        info = client.server_info()
+        assert info.admin_token_required and info.api_token_required
 
 
 def test_bearer_scheme_is_required(admin_server) -> None:
@@ -100,7 +105,11 @@ def test_path_outside_roots_is_permission_denied(admin_server, tmp_path: Path) -
             with pytest.raises(grpc.RpcError) as info:
                 client.load_adapter("evil", path)
             assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED, path
-            assert str(root) in info.value.details()  # says what is allowed
+            # says what is allowed, and echoes the path as sent: not the roots, nor where the
+            # path leads
+            details = info.value.details().replace(repr(path), "")
+            assert "--adapter-root" in details
+            assert str(root) not in details and str(outside) not in details
 
 
 @pytest.mark.parametrize("name", ["", "bad name", "../x", "-lead", "a" * 129, "tiny;drop"])

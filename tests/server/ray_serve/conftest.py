@@ -17,6 +17,8 @@ import pytest
 import torch
 
 ADMIN = "adm"
+# the deployment's only token: every route but health and /metrics needs it (issue 42)
+AUTH = (("authorization", f"Bearer {ADMIN}"),)
 NAMES = ["a0", "a1", "a2", "a3"]
 PROMPTS = [[10, 20, 30], [40, 41, 42, 43, 44], [7, 8], [100, 101, 102, 103]]
 N = 10  # new tokens per request
@@ -143,7 +145,7 @@ def raw_generate(target: str, adapter: str, ids: list[int], n: int = N
         request = pb.GenerateRequest(adapter=adapter, prompt_token_ids=ids, params=pb.SamplingParams(
             temperature=0.0, max_new_tokens=n, ignore_eos=True))
         try:
-            reply, call = stub.Generate.with_call(request, timeout=60)
+            reply, call = stub.Generate.with_call(request, timeout=60, metadata=AUTH)
             return reply, dict(call.trailing_metadata())[REPLICA]
         except grpc.RpcError as e:
             return e, dict(e.trailing_metadata() or ()).get(REPLICA, "")

@@ -21,10 +21,11 @@ from tests.server.ray_serve.conftest import ADMIN, NAMES, PROMPTS, N, replica_id
 from tests.server.ray_serve.conftest import REPLICA as HEADER
 
 IGNORE_EOS = {"ignore_eos": True}
+BEARER = {"Authorization": f"Bearer {ADMIN}"}  # the only token guards the API routes too
 
 @pytest.fixture(scope="module")
 def oai(ray_app: Any) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{ray_app.http_url}/v1", api_key="none", max_retries=0)
+    return openai.OpenAI(base_url=f"{ray_app.http_url}/v1", api_key=ADMIN, max_retries=0)
 
 
 def reference(client: Client, adapter: str, ids: list[int], expected: list[int]) -> str:
@@ -38,7 +39,8 @@ def reference(client: Client, adapter: str, ids: list[int], expected: list[int])
 
 def complete(url: str, adapter: str, ids: list[int], headers: dict | None = None
              ) -> httpx.Response:
-    return httpx.post(f"{url}/v1/completions", headers=headers or {}, timeout=60, json={
+    return httpx.post(f"{url}/v1/completions", headers={**BEARER, **(headers or {})},
+                      timeout=60, json={
         "model": adapter, "prompt": ids, "max_tokens": N, "temperature": 0.0, **IGNORE_EOS})
 
 
@@ -119,7 +121,7 @@ def test_a_closed_stream_frees_its_kv_blocks(ray_app: Any, client: Client) -> No
             "stream": True, **IGNORE_EOS}
     aborted = aborts(ray_app.http_url)
     with httpx.stream("POST", f"{ray_app.http_url}/v1/completions", json=body,
-                      timeout=60) as r:
+                      timeout=60, headers=BEARER) as r:
         assert r.status_code == 200
         next(r.iter_lines())
     deadline = time.monotonic() + 10

@@ -18,7 +18,7 @@ import pytest
 from loraplex.client import AsyncClient, Client
 from loraplex.proto import loraplex_pb2 as pb
 
-from tests.server.ray_serve.conftest import NAMES, PROMPTS, N, raw_generate, replica_ids
+from tests.server.ray_serve.conftest import ADMIN, NAMES, PROMPTS, N, raw_generate, replica_ids
 from tests.server.ray_serve.conftest import REPLICA as TRAILER
 
 
@@ -79,7 +79,10 @@ def test_status_codes_through_the_proxy(client: Client, ray_app: Any, tiny_adapt
     with Client(ray_app.target) as anonymous:  # no admin token
         code, why = code_of(anonymous.load_adapter, "x", tiny_adapters("a1"))
         assert code == grpc.StatusCode.UNAUTHENTICATED and "--admin-token" in why
-        anonymous.generate(prompt_token_ids=[1, 2], max_new_tokens=1)  # API calls are open
+        # one token set: the API routes need one too (issue 42), health stays open
+        code, why = code_of(anonymous.generate, prompt_token_ids=[1, 2], max_new_tokens=1)
+        assert code == grpc.StatusCode.UNAUTHENTICATED and "--admin-token" in why
+        assert anonymous.health() == "SERVING"
     code, why = code_of(client.unload_adapter, "never-loaded")
     assert code == grpc.StatusCode.NOT_FOUND
     code, why = code_of(list, client.generate_stream(prompt_token_ids=[1, 2], adapter="nope"))
@@ -179,7 +182,7 @@ def test_queue_full_is_resource_exhausted(ray_app: Any) -> None:
             return f"{e.code().name}: {e.details()}"
 
     async def run() -> list[str]:
-        async with AsyncClient(ray_app.target) as c:
+        async with AsyncClient(ray_app.target, admin_token=ADMIN) as c:
             return await asyncio.gather(*(one(c) for _ in range(7 * ray_app.options.max_queue)))
 
     outcomes = collections.Counter(o.split(":")[0] for o in asyncio.run(run()))
