@@ -3,6 +3,7 @@
 
 from ..errors import (  # noqa: F401  (re-exported: the engine's error surface)
     AdapterExistsError,
+    AdapterFaultError,
     AdapterNotFoundError,
     EngineDeadError,
     InvalidRequestError,

@@ -12,6 +12,7 @@ import logging
 
 from ..engine.errors import (
     AdapterExistsError,
+    AdapterFaultError,
     AdapterNotFoundError,
     EngineDeadError,
     InvalidRequestError,
@@ -29,7 +30,8 @@ class ErrorCode(enum.Enum):
     PERMISSION_DENIED = "PERMISSION_DENIED"  # an adapter path outside the adapter roots
     UNAUTHENTICATED = "UNAUTHENTICATED"  # no token, or a wrong one
     RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"  # the queue is full; an upload too large
-    FAILED_PRECONDITION = "FAILED_PRECONDITION"  # the set-up refuses the call
+    FAILED_PRECONDITION = "FAILED_PRECONDITION"  # the set-up refuses the call; an adapter's
+    # data failed the request at run time (NaN / Inf logits, a refused re-read)
     UNAVAILABLE = "UNAVAILABLE"  # starting, draining: retry later or elsewhere
     UNIMPLEMENTED = "UNIMPLEMENTED"
     INTERNAL = "INTERNAL"  # an engine fault; the engine loop has died
@@ -52,6 +54,8 @@ def code_of(exc: BaseException) -> tuple[ErrorCode, str]:
         return ErrorCode.ALREADY_EXISTS, str(exc)
     if isinstance(exc, AdapterNotFoundError):
         return ErrorCode.NOT_FOUND, _text(exc)
+    if isinstance(exc, AdapterFaultError):
+        return ErrorCode.FAILED_PRECONDITION, str(exc)
     if isinstance(exc, EngineDeadError):
         return ErrorCode.INTERNAL, str(exc)
     if isinstance(exc, (InvalidRequestError, ValueError)):
