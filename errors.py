@@ -15,6 +15,12 @@ class AdapterExistsError(ValueError):
     """An adapter of that name is already registered (and replace was not asked for)."""
 
 
+class AdapterFaultError(RuntimeError):
+    """A registered adapter cannot serve: its data failed a request (its logits held NaN or
+    Inf, or a re-read of its files was refused). Not the engine's fault nor the request's:
+    replace or unload the adapter; other adapters and the base model are unaffected."""
+
+
 class EngineDeadError(RuntimeError):
     """The engine loop has stopped after an internal fault."""
 

@@ -33,7 +33,7 @@ def report_choices(outputs: OutputProcessor, seq: Sequence) -> list[RequestOutpu
         for i in range(1, seq.params.n):
             choice = seq.fork(i)
             choice.finish(seq.finish_reason or "abort")
-            choice.error = seq.error
+            choice.error, choice.adapter_fault = seq.error, seq.adapter_fault
             out.append(outputs.report(choice))
     return out
 

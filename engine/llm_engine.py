@@ -253,9 +253,18 @@ class LLMEngine(EngineAdapters):
 
     @staticmethod
     def _fail_non_finite(seq: Sequence) -> str:
-        where = f"adapter {seq.adapter_name!r}" if seq.adapter_name else "the base model"
-        seq.error = (f"its logits hold NaN or Inf after {seq.num_output_tokens} generated "
-                     f"tokens ({where}); no token can be sampled from them")
+        """On an adapter, the adapter's fault (its weights overflow on this input, or its
+        data was corrupted after the load checks); on the base model, an engine fault."""
+        tokens = f"after {seq.num_output_tokens} generated tokens"
+        if seq.adapter_name:
+            seq.adapter_fault = True
+            seq.error = (f"adapter {seq.adapter_name!r} cannot serve this request: its logits "
+                         f"hold NaN or Inf {tokens} (its weights overflow on this input, or "
+                         "its data is corrupt); replace or unload the adapter. Requests on "
+                         "other adapters and the base model are unaffected")
+        else:
+            seq.error = (f"its logits hold NaN or Inf {tokens} (the base model); no token "
+                         "can be sampled from them")
         return "error"
 
     def generate(self, prompts: Seq[Prompt], params: SamplingParams | Seq[SamplingParams] | None
@@ -281,7 +290,7 @@ class LLMEngine(EngineAdapters):
         for seq in list(self.scheduler.waiting):
             error = seq.adapter_id and self.lora.failed(seq.adapter_id)
             if error:
-                seq.error = error
+                seq.error, seq.adapter_fault = error, True
                 self._finish(seq, "error")
                 outputs += report_choices(self.outputs, seq)
         return outputs

@@ -23,6 +23,7 @@ class RequestOutput:
     finish_reason: str | None = None  # "stop" | "eos" | "length" | "abort" | "error"
     num_cached_tokens: int = 0
     error: str | None = None
+    adapter_fault: bool = False  # the error is the adapter's data's (Sequence.adapter_fault)
     index: int = 0  # the choice (0..n-1); each choice ends with its own finished output
     # with params.logprobs set: one per generated token so far, and those since the last
     # output (parallel to new_token_ids); else None
@@ -89,7 +90,8 @@ class OutputProcessor:
             prompt_token_ids=seq.prompt_token_ids, token_ids=list(seq.output_token_ids),
             text=text, new_token_ids=new_tokens, new_text=new_text,
             finished=seq.is_finished, finish_reason=seq.finish_reason,
-            num_cached_tokens=seq.num_cached_tokens, error=seq.error, index=seq.index,
+            num_cached_tokens=seq.num_cached_tokens, error=seq.error,
+            adapter_fault=seq.adapter_fault, index=seq.index,
             logprobs=None if seq.logprobs is None else list(seq.logprobs),
             new_logprobs=new_logprobs, prompt_logprobs=seq.prompt_logprobs,
             cumulative_logprob=seq.cumulative_logprob, adapter_version=seq.adapter_version,

@@ -38,6 +38,9 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     finish_reason: str | None = None  # "stop" | "eos" | "length" | "abort" | "error"
     error: str | None = None
+    # the error is the adapter's data's (NaN / Inf logits on it, or its files refused on a
+    # re-read), not an engine fault: the servers answer FAILED_PRECONDITION, not INTERNAL
+    adapter_fault: bool = False
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
     waiting_steps: int = 0  # steps overtaken while waiting (anti-starvation); 0 once running

@@ -44,7 +44,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..errors import AdapterExistsError, AdapterNotFoundError
+from ..errors import AdapterExistsError, AdapterFaultError, AdapterNotFoundError
 from .cached_adapter import (
     FAILED,
     LOADING,
@@ -157,8 +157,9 @@ class AdapterCache:
         if a is None:
             raise AdapterNotFoundError(
                 f"unknown adapter {name!r}; loaded adapters: {sorted(self.names) or 'none'}")
-        if a.error is not None:
-            raise AdapterNotFoundError(f"adapter {name!r} failed to load: {a.error}")
+        if a.error is not None:  # until replaced or unloaded
+            raise AdapterFaultError(f"adapter {name!r} failed to load: {a.error}; replace or "
+                                    "unload it")
         return a.adapter_id
 
     def prefetch(self, name: str) -> None:

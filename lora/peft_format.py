@@ -12,7 +12,8 @@ without tensors is left out (as PEFT with its default init, where B starts at ze
 
 Inspecting checks everything but the values: the config (PEFT's LoraConfig), the base model
 rule below, tensor names, pairs, shapes against the base, dtypes and ranks against
-max_lora_rank. Reading adds what needs the values: every one must be finite.
+max_lora_rank. Reading adds what needs the values: every one must be finite, and no
+module's delta may overflow the serving dtype once applied (weight_bounds.py).
 
 Base model rule: ``base_model_name_or_path`` refuses the adapter only when both sides can
 be compared, i.e. it names a local directory (other than the served base) whose
@@ -61,6 +62,7 @@ from .peft_files import (
     safetensors_header,
 )
 from .tensor_layout import StaleLayout, TensorLayout
+from .weight_bounds import check_bounds
 
 if TYPE_CHECKING:
     import transformers
@@ -209,6 +211,7 @@ def read_peft_adapter(path: str | Path, base: BaseShapes, max_lora_rank: int,
         meta = inspect_peft_adapter(path, base, max_lora_rank, name, dtype, root=root,
                                     shown=shown)
         layers = _load(meta)
+    check_bounds(meta.name, layers, dtype)
     return LoRAWeights(meta, layers)
 
 

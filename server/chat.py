@@ -7,6 +7,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import jinja2
+
 # The roles OpenAI's chat API defines; what a role means is up to the model's template.
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -14,7 +16,7 @@ CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 @dataclass(frozen=True)
 class ChatTurn:
     role: str
-    content: str | None
+    content: str  # never None: transformers drops None keys, and templates read it
     # OpenAI's other message fields, as the template reads them: an assistant turn's
     # ``tool_calls`` (arguments as objects), a tool turn's ``tool_call_id`` and ``name``
     extra: tuple[tuple[str, Any], ...] = ()
@@ -43,8 +45,13 @@ def chat_ids(tokenizer: Any | None, turns: Sequence[ChatTurn],
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("this model's tokenizer has no chat template: send a plain prompt "
                          "(apply_chat_template false; `loraplex generate --no-chat-template`)")
-    text = tokenizer.apply_chat_template(messages, tools=tools or None,
-                                         add_generation_prompt=True, tokenize=False)
+    try:
+        text = tokenizer.apply_chat_template(messages, tools=tools or None,
+                                             add_generation_prompt=True, tokenize=False)
+    except (jinja2.TemplateError, TypeError) as exc:  # the messages, not the server
+        raise ValueError(f"the model's chat template cannot render these messages: "
+                         f"{type(exc).__name__}: {str(exc)[:500]} (its raise_exception, or a "
+                         "field or message order it needs)") from None
     # The template writes any BOS itself; tokenizing must not add another.
     return list(tokenizer(text, add_special_tokens=False).input_ids)
 

@@ -13,6 +13,7 @@ import logging
 from ..engine.errors import (
     AdapterConfinementError,
     AdapterExistsError,
+    AdapterFaultError,
     AdapterNotFoundError,
     EngineDeadError,
     InvalidRequestError,
@@ -30,7 +31,8 @@ class ErrorCode(enum.Enum):
     PERMISSION_DENIED = "PERMISSION_DENIED"  # an adapter path (or a file) outside its roots
     UNAUTHENTICATED = "UNAUTHENTICATED"  # no token, or a wrong one
     RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"  # the queue is full; an upload too large
-    FAILED_PRECONDITION = "FAILED_PRECONDITION"  # the set-up refuses the call
+    FAILED_PRECONDITION = "FAILED_PRECONDITION"  # the set-up refuses the call; an adapter's
+    # data failed the request at run time (NaN / Inf logits, a refused re-read)
     UNAVAILABLE = "UNAVAILABLE"  # starting, draining: retry later or elsewhere
     UNIMPLEMENTED = "UNIMPLEMENTED"
     INTERNAL = "INTERNAL"  # an engine fault; the engine loop has died
@@ -55,6 +57,8 @@ def code_of(exc: BaseException) -> tuple[ErrorCode, str]:
         return ErrorCode.ALREADY_EXISTS, str(exc)
     if isinstance(exc, AdapterNotFoundError):
         return ErrorCode.NOT_FOUND, _text(exc)
+    if isinstance(exc, AdapterFaultError):
+        return ErrorCode.FAILED_PRECONDITION, str(exc)
     if isinstance(exc, EngineDeadError):
         return ErrorCode.INTERNAL, str(exc)
     if isinstance(exc, (InvalidRequestError, ValueError)):

@@ -16,7 +16,7 @@ from contextlib import AsyncExitStack, aclosing
 from dataclasses import dataclass
 
 from ..engine.async_engine import AsyncEngine
-from ..engine.errors import AdapterNotFoundError
+from ..engine.errors import AdapterFaultError
 from ..engine.output_processor import RequestOutput
 from ..engine.sampling_params import SamplingParams
 from .error_code import ErrorCode, ServiceError
@@ -37,7 +37,8 @@ class GenerateInput:
 async def outputs(state: ServerState, engine: AsyncEngine, inp: GenerateInput
                   ) -> AsyncIterator[RequestOutput]:
     """The engine's outputs for ``inp``, recorded in ``state.metrics``, until every choice
-    has finished. An engine-side failure of the request raises INTERNAL."""
+    has finished. An engine-side failure of the request raises INTERNAL, a fault of its
+    adapter's data FAILED_PRECONDITION."""
     adapter = state.adapter_of(inp.model)
     if adapter is not None and state.resolver is not None:
         await state.resolver.ensure(adapter)  # --lora-resolver-dir: loaded on first use
@@ -48,7 +49,7 @@ async def outputs(state: ServerState, engine: AsyncEngine, inp: GenerateInput
         async with aclosing(stream) as outs:
             async for out in outs:
                 if out.finish_reason == "error":
-                    raise _failure(engine, adapter, out)
+                    raise _engine_failure(out)
                 track.observe(out)
                 choices_left -= out.finished
                 yield out
@@ -58,13 +59,12 @@ async def outputs(state: ServerState, engine: AsyncEngine, inp: GenerateInput
         raise
 
 
-def _failure(engine: AsyncEngine, adapter: str | None, out: RequestOutput) -> Exception:
-    """The error of a request the engine ended with "error": NOT_FOUND when its adapter
-    could not be read again from disk (as every later request for it gets:
-    ``AdapterCache.lookup``), else INTERNAL."""
-    loaded = engine.engine.lora.names.get(adapter) if adapter is not None else None
-    if loaded is not None and loaded.error is not None:  # one dict read: safe off its thread
-        return AdapterNotFoundError(f"adapter {adapter!r} failed to load: {loaded.error}")
+def _engine_failure(out: RequestOutput) -> Exception:
+    """AdapterFaultError (FAILED_PRECONDITION) when the adapter's data is at fault (NaN / Inf
+    logits on it, its files refused on a re-read): the adapter must be replaced, the server
+    is fine; else INTERNAL (an engine fault: a bug)."""
+    if out.adapter_fault:
+        return AdapterFaultError(f"request {out.request_id} failed: {out.error or 'no detail'}")
     return ServiceError(ErrorCode.INTERNAL, f"request {out.request_id} failed in the engine: "
                                             f"{out.error or 'no detail'}")
 

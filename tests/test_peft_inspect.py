@@ -145,9 +145,15 @@ def test_reads_every_float_dtype_as_float32(ad: Path, llama: BaseShapes, a_dtype
 
 
 def test_huge_finite_values_are_read(ad: Path, llama: BaseShapes) -> None:
-    """Finite values whose sum overflows to Inf: the one-sum check looks closer, finds none."""
+    """Finite values whose sum overflows to Inf: the layout's one-sum check looks closer,
+    finds none, and reads them; the adapter is then refused by the overflow bound
+    (lora/weight_bounds.py: x @ A^T would overflow), not as NaN or Inf."""
     edit_tensors(ad, lambda t: t[f"{Q0}.lora_A.weight"].fill_(3e38))
-    assert torch.all(read_peft_adapter(ad, llama, 8).layers[(0, "q_proj")][0] == 3e38)
+    meta = inspect_peft_adapter(ad, llama, 8)
+    layers = meta.layout.load(ad / WEIGHTS, dict, meta.dtype)
+    assert torch.all(layers[(0, "q_proj")][0] == 3e38)
+    with pytest.raises(AdapterError, match="q_proj.lora_A has a row whose absolute values"):
+        read_peft_adapter(ad, llama, 8)
 
 
 def test_threads_inspect_and_read_at_once(good: Path, llama: BaseShapes, tmp_path: Path) -> None:

@@ -145,21 +145,24 @@ def chat_turns(messages: list[ChatMessage]) -> list[ChatTurn]:
 
 
 def _turn(i: int, m: ChatMessage) -> ChatTurn:
-    """An assistant's calls reach the template with their arguments as objects (what
-    templates such as Qwen's write back with ``tojson``), as vLLM passes them."""
+    """As vLLM renders a message: content always a string ("" for null or missing: the
+    SDK's assistant turn with tool_calls has none, and templates read ``message.content``);
+    an assistant's calls with their arguments as objects (what templates such as Qwen's
+    write back with ``tojson``); an empty ``tool_calls`` left out."""
     extra: dict[str, Any] = {k: v for k, v in (("tool_call_id", m.tool_call_id),
                                                ("name", m.name)) if v is not None}
     if m.tool_calls:
         extra["tool_calls"] = [_template_call(i, call) for call in m.tool_calls]
-    content = None if m.content is None and m.tool_calls else m.text()
-    return ChatTurn(m.role, content, tuple(extra.items()))
+    return ChatTurn(m.role, m.text(), tuple(extra.items()))
 
 
 def _template_call(i: int, call: dict[str, Any]) -> dict[str, Any]:
     function = call.get("function")
     if not isinstance(function, dict) or not isinstance(function.get("name"), str):
         raise ValueError(f"messages[{i}].tool_calls: each call needs function.name")  # noqa: TRY004 (a 400, as every bad field)
-    arguments = function.get("arguments", "{}")
+    arguments = function.get("arguments")
+    if arguments is None:  # as vLLM: no arguments are none
+        arguments = {}
     if isinstance(arguments, str):
         try:
             arguments = json.loads(arguments or "{}")

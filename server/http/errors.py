@@ -19,6 +19,8 @@ from .streaming import ClientGone
 HTTP_STATUS: dict[ErrorCode, HTTPStatus] = {  # any other code: 500
     ErrorCode.INVALID_ARGUMENT: HTTPStatus.BAD_REQUEST,
     ErrorCode.NOT_FOUND: HTTPStatus.NOT_FOUND,
+    # google.rpc.Code's mapping: the client must change something (here: the adapter)
+    ErrorCode.FAILED_PRECONDITION: HTTPStatus.BAD_REQUEST,
     ErrorCode.ALREADY_EXISTS: HTTPStatus.BAD_REQUEST,  # as vLLM does
     ErrorCode.RESOURCE_EXHAUSTED: HTTPStatus.TOO_MANY_REQUESTS,
     ErrorCode.UNAVAILABLE: HTTPStatus.SERVICE_UNAVAILABLE,

@@ -76,17 +76,34 @@ class TextPart(BaseModel):
     text: str
 
 
+class RefusalPart(BaseModel):  # OpenAI's: an assistant turn's refusal, as text
+    model_config = ConfigDict(strict=True, extra="allow")
+    type: Literal["refusal"]
+    refusal: str
+
+
+ContentPart = Annotated[TextPart | RefusalPart, Field(discriminator="type")]
+
+
 class ChatMessage(BaseModel):
+    """One of OpenAI's chat messages, as its SDK sends them: ``content`` a string, a list of
+    text (or refusal) parts, or null / missing (an assistant turn with ``tool_calls``);
+    other fields the SDK echoes back (``refusal``, ``audio``, ``annotations``, ...) are
+    accepted and left out of the prompt, as vLLM does."""
+
     model_config = ConfigDict(strict=True, extra="allow")
     role: str
-    content: str | list[TextPart] | None = None
+    content: str | list[ContentPart] | None = None
     tool_calls: list[dict[str, Any]] | None = None  # an assistant turn's calls
     tool_call_id: str | None = None  # a tool turn's answer to that call
     name: str | None = None
 
     def text(self) -> str:
+        """The content as the template reads it (vLLM's rule): parts joined by newlines,
+        null or missing as the empty string (templates read ``message.content``)."""
         if isinstance(self.content, list):
-            return "".join(part.text for part in self.content)
+            return "\n".join(p.text if isinstance(p, TextPart) else p.refusal
+                             for p in self.content)
         return self.content or ""
 
 

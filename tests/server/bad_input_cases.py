@@ -183,6 +183,15 @@ UNLOAD_CASES = [
     Case("unload-control-chars", "unload", {"name": "a\x00b"}, NOT_FOUND, "unknown adapter"),
 ]
 
+# ---- issue 42 item 9: weights that overflow the serving dtype once applied ---------------
+LOAD_CASES += [
+    load("weights-1e30-overflow", INVALID, "adapter 'new': model.layers.0.", path="@overflow-1e30"),
+    load("weights-product-overflows", INVALID, "would overflow float32 once applied",
+         path="@overflow-product"),
+    load("replace-with-overflowing-keeps-old", INVALID, "above the bound", name=GOOD,
+         path="@overflow-product", replace=True),
+]
+
 ALL_CASES = GENERATE_CASES + LOAD_CASES + UNLOAD_CASES
 
 
@@ -350,3 +359,18 @@ NAMES_AND_CONFINEMENT_HTTP = [
 GENERATE_CASES += [c for c in NAMES_AND_CONFINEMENT if c.call == "generate"]
 ALL_CASES += NAMES_AND_CONFINEMENT
 HTTP_CASES += NAMES_AND_CONFINEMENT_HTTP
+# ---- issue 42 items 9, 10: overflowing adapters; chat messages as the openai SDK sends them --
+HTTP_CASES += [
+    HttpCase("load-weights-product-overflows", "/v1/load_lora_adapter",
+             {"lora_name": "new", "lora_path": "@overflow-product"}, 400, "would overflow"),
+    chat("chat-tool_calls-without-function", 400, "function.name", messages=[
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function"}]}]),
+    chat("chat-message-name-not-a-string", 400, "name",
+         messages=[{"role": "user", "content": "hi", "name": 5}]),
+    chat("chat-content-part-input_audio", 400, "content", messages=[{"role": "user", "content": [
+        {"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}]}]),
+    chat("chat-refusal-part-not-a-string", 400, "refusal", messages=[
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": [{"type": "refusal", "refusal": None}]}]),
+]

@@ -82,3 +82,19 @@ BROKEN: dict[str, Callable[[Path, dict[str, Path]], None]] = {
     "weights-link-out": lambda d, x: _link_out(d, x["outside"], (WEIGHTS,)),
     "symlink-loop": lambda d, x: (shutil.rmtree(d), d.symlink_to(d)),
 }
+
+
+# ---- weights that overflow the serving dtype once applied (issue 42 item 9) ----------------
+def _fill(value: float, first_only: bool) -> Callable[[dict[str, torch.Tensor]], None]:
+    """Every tensor (or the first module's A and B) set to ``value``: each value finite."""
+    def edit(t: dict[str, torch.Tensor]) -> None:
+        a = _first(t)
+        for k in [a, a.replace("lora_A", "lora_B")] if first_only else list(t):
+            t[k] = torch.full_like(t[k], value)
+    return edit
+
+
+BROKEN.update({
+    "overflow-1e30": lambda d, x: edit_tensors(d, _fill(1e30, first_only=False)),
+    "overflow-product": lambda d, x: edit_tensors(d, _fill(1e20, first_only=True)),
+})

@@ -181,7 +181,7 @@ def test_a_file_swapped_for_a_link_out_after_registration_is_refused(
     for _ in range(2):  # the request that found it out, and every one after
         with pytest.raises(grpc.RpcError) as info:
             client.generate(prompt_token_ids=IDS, adapter="swap", **GREEDY)
-        assert info.value.code() == grpc.StatusCode.NOT_FOUND, info.value.details()
+        assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION, info.value.details()
         assert "outside" in info.value.details() and "swap" in info.value.details()
     assert_no_internal_path(info.value.details(), server, layout, tiny_llama,
                             sent=str(root / "swap"))
