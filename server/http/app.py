@@ -13,6 +13,7 @@ from ..adapter_ops import AdapterOps, LocalAdapters
 from ..description import version
 from ..state import ServerState
 from . import completions, errors, models, probes, tokens
+from .body_limit import BodyLimit
 
 
 def build_app(state: ServerState, adapters: AdapterOps | None = None,
@@ -26,6 +27,7 @@ def build_app(state: ServerState, adapters: AdapterOps | None = None,
     app.state.adapters = adapters or LocalAdapters(state)
     app.state.exposition = exposition or (lambda: probes.local_exposition(state))
     errors.install(app)
+    app.add_middleware(BodyLimit, limit=state.options.max_request_bytes)
     for module in (completions, models, tokens, probes):
         app.include_router(module.router)
     return app
