@@ -51,8 +51,9 @@ class RowTokens:
 def row_pairs(rows: list[int], parts: list[torch.Tensor], device: torch.device
               ) -> tuple[torch.Tensor, torch.Tensor]:
     """(row of each id, the ids) for ``parts[j]`` belonging to row ``rows[j]``: one concat
-    and one repeat, whatever the number of ids."""
-    lengths = torch.tensor([len(t) for t in parts], dtype=torch.int64, device=device)
-    row_ids = torch.repeat_interleave(torch.tensor(rows, dtype=torch.int64, device=device),
-                                      lengths)
+    and one repeat, whatever the number of ids (the size given: no device sync)."""
+    sizes = [len(t) for t in parts]
+    row_ids = torch.repeat_interleave(
+        torch.tensor(rows, dtype=torch.int64, device=device),
+        torch.tensor(sizes, dtype=torch.int64, device=device), output_size=sum(sizes))
     return row_ids, torch.cat(parts)
