@@ -24,6 +24,10 @@ from .engine.config import EngineConfig
 from .serve_command import add_serve, check_model_arg
 
 Handler = Callable[[argparse.Namespace, argparse.ArgumentParser], int]
+# `generate` stops after this many new tokens unless --max-new-tokens says otherwise (vLLM's
+# completions default is 16, `llm`-style CLIs a few hundred); the Python API and the servers
+# keep theirs (unset: up to max_model_len)
+GENERATE_MAX_NEW_TOKENS = 256
 
 
 # ---- client commands ---------------------------------------------------------------------
@@ -40,7 +44,9 @@ def add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("prompt")
     p.add_argument("--adapter", default="", help='adapter name ("" = the base model)')
     p.add_argument("--max-new-tokens", type=int,
-                   help="default: until EOS, a stop, or the model's max length")
+                   help=f"at most this many new tokens (default: the output stops after "
+                   f"{GENERATE_MAX_NEW_TOKENS}, so that a model that never stops does not "
+                   "stream for minutes); 0: until EOS or the model's max length")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float)
     p.add_argument("--top-k", type=int)
@@ -53,7 +59,14 @@ def add_generate(sub: argparse._SubParsersAction) -> None:
 
 def _sampling(args: argparse.Namespace) -> dict[str, Any]:
     return {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
-                "seed": args.seed, "max_new_tokens": args.max_new_tokens}
+            "seed": args.seed, "max_new_tokens": args.max_new_tokens or None}
+
+
+def _budget(args: argparse.Namespace) -> int | None:
+    """The new tokens ``generate`` prints before it stops the request itself: the default
+    cap applies client-side (a request for 256 would be refused where fewer fit beside the
+    prompt); a given --max-new-tokens goes to the engine instead (0: no cap)."""
+    return GENERATE_MAX_NEW_TOKENS if args.max_new_tokens is None else None
 
 
 def generate_config(args: argparse.Namespace) -> GenerateConfig:
@@ -73,14 +86,20 @@ def run_generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
         return _generate_local(args, config.engine, parser)
     import grpc
 
-    printed = False
+    printed, budget = False, _budget(args)
     with config.connection.client() as client:
         try:
-            for chunk in client.generate_stream(
-                    args.prompt, adapter=args.adapter,
-                    apply_chat_template=not args.no_chat_template, **_sampling(args)):
+            stream = client.generate_stream(args.prompt, adapter=args.adapter,
+                                            apply_chat_template=not args.no_chat_template,
+                                            **_sampling(args))
+            for chunk in stream:  # one message a token (each step's)
                 print(chunk.text, end="", flush=True)
                 printed = True
+                if budget is not None:
+                    budget -= len(chunk.token_ids)
+                    if budget <= 0:
+                        stream.cancel()  # the server aborts the request
+                        break
         except grpc.RpcError as e:
             print(f"{chr(10) if printed else ''}error: {e.code().name}: {e.details()}",
                   file=sys.stderr)
@@ -100,12 +119,18 @@ def _generate_local(args: argparse.Namespace, config: EngineConfig,
         engine = LLMEngine.from_config(config)
         prompt = args.prompt if args.no_chat_template else \
             chat_prompt_ids(engine.tokenizer, args.prompt)
-        engine.add_request(prompt, SamplingParams(**_sampling(args)), args.adapter or None)
+        request = engine.add_request(prompt, SamplingParams(**_sampling(args)),
+                                     args.adapter or None)
     except (ValueError, LookupError) as e:
         parser.error(str(e))
+    budget = _budget(args)
     while engine.has_unfinished_requests():
         for out in engine.step():
             print(out.new_text, end="", flush=True)
+            if budget is not None:
+                budget -= len(out.new_token_ids)
+                if budget <= 0:
+                    engine.abort(request)
     print()
     return 0
 

@@ -22,6 +22,7 @@ MODEL = "model"
 CAPACITY = "capacity"
 LORA = "LoRA adapters"
 SAMPLING = "sampling"
+REQUEST_LIMITS = "request limits"
 
 
 def _check_range(name: str, value: float, low: float, high: float | None = None) -> None:
@@ -77,13 +78,33 @@ class EngineConfig:
     adapter_starvation_steps: int = 16  # a passed-over adapter gets the next free slot after this
     served_model_name: str | None = flag(
         None, group=MODEL, help="alias requests may use for the base model")
-    max_logprobs: int = flag(
-        20, group=SAMPLING, help="the most logprobs / prompt_logprobs a request may ask for")
+    max_logprobs: int = flag(  # vLLM's: -1 = no cap (the whole vocabulary)
+        20, group=SAMPLING, help="the most logprobs / prompt_logprobs a request may ask for "
+        "(-1: no cap, a request's -1 then gets the whole vocabulary)")
     logprobs_mode: str = flag(
         "raw_logprobs", group=SAMPLING, choices=LOGPROBS_MODES,
         help="what logprobs report: the model's distribution (raw_*) or the one sampled "
         "from (processed_*: after penalties, bias, temperature, top-k/p, min-p), as "
         "log-probabilities or logits")
+    # caps on a request's list fields (vLLM has none; OpenAI allows 4 stop strings and ~300
+    # logit_bias entries): each is checked once, by the engine, for every front
+    max_stop_strings: int = flag(
+        64, group=REQUEST_LIMITS, help="the most `stop` strings a request may give")
+    max_stop_token_ids: int = flag(
+        256, group=REQUEST_LIMITS, help="the most `stop_token_ids` a request may give")
+    max_bad_words: int = flag(
+        1024, group=REQUEST_LIMITS, help="the most `bad_words` a request may give")
+    max_logit_bias: int = flag(
+        1024, group=REQUEST_LIMITS, help="the most `logit_bias` entries a request may give")
+    max_allowed_token_ids: int | None = flag(  # None: the vocabulary size
+        None, group=REQUEST_LIMITS,
+        help="the most `allowed_token_ids` a request may give (default: the vocabulary size)")
+    max_word_chars: int = flag(
+        1024, group=REQUEST_LIMITS,
+        help="the most characters of one `stop` string or one `bad_words` entry")
+    max_bad_words_chars: int = flag(  # bounds their tokenizing and the index they make
+        65536, group=REQUEST_LIMITS,
+        help="the most characters of a request's `bad_words`, all together")
     debug_checks: bool = False  # assert the adapter pool's and KV blocks' books every step
 
     def __post_init__(self) -> None:
@@ -108,7 +129,12 @@ class EngineConfig:
             _check_range("num_kv_blocks", self.num_kv_blocks, 1)
         self._check_loras()
         _check_range("adapter_starvation_steps", self.adapter_starvation_steps, 1)
-        _check_range("max_logprobs", self.max_logprobs, 0)
+        _check_range("max_logprobs", self.max_logprobs, -1)
+        for name in ("max_stop_strings", "max_stop_token_ids", "max_bad_words",
+                     "max_logit_bias", "max_word_chars", "max_bad_words_chars"):
+            _check_range(name, getattr(self, name), 1)
+        if self.max_allowed_token_ids is not None:
+            _check_range("max_allowed_token_ids", self.max_allowed_token_ids, 1)
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode={self.logprobs_mode!r} is not supported: choose "
                              f"one of {LOGPROBS_MODES}")

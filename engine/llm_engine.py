@@ -20,12 +20,12 @@ from .choices import choices_to_fork, report_choices, run_to_completion
 from .config import EngineConfig
 from .constraints import Constraints
 from .engine_adapters import EngineAdapters
-from .errors import InvalidRequestError
+from .errors import AdapterNotFoundError, InvalidRequestError
 from .lora_capacity import LoRACapacity
 from .memory_use import MemoryUse, memory_use
 from .model_runner import ModelRunner, num_kv_blocks
 from .output_processor import OutputProcessor, RequestOutput
-from .request_checks import check_sampling, check_vocab, tokenize_bad_words
+from .request_checks import check_limits, check_sampling, check_vocab, tokenize_bad_words
 from .resolved_config import resolve_config
 from .sampling_params import SamplingParams
 from .scheduler import ScheduledBatch, Scheduler
@@ -40,6 +40,15 @@ def names_base_model(name: str | None, served_model_name: str | None, model_name
     """The one rule for the base model's names (engine and servers): empty or None, the
     served model name, or ``model_name`` (``LLMEngine.model_name``)."""
     return not name or name in (served_model_name, model_name)
+
+
+def base_model_hint(base_names: Seq[str], loaded: int) -> str:
+    """What a NOT_FOUND for a model name says is valid instead (every front, the resolver's
+    too): the base model's names, and where the loaded adapters are listed (not the list:
+    there may be thousands)."""
+    bases = " or ".join(repr(n) for n in base_names) or "''"
+    return (f"the base model is {bases} (or an empty name), and the {loaded} loaded adapters "
+            "are listed by GET /v1/models or gRPC ListAdapters")
 
 
 class LLMEngine(EngineAdapters):
@@ -87,6 +96,10 @@ class LLMEngine(EngineAdapters):
         self.constraints = Constraints(self.tokenizer, self.base.hf_config.vocab_size,
                                        self.base.eos_token_ids)  # structured outputs
         self.requests: dict[str, list[Sequence]] = {}  # request id -> its live choices
+        # the names that run the base model besides "" (``names_base_model``), as NOT_FOUND
+        # messages show them; a server sets its own (ServerState.attach)
+        self.base_model_names: list[str] = list(dict.fromkeys(
+            n for n in (cfg.served_model_name, self.model_name) if n))
         self._ids = itertools.count()
         for name, path in cfg.lora_modules.items():
             self.add_adapter(name, path, preloaded=True)
@@ -118,6 +131,8 @@ class LLMEngine(EngineAdapters):
         constrained request's grammar is compiled here (blocking) unless ``grammar``, its
         compiled grammar, is given (``AsyncEngine`` compiles it off the engine thread)."""
         params = (params or SamplingParams()).with_defaults(self.base.sampling_defaults)
+        vocab = self.base.hf_config.vocab_size
+        check_limits(params, self.config, vocab)  # first: the lists' lengths bound the rest
         try:
             params.validate()
         except ValueError as e:
@@ -136,9 +151,8 @@ class LLMEngine(EngineAdapters):
                 f"{len(ids)} tokens and max_model_len is {self.max_model_len}, so at most "
                 f"{max_new} new tokens")
         self._check_vocab(params.stop_token_ids, "stop_token_ids")
-        vocab = self.base.hf_config.vocab_size
         check_sampling(params, self.config, vocab)
-        bad_words_ids = tokenize_bad_words(self.tokenizer, params.bad_words, vocab)
+        bad_words = tokenize_bad_words(self.tokenizer, params.bad_words, vocab)
         self.constraints.check(params)
         grammar = grammar if grammar is not None else self.constraints.compile(params)
         params.max_new_tokens = max_new
@@ -150,7 +164,7 @@ class LLMEngine(EngineAdapters):
             prompt_token_ids=ids, params=params, adapter_name=adapter or None,
             adapter_id=adapter_id,  # add_sequence binds it and sets adapter_version
             eos_token_ids=self.base.eos_token_ids,
-            max_tokens=len(ids) + max_new, bad_words_ids=bad_words_ids,
+            max_tokens=len(ids) + max_new, bad_words=bad_words,
         )
         self.constraints.attach(seq, grammar)
         return seq
@@ -184,7 +198,20 @@ class LLMEngine(EngineAdapters):
             self.lora.prefetch(adapter)  # type: ignore[arg-type]
 
     def _adapter_id(self, adapter: str | None) -> int:
-        return 0 if self.is_base_model(adapter) else self.lora.lookup(adapter)
+        if self.is_base_model(adapter):
+            return 0
+        if adapter not in self.lora.names:  # one dict read: safe beside the engine thread
+            raise self.unknown_adapter(adapter)  # type: ignore[arg-type]
+        return self.lora.lookup(adapter)  # type: ignore[arg-type]
+
+    def unknown_adapter(self, name: str) -> AdapterNotFoundError:
+        """NOT_FOUND for a model name that is neither the base model nor a loaded adapter:
+        the name asked for (its first 128 characters), and what is valid."""
+        shown = repr(name[:128]) + ("..." if len(name) > 128 else "")
+        return AdapterNotFoundError(f"unknown adapter {shown}; {self.base_model_hint()}")
+
+    def base_model_hint(self) -> str:
+        return base_model_hint(self.base_model_names, len(self.lora.names))
 
     def add_sequence(self, seq: Sequence) -> str:
         if seq.request_id in self.requests:

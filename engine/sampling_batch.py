@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .row_tokens import RowTokens, row_pairs
+from .sampling_params import SamplingParams
 from .sequence import Sequence
 
 
@@ -62,18 +64,57 @@ def _used(values: list[float], neutral: float, device: torch.device) -> torch.Te
 
 
 def banned_tokens(seq: Sequence) -> list[int]:
-    """Tokens ``seq`` may not draw next: EOS and stop ids below min_new_tokens, and the last
-    token of every bad word whose other tokens end the output (vLLM's rule)."""
+    """Tokens ``seq`` may not draw next that change from step to step: EOS and stop ids
+    below min_new_tokens, and the last token of every multi-token bad word whose other
+    tokens end the output (vLLM's rule; the one-token words are RowTokens.banned)."""
     p = seq.params
     out: list[int] = []
     if seq.num_output_tokens < p.min_new_tokens:
         out += set(p.stop_token_ids) | (set() if p.ignore_eos else seq.eos_token_ids)
-    outputs = seq.output_token_ids
-    for word in seq.bad_words_ids:
-        prefix = len(word) - 1
-        if prefix <= len(outputs) and (prefix == 0 or outputs[-prefix:] == word[:-1]):
-            out.append(word[-1])
+    if seq.bad_words is not None:
+        out += seq.bad_words.banned(seq.output_token_ids)
     return out
+
+
+def _has_row_tokens(seq: Sequence) -> bool:
+    p = seq.params
+    return bool(p.logit_bias) or p.allowed_token_ids is not None or \
+        (seq.bad_words is not None and bool(seq.bad_words.always))
+
+
+def _bias(tokens: dict[int, RowTokens], device: torch.device
+          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    rows = [i for i, t in tokens.items() if t.bias_ids is not None]
+    if not rows:
+        return None
+    row_ids, ids = row_pairs(rows, [tokens[i].bias_ids for i in rows], device)
+    return row_ids, ids, torch.cat([tokens[i].bias_values for i in rows])
+
+
+def _banned(seqs: list[Sequence], tokens: dict[int, RowTokens], device: torch.device
+            ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(rows, token ids) to set to -inf: this step's bans and each row's fixed ones."""
+    step = [(i, t) for i, s in enumerate(seqs) for t in banned_tokens(s)]
+    rows = [i for i, t in tokens.items() if t.banned is not None]
+    parts = [row_pairs(rows, [tokens[i].banned for i in rows], device)] if rows else []
+    if step:
+        parts.append((torch.tensor([b[0] for b in step], dtype=torch.int64, device=device),
+                      torch.tensor([b[1] for b in step], dtype=torch.int64, device=device)))
+    if not parts:
+        return None
+    return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+
+
+def _allowed(params: list[SamplingParams], tokens: dict[int, RowTokens], vocab: int, device: torch.device
+             ) -> tuple[RowSet, torch.Tensor] | None:
+    """The rows with allowed_token_ids and their [R, vocab] masks (True = may be sampled)."""
+    rows = [i for i, p in enumerate(params) if p.allowed_token_ids is not None]
+    if not rows:
+        return None
+    mask = torch.zeros(len(rows), vocab, dtype=torch.bool, device=device)
+    r, c = row_pairs(list(range(len(rows))), [tokens[i].allowed for i in rows], device)
+    mask[r, c] = True
+    return _rowset(rows, device), mask
 
 
 def build_batch(seqs: list[Sequence], vocab: int, device: torch.device) -> SamplingBatch:
@@ -87,17 +128,8 @@ def build_batch(seqs: list[Sequence], vocab: int, device: torch.device) -> Sampl
               if not greedy[i] and p.top_p is not None and p.top_p < 1.0]
     m_rows = [i for i, p in enumerate(params) if not greedy[i] and p.min_p > 0.0]
     pen_rows = [i for i, p in enumerate(params) if p.has_penalties]
-    bias = [(i, t, b) for i, p in enumerate(params) for t, b in (p.logit_bias or {}).items()]
-    banned = [(i, t) for i, s in enumerate(seqs) for t in banned_tokens(s)]
-    a_rows = [i for i, p in enumerate(params) if p.allowed_token_ids is not None]
+    tokens = {i: RowTokens.of(s, device) for i, s in enumerate(seqs) if _has_row_tokens(s)}
     lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
-    allowed = None
-    if a_rows:
-        mask = torch.zeros(len(a_rows), vocab, dtype=torch.bool, device=device)
-        r = [j for j, i in enumerate(a_rows) for _ in params[i].allowed_token_ids]
-        c = [t for i in a_rows for t in params[i].allowed_token_ids]
-        mask[torch.tensor(r, device=device), torch.tensor(c, device=device)] = True
-        allowed = (_rowset(a_rows, device), mask)
     return SamplingBatch(
         greedy=None if all(greedy) else torch.tensor(greedy, dtype=torch.bool, device=device),
         all_greedy=all(greedy),
@@ -115,12 +147,7 @@ def build_batch(seqs: list[Sequence], vocab: int, device: torch.device) -> Sampl
                    _used([params[i].frequency_penalty for i in pen_rows], 0.0, device),
                    _used([params[i].presence_penalty for i in pen_rows], 0.0, device))
         if pen_rows else None,
-        bias=(torch.tensor([b[0] for b in bias], dtype=torch.int64, device=device),
-              torch.tensor([b[1] for b in bias], dtype=torch.int64, device=device),
-              torch.tensor([b[2] for b in bias], **f32)) if bias else None,
-        banned=(torch.tensor([b[0] for b in banned], dtype=torch.int64, device=device),
-                torch.tensor([b[1] for b in banned], dtype=torch.int64, device=device))
-        if banned else None,
-        allowed=allowed,
+        bias=_bias(tokens, device), banned=_banned(seqs, tokens, device),
+        allowed=_allowed(params, tokens, vocab, device),
         logprob_rows=lp_rows, logprob_ks=[params[i].logprobs for i in lp_rows],
     )

@@ -2,7 +2,8 @@
 
 The fields beyond temperature / top-p / top-k are vLLM's, with vLLM's meaning and defaults
 (docs/sampling.md). ``validate`` checks what needs no engine; LLMEngine.make_sequence checks
-the rest (``--max-logprobs``, ``max_num_seqs``, token ids against the vocabulary).
+the rest (``--max-logprobs``, ``max_num_seqs``, token ids against the vocabulary, the caps
+on the list fields: engine/request_checks.py).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from ..structured.constraint import StructuredOutputs
 
 PENALTY_RANGE = 2.0  # presence / frequency penalties lie in [-2, 2] (OpenAI's range)
 LOGIT_BIAS_RANGE = 100.0  # logit_bias values lie in [-100, 100] (OpenAI's range)
+ALL_LOGPROBS = -1  # logprobs / prompt_logprobs: the whole vocabulary (vLLM's meaning)
 
 
 @dataclass
@@ -29,7 +31,9 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     n: int = 1  # choices sampled from one prefill of the prompt
-    logprobs: int | None = None  # top-k alternatives per sampled token; 0 = its own only
+    # top-k alternatives per sampled token; 0 = its own only, -1 = the whole vocabulary
+    # (make_sequence turns -1 into the vocabulary size, within --max-logprobs)
+    logprobs: int | None = None
     prompt_logprobs: int | None = None  # the same for every prompt token (the first: None)
     presence_penalty: float = 0.0  # over generated tokens, OpenAI's formula
     frequency_penalty: float = 0.0  # over generated tokens, OpenAI's formula
@@ -93,8 +97,9 @@ class SamplingParams:
             raise ValueError(f"n={self.n} must be >= 1")
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(self, name)
-            if k is not None and k < 0:
-                raise ValueError(f"{name}={k} must be >= 0 (0 = the token's own logprob only)")
+            if k is not None and k < ALL_LOGPROBS:
+                raise ValueError(f"{name}={k} must be >= 0 (0 = the token's own logprob "
+                                 "only), or -1 for the whole vocabulary")
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             if not (math.isfinite(v) and -PENALTY_RANGE <= v <= PENALTY_RANGE):

@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from .bad_words import BadWords
 from .logprobs import TokenLogprob
 from .sampling_params import SamplingParams
 
@@ -58,7 +59,10 @@ class Sequence:
     cumulative_logprob: float | None = None
     # with params.prompt_logprobs set: one per prompt token computed so far, the first None
     prompt_logprobs: list[TokenLogprob | None] | None = None
-    bad_words_ids: list[list[int]] = field(default_factory=list)  # params.bad_words, tokenized
+    bad_words: BadWords | None = None  # params.bad_words, tokenized and indexed (shared)
+    # engine/row_tokens.py's RowTokens: the fixed token lists as tensors, made at the first
+    # step and shared by the request's choices (engine thread only)
+    row_tokens: Any = None
     # with params.structured_outputs: its structured.matcher.ConstraintMatcher (else None)
     matcher: Any = None
 
@@ -87,7 +91,8 @@ class Sequence:
             params=self.params, adapter_name=self.adapter_name, adapter_id=self.adapter_id,
             eos_token_ids=self.eos_token_ids, max_tokens=self.max_tokens,
             arrival_time=self.arrival_time, num_cached_tokens=self.num_cached_tokens,
-            index=index, prompt_logprobs=self.prompt_logprobs, bad_words_ids=self.bad_words_ids,
+            index=index, prompt_logprobs=self.prompt_logprobs, bad_words=self.bad_words,
+            row_tokens=self.row_tokens,
             matcher=self.matcher)  # the parent's: the choice gets its own at its first step
 
     @property

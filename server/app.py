@@ -69,7 +69,9 @@ class LoraplexServer:
         interceptors = []
         if options.api_token is not None or options.admin_token is not None:
             interceptors.append(TokenAuthInterceptor(options.api_token, options.admin_token))
-        server = grpc.aio.server(interceptors=interceptors)
+        # gRPC refuses a larger message with RESOURCE_EXHAUSTED before parsing it
+        server = grpc.aio.server(interceptors=interceptors, options=[
+            ("grpc.max_receive_message_length", options.max_request_bytes)])
         pb_grpc.add_InferenceServicer_to_server(InferenceServicer(self.state), server)
         pb_grpc.add_AdapterAdminServicer_to_server(AdapterAdminServicer(self.state), server)
         pb_grpc.add_ServerInfoServicer_to_server(ServerInfoServicer(self.state), server)

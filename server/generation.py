@@ -16,7 +16,7 @@ from contextlib import AsyncExitStack, aclosing
 from dataclasses import dataclass
 
 from ..engine.async_engine import AsyncEngine
-from ..engine.errors import AdapterFaultError
+from ..engine.errors import AdapterFaultError, AdapterNotFoundError
 from ..engine.output_processor import RequestOutput
 from ..engine.sampling_params import SamplingParams
 from .error_code import ErrorCode, ServiceError
@@ -41,7 +41,10 @@ async def outputs(state: ServerState, engine: AsyncEngine, inp: GenerateInput
     adapter's data FAILED_PRECONDITION."""
     adapter = state.adapter_of(inp.model)
     if adapter is not None and state.resolver is not None:
-        await state.resolver.ensure(adapter)  # --lora-resolver-dir: loaded on first use
+        try:  # --lora-resolver-dir: loaded on first use
+            await state.resolver.ensure(adapter)
+        except AdapterNotFoundError as e:  # the resolver's reason, and what is valid
+            raise AdapterNotFoundError(f"{e}; {engine.engine.base_model_hint()}") from None
     track = state.metrics.track(adapter, inp.params.n)
     choices_left = inp.params.n
     try:

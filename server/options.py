@@ -13,6 +13,8 @@ DEFAULT_PORT = 50051
 DEFAULT_MAX_QUEUE = 1024
 DEFAULT_GRACE_S = 20.0
 DEFAULT_MAX_UPLOAD_BYTES = 1 << 30
+DEFAULT_MAX_REQUEST_BYTES = 4 << 20  # gRPC's own default message limit, set explicitly
+MIN_REQUEST_BYTES = 2 << 20  # UploadAdapter's client sends 1 MiB chunks (client_upload.py)
 NETWORK = "network and security"
 ADAPTERS = "adapters (training loops)"
 TOOLS = "tool calls"
@@ -60,6 +62,10 @@ class ServerOptions:
     shutdown_grace_s: float = flag(  # in-flight calls may finish within this
         DEFAULT_GRACE_S, group=NETWORK, name="shutdown-grace-period", metavar="SECONDS",
         help="on SIGTERM, in-flight requests may finish within")
+    max_request_bytes: int = flag(  # one gRPC message, one HTTP body: refused before parsing
+        DEFAULT_MAX_REQUEST_BYTES, group=NETWORK, kind="bytes", metavar="BYTES",
+        help="the largest request: one gRPC message (RESOURCE_EXHAUSTED beyond) or one HTTP "
+        "body (413 beyond), e.g. 16MiB; at least 2MiB")
     max_upload_bytes: int = flag(  # UploadAdapter's weights, in bytes
         DEFAULT_MAX_UPLOAD_BYTES, group=ADAPTERS, kind="bytes", metavar="BYTES",
         help="the largest adapter_model.safetensors UploadAdapter accepts (e.g. 256MiB)")
@@ -106,6 +112,9 @@ class ServerOptions:
         if self.tool_call_parser not in (None, *TOOL_CALL_PARSERS):
             raise ValueError(f"tool_call_parser={self.tool_call_parser!r}; known: "
                              f"{', '.join(TOOL_CALL_PARSERS)}")
+        if self.max_request_bytes < MIN_REQUEST_BYTES:
+            raise ValueError(f"max_request_bytes={self.max_request_bytes} must be >= "
+                             f"{MIN_REQUEST_BYTES} (2 MiB: UploadAdapter's chunks are 1 MiB)")
         if self.max_upload_bytes < 1:
             raise ValueError(f"max_upload_bytes={self.max_upload_bytes} must be >= 1")
         for name in ("upload_dir", "lora_resolver_dir", "lora_resolver_hf_cache"):

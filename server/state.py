@@ -81,6 +81,7 @@ class ServerState:
         self.loop = asyncio.get_running_loop()
         # the engine's rule (LLMEngine.model_name); this server's alias first
         self.model_name = self.options.served_model_name or engine.engine.model_name
+        engine.engine.base_model_names = [self.model_name]  # adapter_of's names, in messages
         self.metrics.bind(self.model_name, engine.engine.lora_capacity.max_loras)
         engine.engine.adapter_load_observers.append(self.metrics.adapter_loaded)
         loop = self.loop

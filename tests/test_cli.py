@@ -154,6 +154,18 @@ def test_generate_in_process_prints_greedy_output(capsys, tiny_llama: Path) -> N
     assert capsys.readouterr().out == templated.text + "\n"
 
 
+def test_generate_in_process_stops_after_256_new_tokens(capsys, tiny_llama: Path) -> None:
+    """Issue 42, item 13: the default cap (256 new tokens, in --help) in process too."""
+    assert "256" in build_parser().parse_args(["generate", "x"]).command_parser.format_help()
+    engine = LLMEngine(tiny_llama, device="cpu", dtype="float32")
+    capped = engine.generate(["the cat"], SamplingParams(temperature=0.0, max_new_tokens=256))
+    assert len(capped[0].token_ids) == 256
+    base = ["generate", "the cat", "--model", str(tiny_llama), "--device", "cpu", "--dtype",
+            "float32", "--no-chat-template"]
+    assert main(base) == 0
+    assert capsys.readouterr().out == capped[0].text + "\n"
+
+
 def test_generate_in_process_unknown_adapter(capsys, tiny_llama: Path) -> None:
     err = usage_error(capsys, "generate", "hi", "--model", str(tiny_llama), "--device", "cpu",
                       "--adapter", "nope")

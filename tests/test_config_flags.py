@@ -135,6 +135,13 @@ def non_default_flags(tmp_path: Path) -> dict[str, tuple[list[str], dict[str, An
         "--served-model-name": (["alias"], {"served_model_name": "alias"}),
         "--max-logprobs": (["5"], {"max_logprobs": 5}),
         "--logprobs-mode": (["processed_logprobs"], {"logprobs_mode": "processed_logprobs"}),
+        "--max-stop-strings": (["4"], {"max_stop_strings": 4}),
+        "--max-stop-token-ids": (["5"], {"max_stop_token_ids": 5}),
+        "--max-bad-words": (["6"], {"max_bad_words": 6}),
+        "--max-logit-bias": (["7"], {"max_logit_bias": 7}),
+        "--max-allowed-token-ids": (["8"], {"max_allowed_token_ids": 8}),
+        "--max-word-chars": (["9"], {"max_word_chars": 9}),
+        "--max-bad-words-chars": (["10"], {"max_bad_words_chars": 10}),
     }
 
 
@@ -164,6 +171,7 @@ def test_server_and_ray_flags_reach_their_options(captured: Captured, tmp_path: 
               "--adapter-root": str(tmp_path), "--shutdown-grace-period": "3",
               "--ssl-certfile": str(files["cert"]), "--ssl-keyfile": str(files["key"]),
               "--ssl-ca-certs": str(files["ca"]), "--max-upload-bytes": "2MiB",
+              "--max-request-bytes": "16MiB",
               "--upload-dir": str(tmp_path / "up"), "--lora-resolver-dir": str(tmp_path),
               "--lora-resolver-hf-cache": str(tmp_path), "--tool-call-parser": "hermes"}
     switches = ("--enable-auto-tool-choice", "--allow-any-adapter-path")
@@ -174,9 +182,9 @@ def test_server_and_ray_flags_reach_their_options(captured: Captured, tmp_path: 
         host="0.0.0.0", port=1234, http_port=8080, max_queue=5, api_token="t",
         admin_token="u", adapter_roots=(tmp_path,), shutdown_grace_s=3.0,
         ssl_certfile=files["cert"], ssl_keyfile=files["key"], ssl_ca_certs=files["ca"],
-        max_upload_bytes=2 << 20, upload_dir=tmp_path / "up", lora_resolver_dir=tmp_path,
-        lora_resolver_hf_cache=tmp_path, enable_auto_tool_choice=True, tool_call_parser="hermes",
-        allow_any_adapter_path=True)
+        max_upload_bytes=2 << 20, max_request_bytes=16 << 20, upload_dir=tmp_path / "up",
+        lora_resolver_dir=tmp_path, lora_resolver_hf_cache=tmp_path,
+        enable_auto_tool_choice=True, tool_call_parser="hermes", allow_any_adapter_path=True)
     ray = {"--ray-address": "auto", "--min-replicas": "2", "--max-replicas": "3",
            "--replica-cpus": "2", "--replica-gpus": "0.5"}
     assert set(ray) | {"--num-replicas"} == options_of(RayOptions)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from loraplex.engine.bad_words import BadWords
 from loraplex.engine.sampler import Sampler
 from loraplex.engine.sampling_params import SamplingParams
 from loraplex.engine.sequence import Sequence
@@ -133,7 +134,7 @@ def test_bad_words_are_transformers(logits):
     outputs = [[1, 7], [9, 10], [3, 9]]
     for i, out in enumerate(outputs):
         s = seq(i, [2], out, temperature=0.0)
-        s.bad_words_ids = bad
+        s.bad_words = BadWords(bad)
         _, got = processed([s], logits[i:i + 1])
         want = NoBadWordsLogitsProcessor(bad, eos_token_id=2)(torch.tensor([out]),
                                                                logits[i:i + 1].clone())

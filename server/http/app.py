@@ -14,6 +14,7 @@ from ..description import version
 from ..state import ServerState
 from . import completions, errors, models, probes, tokens
 from .auth import check_scopes
+from .body_limit import BodyLimit
 
 
 def build_app(state: ServerState, adapters: AdapterOps | None = None,
@@ -27,6 +28,7 @@ def build_app(state: ServerState, adapters: AdapterOps | None = None,
     app.state.adapters = adapters or LocalAdapters(state)
     app.state.exposition = exposition or (lambda: probes.local_exposition(state))
     errors.install(app)
+    app.add_middleware(BodyLimit, limit=state.options.max_request_bytes)
     for module in (completions, models, tokens, probes):
         app.include_router(module.router)
     check_scopes(app)  # every route declares who may call it

@@ -109,7 +109,7 @@ def completion_input(req: CompletionRequest, tokenizer: Any | None, max_model_le
                          "give max_tokens >= 1")
     if req.logprobs is not None and req.logprobs < -1:
         raise ValueError(f"logprobs={req.logprobs} must be >= 0 (0 = the token's own "
-                         "logprob only)")
+                         "logprob only), or -1 for the whole vocabulary")
     prompt = _one_prompt(req.prompt)
     if prompt == "" or prompt == []:
         raise ValueError("the prompt is empty: give at least one token")
@@ -183,8 +183,9 @@ def chat_input(req: ChatCompletionRequest, tokenizer: Any | None, max_model_len:
         raise ValueError("messages is empty: give at least one {role, content} message")
     if req.top_logprobs not in (None, 0) and not req.logprobs:
         raise ValueError(f"top_logprobs={req.top_logprobs} needs logprobs=true")
-    if req.top_logprobs is not None and req.top_logprobs < 0:
-        raise ValueError(f"top_logprobs={req.top_logprobs} must be >= 0")
+    if req.top_logprobs is not None and req.top_logprobs < -1:
+        raise ValueError(f"top_logprobs={req.top_logprobs} must be >= 0, or -1 for the whole "
+                         "vocabulary")
     name, max_tokens = ("max_completion_tokens", req.max_completion_tokens) \
         if req.max_completion_tokens is not None else ("max_tokens", req.max_tokens)
     tools = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, auto_tool_parser)

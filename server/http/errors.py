@@ -35,6 +35,7 @@ ERROR_TYPE: dict[HTTPStatus, str] = {
     HTTPStatus.UNAUTHORIZED: "AuthenticationError",
     HTTPStatus.FORBIDDEN: "PermissionDeniedError",
     HTTPStatus.NOT_FOUND: "NotFoundError",
+    HTTPStatus.REQUEST_ENTITY_TOO_LARGE: "BadRequestError",  # the SDK has no class of its own
     HTTPStatus.TOO_MANY_REQUESTS: "RateLimitError",
     HTTPStatus.SERVICE_UNAVAILABLE: "ServiceUnavailableError",
 }

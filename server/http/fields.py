@@ -24,6 +24,8 @@ SHARED_REFUSED: dict[str, tuple[Any, ...]] = {
     "guided_regex": (),
     "guided_choice": (),
     "guided_grammar": (),
+    # changes the whitespace of JSON answers, so refused (a null is neutral); the request's
+    # whitespace is structured_outputs' disable_any_whitespace / max_whitespace
     "guided_whitespace_pattern": (),
     "structural_tag": (),
     # vLLM's sampling extras not implemented
@@ -87,6 +89,7 @@ def check_fields(body: RequestBody, refused: dict[str, tuple[Any, ...]]) -> None
 REPLACED = {"guided_json": "structured_outputs.json", "guided_regex": "structured_outputs.regex",
             "guided_choice": "structured_outputs.choice",
             "guided_grammar": "structured_outputs.grammar",
+            "guided_whitespace_pattern": "structured_outputs.max_whitespace",
             "functions": "tools", "function_call": "tool_choice"}
 
 

@@ -57,11 +57,17 @@ def completion_logprobs(token_ids: Sequence[int], lps: Sequence[Any | None], k: 
             continue
         token_logprobs.append(_value(lp.logprob))
         top = {token: _value(lp.logprob)}
-        for alt_id, alt in lp.top[:k]:
+        for alt_id, alt in _top(lp.top, k):
             top.setdefault(text(alt_id), _value(alt))
         top_logprobs.append(top)
     return {"text_offset": text_offset, "token_logprobs": token_logprobs, "tokens": tokens,
             "top_logprobs": top_logprobs}
+
+
+def _top(top: Sequence[Any], k: int) -> Sequence[Any]:
+    """The k most likely of ``top`` (best first); k = -1: all of them (the engine gave the
+    whole vocabulary)."""
+    return top if k < 0 else top[:k]
 
 
 def _entry(token: str, logprob: float) -> dict[str, Any]:
@@ -74,7 +80,7 @@ def chat_logprobs(lps: Sequence[Any], k: int, text: TokenText) -> dict[str, list
     content = []
     for lp in lps:
         entry = _entry(text(lp.token_id), lp.logprob)
-        entry["top_logprobs"] = [_entry(text(t), v) for t, v in lp.top[:k]]
+        entry["top_logprobs"] = [_entry(text(t), v) for t, v in _top(lp.top, k)]
         content.append(entry)
     return {"content": content}
 

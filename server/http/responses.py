@@ -44,7 +44,7 @@ class View:
     """What a request asked to see beyond the text (set by convert.py)."""
 
     chat: bool
-    logprobs: int | None = None  # top-k per token (chat: top_logprobs with logprobs on)
+    logprobs: int | None = None  # top-k per token (chat: top_logprobs with logprobs on); -1: all
     echo_text: str | None = None  # completions echo: the prompt's text, shown first
     echo_only: bool = False  # echo with max_tokens 0: the prompt alone
     prompt_logprobs: bool = False  # vLLM's prompt_logprobs field
@@ -80,7 +80,9 @@ class Reply:
 
     def _count(self, out: RequestOutput) -> None:
         self._prompt_tokens = len(out.prompt_token_ids)
-        self._tokens[out.index] = len(out.token_ids)
+        # echo with max_tokens 0: the one token the engine drew for the prompt's logprobs
+        # is not shown, so not counted either
+        self._tokens[out.index] = 0 if self.view.echo_only else len(out.token_ids)
 
     def usage(self) -> dict[str, int]:
         prompt, completion = self._prompt_tokens, sum(self._tokens.values())

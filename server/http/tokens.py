@@ -8,7 +8,6 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 
-from ...engine.errors import AdapterNotFoundError
 from .. import adapter_ops
 from ..auth import Scope
 from ..prompt import resolve_prompt
@@ -27,8 +26,7 @@ async def _tokenizer(state: ServerState, model: str | None) -> Any:
     if adapter is not None:
         names = {a.name for a in await adapter_ops.list_adapters(state)}
         if adapter not in names:
-            raise AdapterNotFoundError(f"unknown model {adapter!r}: give the base model "
-                                       f"{state.model_name!r} or a loaded adapter")
+            raise engine.engine.unknown_adapter(adapter)
     if engine.engine.tokenizer is None:
         raise ValueError("this model has no tokenizer")
     return engine.engine.tokenizer

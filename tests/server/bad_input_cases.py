@@ -130,6 +130,41 @@ GENERATE_CASES = [
         adapter="../../etc/passwd"),
 ]
 
+# ---- bounded request fields, logprobs -1, unknown models (issue 42: helper c) ----------------
+# The caps of engine/config.py's request limits (defaults), one check for every front; each
+# message names the field, the cap and the flag. -1 asks for the whole vocabulary (384),
+# over the default --max-logprobs 20. gRPC refuses a message over --max-request-bytes.
+BIG = 5 << 20  # over the default --max-request-bytes (4 MiB)
+LIMIT_CASES = [
+    gen("stop-over-max-stop-strings", INVALID, "at most 64 (--max-stop-strings)",
+        stop=[f"s{i}" for i in range(65)]),
+    gen("stop-string-over-max-word-chars", INVALID, "stop[1] has 1025 characters",
+        stop=["ok", "x" * 1025]),
+    gen("stop_token_ids-over-max-stop-token-ids", INVALID, "(--max-stop-token-ids)",
+        stop_token_ids=[5] * 257),
+    gen("bad_words-over-max-bad-words", INVALID, "at most 1024 (--max-bad-words)",
+        bad_words=["cat"] * 1025),
+    gen("bad_words-300000", INVALID, "bad_words has 300000 words", bad_words=["cat"] * 300_000),
+    gen("bad_word-over-max-word-chars", INVALID, "(--max-word-chars)",
+        bad_words=["y" * 1025]),
+    gen("bad_words-over-max-bad-words-chars", INVALID, "(--max-bad-words-chars)",
+        bad_words=["z" * 1000] * 100),
+    gen("logit_bias-over-max-logit-bias", INVALID, "at most 1024 (--max-logit-bias)",
+        logit_bias={i: 1.0 for i in range(1025)}),
+    gen("allowed_token_ids-over-the-vocabulary", INVALID,
+        f"at most {VOCAB} (--max-allowed-token-ids)", allowed_token_ids=[5] * (VOCAB + 1)),
+    gen("logprobs-minus-one-over-max_logprobs", INVALID,
+        f"logprobs=-1 asks for all {VOCAB} tokens", logprobs=-1),
+    gen("prompt_logprobs-minus-one-over-max_logprobs", INVALID,
+        f"at most {MAX_LOGPROBS} (--max-logprobs", prompt_logprobs=-1),
+    gen("logprobs-minus-two", INVALID, "logprobs=-2", logprobs=-2),
+    gen("message-over-max-request-bytes", "RESOURCE_EXHAUSTED", "larger than max",
+        prompt="x" * BIG),
+    gen("adapter-unknown-names-the-base-model", NOT_FOUND,
+        f"the base model is '{ALIAS}' (or an empty name)", adapter="nope"),
+]
+GENERATE_CASES += LIMIT_CASES
+
 LOAD_CASES = [
     # names
     load("name-empty", INVALID, "name is empty", name=""),
@@ -373,4 +408,46 @@ HTTP_CASES += [
     chat("chat-refusal-part-not-a-string", 400, "refusal", messages=[
         {"role": "user", "content": "hi"},
         {"role": "assistant", "content": [{"type": "refusal", "refusal": None}]}]),
+]
+
+# ---- bounded request fields, logprobs -1, unknown models (issue 42: helper c) ----------------
+HTTP_CASES += [
+    completion("stop-over-max-stop-strings", 400, "(--max-stop-strings)",
+               stop=[f"s{i}" for i in range(65)]),
+    chat("chat-stop-string-over-max-word-chars", 400, "(--max-word-chars)", stop="x" * 1025),
+    completion("stop_token_ids-over-max-stop-token-ids", 400, "(--max-stop-token-ids)",
+               stop_token_ids=[5] * 257),
+    completion("bad_words-over-max-bad-words", 400, "(--max-bad-words)",
+               bad_words=["cat"] * 1025),
+    chat("chat-bad_words-300000", 400, "bad_words has 300000 words",
+         bad_words=["cat"] * 300_000),
+    completion("bad_word-over-max-word-chars", 400, "bad_words[0] has 1025 characters",
+               bad_words=["y" * 1025]),
+    chat("chat-bad_words-over-max-bad-words-chars", 400,
+         "bad_words has 100000 characters in all", bad_words=["z" * 1000] * 100),
+    completion("logit_bias-over-max-logit-bias", 400, "(--max-logit-bias)",
+               logit_bias={str(i): 1 for i in range(1025)}),
+    chat("chat-allowed_token_ids-over-the-vocabulary", 400, "(--max-allowed-token-ids)",
+         allowed_token_ids=[5] * (VOCAB + 1)),
+    completion("logprobs-minus-one-over-max_logprobs", 400,
+               f"logprobs=-1 asks for all {VOCAB} tokens of the vocabulary; the server allows "
+               f"at most {MAX_LOGPROBS} (--max-logprobs", logprobs=-1),
+    completion("logprobs-minus-two", 400, "logprobs=-2 must be >= 0", logprobs=-2),
+    chat("chat-top_logprobs-minus-one-over-max_logprobs", 400, "logprobs=-1 asks for all",
+         logprobs=True, top_logprobs=-1),
+    chat("chat-top_logprobs-minus-one-without-logprobs", 400, "needs logprobs=true",
+         top_logprobs=-1),
+    chat("chat-top_logprobs-minus-two", 400, "top_logprobs=-2", logprobs=True,
+         top_logprobs=-2),
+    completion("prompt_logprobs-minus-one-over-max_logprobs", 400,
+               "prompt_logprobs=-1 asks for all", prompt_logprobs=-1),
+    completion("guided_whitespace_pattern-refused", 400, "structured_outputs.max_whitespace",
+               guided_whitespace_pattern=" ?"),
+    HttpCase("body-over-max-request-bytes", "/v1/completions",
+             b'{"model": "good", "prompt": "' + b"x" * BIG + b'"}', 413,
+             f"at most {4 << 20} bytes (--max-request-bytes)"),
+    completion("model-unknown-names-the-base-model", 404,
+               f"the base model is '{ALIAS}' (or an empty name)", model="nope"),
+    chat("chat-model-unknown-names-the-base-model", 404, "GET /v1/models or gRPC ListAdapters",
+         model="nope"),
 ]
