@@ -23,8 +23,11 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import errno
+import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO
 
@@ -38,6 +41,8 @@ from .adapter_paths import check_adapter_name
 from .error_code import ErrorCode, ServiceError, code_of
 from .state import ServerState
 from .upload_limits import UploadLease, UploadLimits
+
+log = logging.getLogger(__name__)
 
 
 def upload_store(state: ServerState) -> UploadStore:
@@ -66,10 +71,12 @@ async def receive_upload(state: ServerState, adapters: AdapterOps, limits: Uploa
         engine = state.require_engine()
         await engine.run(lambda e: e.lora.check_name(name, header.replace))  # before the bytes
         store = upload_store(state)
-        out = await asyncio.to_thread(store.new_dir, name)
+        with _disk_errors():
+            out = await asyncio.to_thread(store.new_dir, name)
         try:
-            await asyncio.to_thread(write_config, out, header.adapter_config.encode())
-            await _write_weights(stream, store, out, lease, limit, header.size_bytes)
+            with _disk_errors():
+                await asyncio.to_thread(write_config, out, header.adapter_config.encode())
+                await _write_weights(stream, store, out, lease, limit, header.size_bytes)
             return await _load(adapters, name, out, header)
         except BaseException:
             # shielded: a cut stream (cancelled) still gets its directory removed
@@ -143,6 +150,20 @@ async def _write_weights(stream: Messages, store: UploadStore, out: Path, lease:
     if total == 0:
         raise ValueError("the upload carried no weights: send adapter_model.safetensors in "
                          "chunks after the header")
+
+
+@contextmanager
+def _disk_errors() -> Iterator[None]:
+    """The store's disk failing: logged in full, the client told why without the paths (a
+    full disk is RESOURCE_EXHAUSTED, anything else the server's fault)."""
+    try:
+        yield
+    except OSError as e:
+        log.error("writing an upload failed: %s", e)
+        full = e.errno in (errno.ENOSPC, errno.EDQUOT)
+        raise ServiceError(ErrorCode.RESOURCE_EXHAUSTED if full else ErrorCode.INTERNAL,
+                           f"the server could not write the upload "
+                           f"({e.strerror or type(e).__name__}); nothing was loaded") from None
 
 
 async def _load(adapters: AdapterOps, name: str, out: Path,

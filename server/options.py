@@ -122,6 +122,9 @@ class ServerOptions:
             path = getattr(self, name)
             if path is not None:
                 object.__setattr__(self, name, Path(path).expanduser().resolve())
+        if self.upload_dir is not None and self.upload_dir.exists() and \
+                not self.upload_dir.is_dir():  # a missing one is made on the first upload
+            raise ValueError(f"upload_dir={self.upload_dir} is not a directory")
         if self.lora_resolver_dir is not None and not self.lora_resolver_dir.is_dir():
             raise ValueError(f"lora_resolver_dir={self.lora_resolver_dir} is not a directory")
         if self.lora_resolver_hf_cache is not None and not self.lora_resolver_hf_cache.is_dir():

@@ -101,6 +101,7 @@ def test_unservable_adapter_config_is_usage_error_before_loading(capsys, tmp_pat
     (["--upload-idle-timeout", "0"], "upload_idle_timeout_s=0.0 must be a number of seconds"),
     (["--upload-timeout", "inf"], "upload_timeout_s=inf must be a number of seconds"),
     (["--upload-disk-budget", "1MiB"], "upload_disk_budget=1048576 must be >= max_upload_bytes"),
+    (["--upload-dir", "/etc/hostname"], "upload_dir=/etc/hostname is not a directory"),
 ])
 def test_bad_serve_flag_is_usage_error(capsys, tmp_path: Path, argv: list[str], words: str
                                        ) -> None:

@@ -201,6 +201,22 @@ def test_the_disk_budget_and_a_cut_stream_giving_it_back(server, client,
     wait_until(lambda: dirs(server) == before, 30, "every upload directory gone")
 
 
+def test_a_disk_that_fails_is_an_error_without_its_paths(serve, make_engine, tiny_llama,
+                                                         tiny_adapters, tmp_path) -> None:
+    """The --upload-dir turns into a file after the start: INTERNAL (the server's fault),
+    logged in full, told to the client without the path; the server keeps serving."""
+    up = tmp_path / "uploads"
+    other = serve(lambda: make_engine(tiny_llama), upload_dir=up)
+    up.write_text("not a directory any more")
+    with other.client() as c:
+        details = refused(lambda: c.upload_adapter("disk", tiny_adapters("d0")),
+                          grpc.StatusCode.INTERNAL, "could not write the upload")
+        assert str(tmp_path) not in details
+        assert len(c.generate(prompt_token_ids=IDS, temperature=0.0, max_new_tokens=2,
+                              ignore_eos=True).token_ids) == 2
+        assert "disk" not in names(c)
+
+
 class SlowDisk:
     """A file whose first write takes SLOW_WRITE_S (a slow or stalled disk)."""
 
