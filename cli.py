@@ -148,7 +148,9 @@ def add_adapters(sub: argparse._SubParsersAction) -> None:
     upload = verbs.add_parser("upload", help="send a PEFT LoRA dir's files under NAME (no "
                               "shared disk needed)")
     upload.add_argument("name")
-    upload.add_argument("path", help="adapter dir, on this machine")
+    upload.add_argument("path", help="adapter dir, on this machine (checked before the call: "
+                        "a readable adapter_config.json and a non-empty "
+                        "adapter_model.safetensors)")
     upload.add_argument("--replace", action="store_true", help="load it in place over NAME")
     upload.add_argument("--pin", action="store_true", help="keep it on the device")
     unload = verbs.add_parser("unload", help="unload NAME (in-flight requests finish)")
@@ -161,6 +163,8 @@ def add_adapters(sub: argparse._SubParsersAction) -> None:
 def run_adapters(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     import grpc
     from google.protobuf.json_format import MessageToDict
+
+    from .client_upload import AdapterDirError
 
     with _client(args) as client:
         try:
@@ -176,6 +180,8 @@ def run_adapters(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
                 print(_adapter_line(call(args.name, args.path, args.replace, args.pin)))
             else:
                 print(f"unloaded {client.unload_adapter(args.name).name}")
+        except AdapterDirError as e:  # upload's local directory: read before the call
+            parser.error(str(e))
         except grpc.RpcError as e:
             print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
             return 1

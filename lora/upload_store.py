@@ -18,7 +18,7 @@ import tempfile
 import weakref
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from .peft_files import CONFIG_NAME
 from .peft_format import WEIGHTS_NAME
@@ -45,6 +45,12 @@ class UploadStore:
     def new_dir(self, name: str) -> Path:
         """A fresh, empty directory for one upload of adapter ``name``."""
         return Path(tempfile.mkdtemp(prefix=f"{_UNSAFE.sub('_', name)[:64]}-", dir=self.root))
+
+    def open_weights(self, upload: Path) -> BinaryIO:
+        """``upload``'s adapter_model.safetensors (``upload`` from ``new_dir``), open for
+        writing: the stream's chunks go there (server/adapter_upload.py writes and closes it
+        off the event loop)."""
+        return (upload / WEIGHTS_NAME).open("wb")
 
     def owns(self, path: str | Path) -> bool:
         return Path(path).resolve().is_relative_to(self.root) and \

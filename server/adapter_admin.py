@@ -16,12 +16,14 @@ from .adapter_ops import AdapterOps, LocalAdapters
 from .adapter_upload import receive_upload
 from .state import ServerState
 from .status import unary
+from .upload_limits import UploadLimits
 
 
 class AdapterAdminServicer(pb_grpc.AdapterAdminServicer):
     def __init__(self, state: ServerState, adapters: AdapterOps | None = None):
         self.state = state
         self.adapters = adapters or LocalAdapters(state)
+        self.uploads = UploadLimits.from_options(state.options)  # this server's streams
 
     @unary
     async def LoadAdapter(self, request: pb.LoadAdapterRequest,
@@ -33,7 +35,8 @@ class AdapterAdminServicer(pb_grpc.AdapterAdminServicer):
     @unary
     async def UploadAdapter(self, requests: AsyncIterator[pb.UploadAdapterRequest],
                             context: grpc.aio.ServicerContext) -> pb.AdapterInfo:
-        return convert.adapter_info(await receive_upload(self.state, self.adapters, requests))
+        return convert.adapter_info(await receive_upload(self.state, self.adapters,
+                                                         self.uploads, requests))
 
     @unary
     async def ResetPrefixCache(self, request: pb.ResetPrefixCacheRequest,

@@ -33,6 +33,7 @@ class ErrorCode(enum.Enum):
     RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"  # the queue is full; an upload too large
     FAILED_PRECONDITION = "FAILED_PRECONDITION"  # the set-up refuses the call; an adapter's
     # data failed the request at run time (NaN / Inf logits, a refused re-read)
+    DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED"  # a client stream idle past the server's timeout
     UNAVAILABLE = "UNAVAILABLE"  # starting, draining: retry later or elsewhere
     UNIMPLEMENTED = "UNIMPLEMENTED"
     INTERNAL = "INTERNAL"  # an engine fault; the engine loop has died

@@ -3,6 +3,7 @@ the fields that are ``loraplex serve`` flags declare them (loraplex.flag)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,6 +16,9 @@ DEFAULT_GRACE_S = 20.0
 DEFAULT_MAX_UPLOAD_BYTES = 1 << 30
 DEFAULT_MAX_REQUEST_BYTES = 4 << 20  # gRPC's own default message limit, set explicitly
 MIN_REQUEST_BYTES = 2 << 20  # UploadAdapter's client sends 1 MiB chunks (client_upload.py)
+DEFAULT_MAX_CONCURRENT_UPLOADS = 2
+DEFAULT_UPLOAD_IDLE_TIMEOUT_S = 30.0
+DEFAULT_UPLOAD_TIMEOUT_S = 600.0
 NETWORK = "network and security"
 ADAPTERS = "adapters (training loops)"
 TOOLS = "tool calls"
@@ -69,6 +73,23 @@ class ServerOptions:
     max_upload_bytes: int = flag(  # UploadAdapter's weights, in bytes
         DEFAULT_MAX_UPLOAD_BYTES, group=ADAPTERS, kind="bytes", metavar="BYTES",
         help="the largest adapter_model.safetensors UploadAdapter accepts (e.g. 256MiB)")
+    max_concurrent_uploads: int = flag(  # UploadAdapter streams at once (per replica on Ray)
+        DEFAULT_MAX_CONCURRENT_UPLOADS, group=ADAPTERS, metavar="N",
+        help="UploadAdapter streams in flight at once; RESOURCE_EXHAUSTED beyond")
+    upload_idle_timeout_s: float = flag(  # the longest wait for an upload's next message
+        DEFAULT_UPLOAD_IDLE_TIMEOUT_S, group=ADAPTERS, name="upload-idle-timeout",
+        metavar="SECONDS",
+        help="an upload that sends no message for this long is dropped (DEADLINE_EXCEEDED) "
+        "and its files removed")
+    upload_timeout_s: float = flag(  # from an upload's first message to its last
+        DEFAULT_UPLOAD_TIMEOUT_S, group=ADAPTERS, name="upload-timeout", metavar="SECONDS",
+        help="an upload still sending this long after its first message is dropped "
+        "(DEADLINE_EXCEEDED) and its files removed")
+    upload_disk_budget: int | None = flag(  # None: max_concurrent_uploads x max_upload_bytes
+        None, group=ADAPTERS, kind="bytes", metavar="BYTES",
+        help="the weights' bytes all uploads in flight may hold on disk together (declared "
+        "sizes reserved before a byte is written); RESOURCE_EXHAUSTED beyond (default: "
+        "--max-concurrent-uploads x --max-upload-bytes)")
     upload_dir: Path | None = flag(  # noqa: RUF009  (None: a private temporary directory)
         None, group=ADAPTERS, metavar="DIR",
         help="where uploaded adapters are written; with --ray, storage every node reads at "
@@ -115,12 +136,14 @@ class ServerOptions:
         if self.max_request_bytes < MIN_REQUEST_BYTES:
             raise ValueError(f"max_request_bytes={self.max_request_bytes} must be >= "
                              f"{MIN_REQUEST_BYTES} (2 MiB: UploadAdapter's chunks are 1 MiB)")
-        if self.max_upload_bytes < 1:
-            raise ValueError(f"max_upload_bytes={self.max_upload_bytes} must be >= 1")
+        self._check_uploads()
         for name in ("upload_dir", "lora_resolver_dir", "lora_resolver_hf_cache"):
             path = getattr(self, name)
             if path is not None:
                 object.__setattr__(self, name, Path(path).expanduser().resolve())
+        if self.upload_dir is not None and self.upload_dir.exists() and \
+                not self.upload_dir.is_dir():  # a missing one is made on the first upload
+            raise ValueError(f"upload_dir={self.upload_dir} is not a directory")
         if self.lora_resolver_dir is not None and not self.lora_resolver_dir.is_dir():
             raise ValueError(f"lora_resolver_dir={self.lora_resolver_dir} is not a directory")
         if self.lora_resolver_hf_cache is not None and not self.lora_resolver_hf_cache.is_dir():
@@ -145,6 +168,29 @@ class ServerOptions:
         for root in self.adapter_roots:
             if not root.is_dir():
                 raise ValueError(f"adapter root {root} is not a directory")
+
+    def _check_uploads(self) -> None:
+        if self.max_upload_bytes < 1:
+            raise ValueError(f"max_upload_bytes={self.max_upload_bytes} must be >= 1")
+        if self.max_concurrent_uploads < 1:
+            raise ValueError(f"max_concurrent_uploads={self.max_concurrent_uploads} must be "
+                             ">= 1")
+        for name in ("upload_idle_timeout_s", "upload_timeout_s"):
+            if not 0 < getattr(self, name) < math.inf:
+                raise ValueError(f"{name}={getattr(self, name)} must be a number of seconds "
+                                 "> 0")
+        if self.upload_disk_budget is not None and \
+                self.upload_disk_budget < self.max_upload_bytes:
+            raise ValueError(f"upload_disk_budget={self.upload_disk_budget} must be >= "
+                             f"max_upload_bytes ({self.max_upload_bytes}), or one upload of "
+                             "the largest size could never fit")
+
+    @property
+    def upload_budget(self) -> int:
+        """The bytes of weights all uploads in flight may hold on disk together."""
+        if self.upload_disk_budget is not None:
+            return self.upload_disk_budget
+        return self.max_concurrent_uploads * self.max_upload_bytes
 
     @property
     def tls(self) -> bool:

@@ -96,6 +96,12 @@ def test_unservable_adapter_config_is_usage_error_before_loading(capsys, tmp_pat
     (["--ssl-certfile", "/etc/hostname"], "ssl_certfile and ssl_keyfile must be given together"),
     (["--adapter-root", "/no/such/root"], "adapter root /no/such/root is not a directory"),
     (["--admin-token", ""], "admin_token is empty"),
+    # bounded uploads (issue 42, item 8)
+    (["--max-concurrent-uploads", "0"], "max_concurrent_uploads=0 must be >= 1"),
+    (["--upload-idle-timeout", "0"], "upload_idle_timeout_s=0.0 must be a number of seconds"),
+    (["--upload-timeout", "inf"], "upload_timeout_s=inf must be a number of seconds"),
+    (["--upload-disk-budget", "1MiB"], "upload_disk_budget=1048576 must be >= max_upload_bytes"),
+    (["--upload-dir", "/etc/hostname"], "upload_dir=/etc/hostname is not a directory"),
 ])
 def test_bad_serve_flag_is_usage_error(capsys, tmp_path: Path, argv: list[str], words: str
                                        ) -> None:

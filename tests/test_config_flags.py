@@ -173,7 +173,9 @@ def test_server_and_ray_flags_reach_their_options(captured: Captured, tmp_path: 
               "--ssl-ca-certs": str(files["ca"]), "--max-upload-bytes": "2MiB",
               "--max-request-bytes": "16MiB",
               "--upload-dir": str(tmp_path / "up"), "--lora-resolver-dir": str(tmp_path),
-              "--lora-resolver-hf-cache": str(tmp_path), "--tool-call-parser": "hermes"}
+              "--lora-resolver-hf-cache": str(tmp_path), "--tool-call-parser": "hermes",
+              "--max-concurrent-uploads": "3", "--upload-idle-timeout": "7.5",
+              "--upload-timeout": "90", "--upload-disk-budget": "5MiB"}
     switches = ("--enable-auto-tool-choice", "--allow-any-adapter-path")
     assert set(server) | set(switches) == options_of(ServerOptions)
     run(captured, "serve", "--model", str(tmp_path), *switches,
@@ -184,7 +186,9 @@ def test_server_and_ray_flags_reach_their_options(captured: Captured, tmp_path: 
         ssl_certfile=files["cert"], ssl_keyfile=files["key"], ssl_ca_certs=files["ca"],
         max_upload_bytes=2 << 20, max_request_bytes=16 << 20, upload_dir=tmp_path / "up",
         lora_resolver_dir=tmp_path, lora_resolver_hf_cache=tmp_path,
-        enable_auto_tool_choice=True, tool_call_parser="hermes", allow_any_adapter_path=True)
+        enable_auto_tool_choice=True, tool_call_parser="hermes", allow_any_adapter_path=True,
+        max_concurrent_uploads=3, upload_idle_timeout_s=7.5, upload_timeout_s=90.0,
+        upload_disk_budget=5 << 20)
     ray = {"--ray-address": "auto", "--min-replicas": "2", "--max-replicas": "3",
            "--replica-cpus": "2", "--replica-gpus": "0.5"}
     assert set(ray) | {"--num-replicas"} == options_of(RayOptions)

@@ -19,7 +19,7 @@ from typing import Any
 from ray.exceptions import RayActorError
 
 from ...engine.async_engine import AsyncEngine
-from .registry import Entry, Snapshot
+from .registry import LAUNCH_VERSION, Entry, Snapshot
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +33,9 @@ class RegistryFollower:
         self.member = member
         self.engine = engine
         self.applied = -1
-        self.versions = {name: 0 for name in preloaded}  # the registry version loaded here
+        # the registry version loaded here: the engine loaded --lora-modules as its first
+        # loads, which the registry numbers LAUNCH_VERSION too
+        self.versions = {name: LAUNCH_VERSION for name in preloaded}
         self.failures: dict[str, str] = {}  # adapter -> why this replica could not load it
         self._task: asyncio.Task | None = None
 

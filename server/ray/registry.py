@@ -8,6 +8,10 @@ passing that version back on its next call.
 Consistency (what LoadAdapter / UnloadAdapter through any replica guarantee):
 
 - Every change (register, unregister) gets the next version; versions only grow.
+- The launch is the first change when it registers adapters (``--lora-modules``): they hold
+  version ``LAUNCH_VERSION`` (1), the number each replica's engine gives a name's first
+  load, so the first load after them (an in-place load of a preloaded adapter included)
+  is 2 or more, and a name's version never repeats on any replica.
 - ``wait_applied(v)`` returns once every *live* member has acknowledged a version >= v. The
   admin path calls it before answering, so once LoadAdapter returns OK no live replica
   answers NOT_FOUND for that name, and once UnloadAdapter returns no live replica starts a
@@ -40,6 +44,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
 DEFAULT_LEASE_S = 10.0
+LAUNCH_VERSION = 1  # the preloaded adapters' version: a name's first load (lora/cache.py)
 
 
 @dataclass(frozen=True)
@@ -100,8 +105,8 @@ class AdapterRegistry:
             now = time.monotonic()
             self.members = {m: _Member(-1, now) for m in saved["members"]}
         else:
-            self.version = 0
-            self.entries = {name: Entry(name, path, preloaded=True)
+            self.version = LAUNCH_VERSION if preloaded else 0
+            self.entries = {name: Entry(name, path, preloaded=True, version=LAUNCH_VERSION)
                             for name, path in (preloaded or {}).items()}
             self._save()
 

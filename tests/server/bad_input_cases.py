@@ -227,7 +227,40 @@ LOAD_CASES += [
          path="@overflow-product", replace=True),
 ]
 
-ALL_CASES = GENERATE_CASES + LOAD_CASES + UNLOAD_CASES
+# ---- uploads (issue 42, item 8): AdapterAdmin/UploadAdapter's stream ----------------------
+# ``upload(id, ...)`` sends the files of ``path`` (``@name``: a broken dir, as ``load``'s) as
+# the client does (header, then 1 KiB chunks), changed by: ``first="chunk"`` (no header
+# first), ``messages="none"``, ``config`` (header.adapter_config's text), ``size_bytes``
+# (declared), ``extra_header`` (a second header after the first chunk). The message never
+# shows the store's paths (test_bad_inputs.py checks).
+def upload(id: str, code: str, fragment: str, name: str = "up-new", path: str = "@ok",
+           **kwargs: Any) -> Case:
+    return Case(id, "upload", {"name": name, "path": path, **kwargs}, code, fragment)
+
+
+UPLOAD_CASES = [
+    upload("upload-chunk-before-header", INVALID, "must be the header", first="chunk"),
+    upload("upload-no-messages", INVALID, "must be the header", messages="none"),
+    upload("upload-config-empty", INVALID, "adapter_config is empty", config=" "),
+    upload("upload-size_bytes-over-max", "RESOURCE_EXHAUSTED", "--max-upload-bytes",
+           size_bytes=2**40),
+    upload("upload-ends-short-of-size_bytes", INVALID, "ended after", size_bytes=10**6),
+    upload("upload-longer-than-size_bytes", INVALID, "header.size_bytes", size_bytes=100),
+    upload("upload-second-header", INVALID, "one header", extra_header=True),
+    upload("upload-no-weights", INVALID, "carried no weights", path="@empty-weights"),
+    upload("upload-name-taken", "ALREADY_EXISTS", "already exists", name=GOOD),
+    upload("upload-name-is-served-model-name", INVALID, "served model name", name=ALIAS),
+    upload("upload-name-empty", INVALID, "name is empty", name=""),
+    upload("upload-config-not-json", INVALID, "not readable JSON", path="@bad-json"),
+    upload("upload-config-not-lora", INVALID, "not a LoRA adapter", path="@prefix-tuning"),
+    upload("upload-garbage-safetensors", INVALID, "truncated or corrupt", path="@garbage"),
+    upload("upload-nan-weights", INVALID, "NaN or Inf", path="@nan"),
+    upload("upload-rank-over-limit", INVALID, "above max_lora_rank", path="@rank-32"),
+    upload("upload-replace-with-broken-keeps-old", INVALID, "NaN or Inf", name=GOOD,
+           path="@nan", replace=True),
+]
+
+ALL_CASES = GENERATE_CASES + LOAD_CASES + UNLOAD_CASES + UPLOAD_CASES
 
 
 # ---- the HTTP front -----------------------------------------------------------------------

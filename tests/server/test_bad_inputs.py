@@ -23,6 +23,7 @@ import httpx
 import pytest
 from google.protobuf.message import Message
 from loraplex import SamplingParams
+from loraplex.proto import loraplex_pb2 as pb
 
 from tests.server.bad_input_cases import (
     ALIAS,
@@ -33,7 +34,7 @@ from tests.server.bad_input_cases import (
     Case,
     HttpCase,
 )
-from tests.server.broken_adapters import BROKEN
+from tests.server.broken_adapters import BROKEN, CONFIG, WEIGHTS
 from tests.server.conftest import slow_steps, wait_until
 
 HEALTHY_IDS = [10, 20, 30]
@@ -101,7 +102,28 @@ def send(client: Any, case: Case, stream: bool, layout: dict[str, Path]) -> Any:
     if case.call == "load":
         return client.load_adapter(kw.pop("name"), _path(kw.pop("path"), layout), timeout=30,
                                    **kw)
+    if case.call == "upload":
+        return client._s.admin.UploadAdapter(iter(upload_messages(kw, layout)),
+                                             **client._s.adm(30))
     return client.unload_adapter(kw["name"], timeout=30)
+
+
+def upload_messages(kw: dict[str, Any], layout: dict[str, Path]) -> list[pb.UploadAdapterRequest]:
+    """An upload case's stream (bad_input_cases.py ``upload``)."""
+    if kw.get("messages") == "none":
+        return []
+    d = Path(_path(kw["path"], layout))
+    config, weights = (d / CONFIG).read_text(), (d / WEIGHTS).read_bytes()
+    header = pb.UploadAdapterHeader(name=kw["name"], adapter_config=kw.get("config", config),
+                                    replace=kw.get("replace", False),
+                                    size_bytes=kw.get("size_bytes", len(weights)))
+    chunks = [pb.UploadAdapterRequest(chunk=weights[i:i + 1024])
+              for i in range(0, len(weights), 1024)]
+    if kw.get("extra_header"):
+        chunks.insert(1, pb.UploadAdapterRequest(header=header))
+    if kw.get("first") == "chunk":
+        return chunks
+    return [pb.UploadAdapterRequest(header=header), *chunks]
 
 
 PARAMS = [pytest.param(c, False, id=c.id) for c in ALL_CASES] + \
@@ -129,6 +151,7 @@ def test_bad_input(client: Any, layout: dict[str, Path], healthy_reference: list
     assert case.fragment in err.details(), err.details()
     sent = _path(case.kwargs["path"], layout) if case.call == "load" else ""
     assert_no_internal_path(err.details(), sent, layout)
+    assert "loraplex-uploads-" not in err.details()  # never the upload store's paths
     healthy = client.generate(prompt_token_ids=HEALTHY_IDS, adapter=GOOD, temperature=0.0,
                               max_new_tokens=HEALTHY_N, ignore_eos=True, timeout=30)
     assert list(healthy.token_ids) == healthy_reference
@@ -207,4 +230,5 @@ def test_nothing_leaks_after_the_table(client: Any, server: Any) -> None:
     engine = server.engine
     assert engine.lora.slots_in_use == 0 and not engine.requests
     assert [a.name for a in client.list_adapters()] == [GOOD]
+    assert list(engine.uploads.root.iterdir()) == []  # no upload left a directory
     assert client.health() == "SERVING"

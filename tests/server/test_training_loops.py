@@ -100,6 +100,26 @@ def test_in_place_loads_and_versions_on_every_surface(server, client, tiny_adapt
         "adapter_version")
 
 
+def test_a_preloaded_adapters_first_in_place_load_is_version_2(serve, make_engine, tiny_llama,
+                                                                tiny_adapters) -> None:
+    """Issue 42, item 11, on one server: an adapter given at launch (lora_modules) is
+    version 1; its first in-place load is 2 on every surface, never 1 again."""
+    one = serve(lambda: make_engine(tiny_llama, lora_modules={"pre": str(tiny_adapters("a2"))}),
+                http_port=0, admin_token=ADMIN, adapter_roots=[tiny_adapters("a0").parent])
+    with one.client(admin_token=ADMIN) as c:
+        assert {a.name: a.version for a in c.list_adapters()}["pre"] == 1
+        r = admin_post(one, "/v1/load_lora_adapter", {
+            "lora_name": "pre", "lora_path": str(tiny_adapters("a3")), "load_inplace": True})
+        assert r.status_code == 200 and r.headers["loraplex-adapter-version"] == "2"
+        assert gen(c, "pre").adapter_version == 2
+        r = httpx.post(f"{one.http_url}/v1/completions", timeout=60, json={
+            "model": "pre", "prompt": IDS, "max_tokens": 2, "temperature": 0.0})
+        assert r.status_code == 200 and r.headers["loraplex-adapter-version"] == "2"
+        cards = {m["id"]: m for m in httpx.get(f"{one.http_url}/v1/models").json()["data"]}
+        assert cards["pre"]["version"] == 2
+        assert c.load_adapter("pre", tiny_adapters("a2"), replace=True).version == 3
+
+
 def _gauge(metrics: str, adapter: str) -> float | None:
     for line in metrics.splitlines():
         if line.startswith("loraplex:adapter_version{") and f'adapter="{adapter}"' in line:

@@ -1,15 +1,17 @@
 """An in-place load (a training loop's new version) through Ray Serve reaches both replicas:
 once LoadAdapter(replace) answers, every request on either replica runs on the new
-version's weights and reports the same version number (the registry's for that load)."""
+version's weights and reports the same version number (the registry's for that load), a preloaded adapter's first in-place load
+included."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import grpc
+import httpx
 from loraplex.client import Client
 
-from tests.server.ray_serve.conftest import PROMPTS, N
+from tests.server.ray_serve.conftest import ADMIN, NAMES, PROMPTS, REPLICA, N
 from tests.server.ray_serve.test_ray_serve import spread
 
 
@@ -43,3 +45,30 @@ def test_an_upload_reaches_both_replicas(client: Client, ray_app: Any, tiny_adap
     assert {r.adapter_version for r, _ in results} == {info.version}
     assert len({replica for _, replica in results}) == 2
     client.unload_adapter("uploaded")
+
+
+def test_a_preloaded_adapters_first_in_place_load_is_a_new_version(
+        client: Client, ray_app: Any, tiny_adapters, peft_reference) -> None:
+    """Issue 42, item 11: a --lora-modules adapter is version 1 on every replica; its first
+    in-place load (HTTP's load_inplace) must not report 1 again, in the load answer, the
+    responses of both replicas and /v1/models of both; then a3's own weights come back."""
+    name, ids = NAMES[3], PROMPTS[3]
+    url, admin = ray_app.http_url, {"Authorization": f"Bearer {ADMIN}"}
+    last = {a.name: a.version for a in client.list_adapters()}[name]
+    assert last >= 1
+    for made in ("ip-pre", name):  # a new adapter's weights, then a3's own again
+        r = httpx.post(f"{url}/v1/load_lora_adapter", headers=admin, timeout=120, json={
+            "lora_name": name, "lora_path": str(tiny_adapters(made)), "load_inplace": True})
+        assert r.status_code == 200, r.text
+        version = int(r.headers["loraplex-adapter-version"])
+        assert version > last, (version, last)
+        last = version
+        results = spread(ray_app.target, name, ids, n=12)
+        assert all(not isinstance(r, grpc.RpcError) for r, _ in results), results
+        assert {tuple(r.token_ids) for r, _ in results} == {tuple(peft_reference(made, ids, N))}
+        assert {r.adapter_version for r, _ in results} == {version}
+        assert len({replica for _, replica in results}) == 2
+        cards = [httpx.get(f"{url}/v1/models", timeout=60) for _ in range(16)]
+        seen = {(c.headers[REPLICA], {m["id"]: m for m in c.json()["data"]}[name]["version"])
+                for c in cards}  # 16 calls without affinity reach both (p = 2^-15 to miss)
+        assert {v for _, v in seen} == {version} and len(seen) == 2, seen
