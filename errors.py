@@ -15,5 +15,10 @@ class AdapterExistsError(ValueError):
     """An adapter of that name is already registered (and replace was not asked for)."""
 
 
+class CapacityError(RuntimeError):
+    """A bounded resource is full (e.g. the grammar compiles pending); the request may be
+    retried later. Not the request's fault: never cached as its answer."""
+
+
 class EngineDeadError(RuntimeError):
     """The engine loop has stopped after an internal fault."""

@@ -4,6 +4,7 @@
 from ..errors import (  # noqa: F401  (re-exported: the engine's error surface)
     AdapterExistsError,
     AdapterNotFoundError,
+    CapacityError,
     EngineDeadError,
     InvalidRequestError,
 )

@@ -83,7 +83,7 @@ class LLMEngine(EngineAdapters):
                                    cfg.adapter_starvation_steps)
         self.outputs = OutputProcessor(self.tokenizer)
         self.constraints = Constraints(self.tokenizer, self.base.hf_config.vocab_size,
-                                       self.base.eos_token_ids)  # structured outputs
+                                       self.base.eos_token_ids, cfg)  # structured outputs
         self.requests: dict[str, list[Sequence]] = {}  # request id -> its live choices
         self._ids = itertools.count()
         for name, path in cfg.lora_modules.items():
@@ -111,10 +111,12 @@ class LLMEngine(EngineAdapters):
 
     def make_sequence(self, prompt: Prompt, params: SamplingParams | None = None,
                       adapter: str | None = None, request_id: str | None = None,
-                      grammar: object | None = None) -> Sequence:
+                      grammar: object | None = None, compile_grammar: bool = True
+                      ) -> Sequence:
         """Validate a request and build its Sequence (does not touch engine state). A
-        constrained request's grammar is compiled here (blocking) unless ``grammar``, its
-        compiled grammar, is given (``AsyncEngine`` compiles it off the engine thread)."""
+        constrained request's grammar is compiled last, once every other check passed
+        (blocking), unless ``grammar``, its compiled grammar, is given or
+        ``compile_grammar`` is false (``AsyncEngine`` then compiles it and attaches it)."""
         params = (params or SamplingParams()).with_defaults(self.base.sampling_defaults)
         try:
             params.validate()
@@ -137,8 +139,7 @@ class LLMEngine(EngineAdapters):
         vocab = self.base.hf_config.vocab_size
         check_sampling(params, self.config, vocab)
         bad_words_ids = tokenize_bad_words(self.tokenizer, params.bad_words, vocab)
-        self.constraints.check(params)
-        grammar = grammar if grammar is not None else self.constraints.compile(params)
+        self.constraints.check(params)  # the constraint's limits; compiles nothing
         params.max_new_tokens = max_new
         if params.temperature is None:
             params.temperature = 1.0
@@ -150,6 +151,8 @@ class LLMEngine(EngineAdapters):
             eos_token_ids=self.base.eos_token_ids,
             max_tokens=len(ids) + max_new, bad_words_ids=bad_words_ids,
         )
+        if grammar is None and compile_grammar:  # the expensive part, after every check
+            grammar = self.constraints.compile(params)
         self.constraints.attach(seq, grammar)
         return seq
 

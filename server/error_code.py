@@ -13,6 +13,7 @@ import logging
 from ..engine.errors import (
     AdapterExistsError,
     AdapterNotFoundError,
+    CapacityError,
     EngineDeadError,
     InvalidRequestError,
 )
@@ -28,7 +29,8 @@ class ErrorCode(enum.Enum):
     ALREADY_EXISTS = "ALREADY_EXISTS"  # a taken adapter name, without replace
     PERMISSION_DENIED = "PERMISSION_DENIED"  # an adapter path outside the adapter roots
     UNAUTHENTICATED = "UNAUTHENTICATED"  # no token, or a wrong one
-    RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"  # the queue is full; an upload too large
+    RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"  # the queue is full; an upload too large;
+    # the grammar compiler is busy
     FAILED_PRECONDITION = "FAILED_PRECONDITION"  # the set-up refuses the call
     UNAVAILABLE = "UNAVAILABLE"  # starting, draining: retry later or elsewhere
     UNIMPLEMENTED = "UNIMPLEMENTED"
@@ -54,6 +56,8 @@ def code_of(exc: BaseException) -> tuple[ErrorCode, str]:
         return ErrorCode.NOT_FOUND, _text(exc)
     if isinstance(exc, EngineDeadError):
         return ErrorCode.INTERNAL, str(exc)
+    if isinstance(exc, CapacityError):  # e.g. the grammar compiles pending are at the cap
+        return ErrorCode.RESOURCE_EXHAUSTED, str(exc)
     if isinstance(exc, (InvalidRequestError, ValueError)):
         return ErrorCode.INVALID_ARGUMENT, str(exc)
     log.exception("internal error", exc_info=exc)
