@@ -43,8 +43,13 @@ def chat_ids(tokenizer: Any | None, turns: Sequence[ChatTurn],
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("this model's tokenizer has no chat template: send a plain prompt "
                          "(apply_chat_template false; `loraplex generate --no-chat-template`)")
-    text = tokenizer.apply_chat_template(messages, tools=tools or None,
-                                         add_generation_prompt=True, tokenize=False)
+    try:
+        text = tokenizer.apply_chat_template(messages, tools=tools or None,
+                                             add_generation_prompt=True, tokenize=False)
+    except RecursionError:  # a tool's parameters (or a call's arguments) hundreds deep
+        raise ValueError("the messages or tools nest too deeply for the chat template (a "
+                         "tool's parameters schema may nest at most --max-schema-depth "
+                         "levels)") from None
     # The template writes any BOS itself; tokenizing must not add another.
     return list(tokenizer(text, add_special_tokens=False).input_ids)
 

@@ -103,6 +103,9 @@ class CompilePool:
         with self._lock:
             return sum(not j.in_flight for j in self._entries.values())
 
+    def zygote_pid(self) -> int | None:
+        return None if self._zygote is None else self._zygote.pid
+
     def worker_pids(self) -> list[int]:
         return [pid for pid in (w.pid for w in self._workers) if pid is not None]
 

@@ -101,6 +101,11 @@ class GrammarCompiler:
         """The worker processes alive now (tests count them)."""
         return self._pool.worker_pids()
 
+    @property
+    def zygote_pid(self) -> int | None:
+        """The process that forks the workers (None before the first compile)."""
+        return self._pool.zygote_pid()
+
     def shutdown(self) -> None:
         self._pool.shutdown()
 

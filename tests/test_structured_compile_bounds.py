@@ -36,14 +36,8 @@ def tokenizer(tmp_path_factory: pytest.TempPathFactory):
 
 
 def slow(tag: int, props: int = 4, k: int = 120, pad: int = 0) -> StructuredOutputs:
-    """A schema that takes this tokenizer seconds to compile (~1.5 s a property alone);
-    ``pad`` bytes of description make its source large without making it slower."""
-    properties = {f"p{tag}_{i}": {"type": "string",
-                                  "pattern": f"^([{chr(97 + i)}-z]{{1,{k}}}){{1,{k}}}$"}
-                  for i in range(props)}
-    schema = {"type": "object", "properties": properties, "required": list(properties),
-              "additionalProperties": False, "description": "x" * pad}
-    return StructuredOutputs(json=schema)
+    """A schema that takes this tokenizer seconds to compile (cases.slow_schema)."""
+    return StructuredOutputs(json=cases.slow_schema(tag, props, k, pad))
 
 
 def alive(pid: int) -> bool:
