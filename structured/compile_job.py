@@ -35,7 +35,7 @@ class CompileJob:
     future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
     waiters: int = 1  # requests awaiting it; 0 drops it (while not DONE)
     state: State = State.QUEUED
-    grammar_bytes: int = 0  # the compiled grammar's memory, once DONE with one
+    grammar_bytes: int = 0  # the compiled grammar's memory (its cache cost), once DONE
 
     @property
     def in_flight(self) -> bool:

@@ -216,6 +216,7 @@ class CompilePool:
             result = worker.run(job.constraint, s.max_compiled_bytes, limit, job.wanted)
         except RuntimeError as e:  # the worker could not start
             return Result(Outcome.NO_WORKER, str(e))
+        worker.recycle_if_grown(result)
         if fast_try and result.outcome is Outcome.TIMEOUT:
             with self._lock:  # past the fast budget: the full limit on a general worker
                 if job.state is State.RUNNING:
@@ -227,12 +228,15 @@ class CompilePool:
 
     def _finish(self, job: CompileJob, result: Result) -> None:
         c = job.constraint
-        grammar, error, cache = None, None, True
+        grammar, error, cache, cost = None, None, True, 0
         if result.outcome is Outcome.ABANDONED:
             return
         if result.outcome is Outcome.OK:
             try:
                 grammar = xgrammar.CompiledGrammar.deserialize_json(result.detail, self._info)
+                # what it holds here: memory_size_bytes says ~1/3 of it for a deserialized
+                # grammar; the serialized size comes closer (measured RSS per cached grammar)
+                cost = max(grammar.memory_size_bytes, len(result.detail))
             except (RuntimeError, ValueError) as e:
                 error, cache = RuntimeError(f"a compiled grammar did not deserialize: {e}"), False
         elif result.outcome is Outcome.TIMEOUT:
@@ -248,10 +252,10 @@ class CompilePool:
                 f"ended ({result.detail or 'killed, or out of memory'})"), False
         else:  # ERROR, TOO_LARGE: the constraint's own fault, the same every time
             error = ValueError(result.detail)
-        self._settle(job, grammar, error, cache)
+        self._settle(job, grammar, error, cache, cost)
 
     def _settle(self, job: CompileJob, grammar: xgrammar.CompiledGrammar | None,
-                error: BaseException | None, cache: bool) -> None:
+                error: BaseException | None, cache: bool, cost: int = 0) -> None:
         with self._lock:
             if job.state is not State.RUNNING:
                 return  # dropped meanwhile: nobody waits
@@ -259,7 +263,7 @@ class CompilePool:
             if not cache:
                 self._forget(job)
             elif grammar is not None and self._entries.get(job.key) is job:
-                job.grammar_bytes = grammar.memory_size_bytes
+                job.grammar_bytes = cost
                 self._cached_bytes += job.grammar_bytes
             self._evict()
         if error is not None:

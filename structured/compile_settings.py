@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 DEFAULT_CAPACITY = 256  # compiled grammars kept
-DEFAULT_CACHE_BYTES = 256 << 20  # their memory (xgrammar's memory_size_bytes) kept at most
+DEFAULT_CACHE_BYTES = 256 << 20  # their memory kept at most (each: its serialized size)
 DEFAULT_TIMEOUT_S = 10.0
 DEFAULT_WORKERS = 2
 DEFAULT_MAX_PENDING = 16

@@ -11,7 +11,9 @@ refused at once with a message naming the limit:
   bounded repetitions nest, as in ``^([a-z]{1,20}){1,20}$``, costs xgrammar 0.2.9 time
   superlinear in the product of their counts (20 × 20: ~15 s on a 49k vocabulary), while
   its regex and grammar paths do not; the product along any nesting may not exceed this.
-  A repetition of one character class (``[a-z]{1,100000}``) does not nest and is not bound.
+  A repetition of one character class (``[a-z]{1,100000}``) does not nest and is not bound;
+- the count keywords (``maxLength``, ``minItems``, ...) may not pass 2**31 - 1, which
+  xgrammar's 32-bit counts would wrap.
 """
 
 from __future__ import annotations
@@ -26,6 +28,10 @@ from .constraint import StructuredOutputs
 DEFAULT_MAX_BYTES = 64 * 1024
 DEFAULT_MAX_DEPTH = 64
 DEFAULT_MAX_PATTERN_REPETITION = 64
+# xgrammar 0.2.9 keeps repetition counts in 32-bit ints: a larger one wraps around
+MAX_COUNT = 2**31 - 1
+COUNT_KEYS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties",
+              "maxProperties")
 
 
 @dataclass(frozen=True)
@@ -54,6 +60,10 @@ class ConstraintLimits:
                 f"structured_outputs.{kind} takes {size} bytes; the limit is {self.max_bytes} "
                 "(--max-grammar-bytes)")
         if kind == "json":
+            for key, value in schema_counts(schema):
+                if value > MAX_COUNT:
+                    raise ValueError(f"structured_outputs.json: {key}={value} is past "
+                                     f"{MAX_COUNT}, the largest count a schema may give")
             for pattern in schema_patterns(schema):
                 product = nested_repetition(pattern)
                 if product > self.max_pattern_repetition:
@@ -79,6 +89,21 @@ def nesting_depth(node: Any, stop_past: int) -> int:
         children = value.values() if isinstance(value, dict) else value
         stack.extend((child, depth + 1) for child in children)
     return deepest
+
+
+def schema_counts(node: Any) -> Iterator[tuple[str, int]]:
+    """Every integer given to a schema's count keywords (COUNT_KEYS)."""
+    stack = [node]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, list):
+            stack.extend(value)
+        elif isinstance(value, dict):
+            for key in COUNT_KEYS:
+                count = value.get(key)
+                if isinstance(count, int) and not isinstance(count, bool):
+                    yield key, count
+            stack.extend(value.values())
 
 
 def schema_patterns(node: Any) -> Iterator[str]:

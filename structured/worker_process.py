@@ -11,6 +11,7 @@ WorkerProcess.
 from __future__ import annotations
 
 import enum
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -20,6 +21,8 @@ from .constraint import StructuredOutputs
 from .zygote import Forked, Zygote
 
 _POLL_S = 0.05  # how often a running job checks whether it is still wanted
+RECYCLE_GROWTH = 128 << 20  # a worker grown this much past its size when forked is replaced
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 _EXIT_WAIT_S = 5.0  # a killed worker's socket closes once the kernel has ended it
 
 
@@ -44,6 +47,7 @@ class WorkerProcess:
     def __init__(self, zygote: Zygote):
         self._zygote = zygote
         self._worker: Forked | None = None
+        self._forked_rss: int | None = None
 
     @property
     def pid(self) -> int | None:
@@ -56,6 +60,19 @@ class WorkerProcess:
             return
         self.kill()
         self._worker = self._zygote.fork()
+        self._forked_rss = _rss(self._worker.pid)
+
+    def recycle_if_grown(self, result: Result) -> None:
+        """Replace the worker after a compile that ran out of room (its heap may keep what
+        it took), or once it has grown RECYCLE_GROWTH past its size when forked: its
+        memory goes back to the system; a fork costs ~10 ms."""
+        if self._worker is None:
+            return
+        rss = _rss(self._worker.pid)
+        grown = rss is not None and self._forked_rss is not None and \
+            rss - self._forked_rss > RECYCLE_GROWTH
+        if result.outcome is Outcome.TOO_LARGE or grown:
+            self.kill()
 
     def run(self, constraint: StructuredOutputs, max_bytes: int, time_limit: float,
             wanted: Callable[[], bool]) -> Result:
@@ -101,3 +118,12 @@ class WorkerProcess:
         except (EOFError, OSError):
             pass
         worker.close()
+
+
+def _rss(pid: int) -> int | None:
+    """A process's resident bytes (Linux's /proc; None elsewhere)."""
+    try:
+        with open(f"/proc/{pid}/statm") as f:
+            return int(f.read().split()[1]) * _PAGE
+    except (OSError, ValueError, IndexError):
+        return None
