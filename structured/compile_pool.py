@@ -115,18 +115,17 @@ class CompilePool:
             queued = [j for q in self._queues.values() for j in q]
             for q in self._queues.values():
                 q.clear()
-            for job in queued:
+            stopped = queued + [j for j in self._entries.values() if j.state is State.RUNNING]
+            for job in stopped:  # their workers see it and are killed
                 job.state = State.DROPPED
                 self._forget(job)
-            for job in self._entries.values():
-                if job.state is State.RUNNING:
-                    job.state = State.DROPPED
             self._work.notify_all()
         with self._info_lock:
             if self._zygote is not None:
                 self._zygote.stop()
-        for job in queued:
-            job.future.set_exception(RuntimeError("the grammar compiler has stopped"))
+        for job in stopped:
+            if not job.future.done():
+                job.future.set_exception(RuntimeError("the grammar compiler has stopped"))
 
     # ---- under the lock -----------------------------------------------------------------
     def _admit(self, lane: Lane) -> None:

@@ -292,3 +292,22 @@ def test_limits_let_ordinary_constraints_through():
     assert nested_repetition(r"^(\(x{2}\)){3}[({]{9}$") == 6  # escaped and classed brackets
     assert nested_repetition("((a{1,4}){1,4}){1,4}") == 64
     assert nested_repetition("(a{2,}){5}") == 10 and nested_repetition("(a{,3}){3}") == 9
+
+
+def test_shutdown_ends_the_compiles_and_the_processes(tokenizer):
+    compiler = GrammarCompiler(tokenizer, VOCAB, {EOS}, timeout_s=60.0)
+    compiler.compile(StructuredOutputs(choice=["warm"]))
+    wait_for(lambda: len(compiler.worker_pids()) == 3)
+    processes = [compiler.zygote_pid, *compiler.worker_pids()]
+
+    async def main() -> None:
+        waiting = asyncio.create_task(compiler.compile_async(slow(60)))
+        await asyncio.sleep(0.3)
+        compiler.shutdown()
+        with pytest.raises(RuntimeError, match="stopped"):
+            await asyncio.wait_for(waiting, 10)
+
+    asyncio.run(main())
+    wait_for(lambda: not any(alive(p) for p in processes), timeout=15)
+    with pytest.raises(RuntimeError, match="stopped"):
+        compiler.compile(StructuredOutputs(choice=["after"]))
