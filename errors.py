@@ -21,6 +21,11 @@ class AdapterFaultError(RuntimeError):
     replace or unload the adapter; other adapters and the base model are unaffected."""
 
 
+class CapacityError(RuntimeError):
+    """A bounded resource is full (e.g. the grammar compiles pending); the request may be
+    retried later. Not the request's fault: never cached as its answer."""
+
+
 class EngineDeadError(RuntimeError):
     """The engine loop has stopped after an internal fault."""
 

@@ -106,6 +106,20 @@ def distinct_schemas(n: int) -> list[dict[str, Any]]:
              "required": [f"f{i}"]} for i in range(n)]
 
 
+def slow_schema(tag: int, props: int = 4, k: int = 120, pad: int = 0) -> dict[str, Any]:
+    """A schema that is slow to compile: each property's pattern nests two bounded
+    repetitions (k × k), which xgrammar 0.2.9's JSON path compiles in time superlinear in
+    their product (~1.5 s a property at k = 120 on the byte tokenizer below, ~15 s at k = 20
+    on SmolLM2's). The engine's max_pattern_repetition limit refuses it; tests of the
+    compiler's bounds raise that limit. ``tag`` makes it a distinct cache key; ``pad`` bytes
+    of description make its source large without making it slower."""
+    properties = {f"p{tag}_{i}": {"type": "string",
+                                  "pattern": f"^([{chr(97 + i % 26)}-z]{{1,{k}}}){{1,{k}}}$"}
+                  for i in range(props)}
+    return {"type": "object", "properties": properties, "required": list(properties),
+            "additionalProperties": False, "description": "x" * pad}
+
+
 _CORPUS = [compact(v) for _, _, v in SCHEMAS] + [
     json.dumps(v) for _, _, v in SCHEMAS] + [
     "the cat sat on the mat. the answer is yes, no or maybe; 555-0199 and 12+7+30.",

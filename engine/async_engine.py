@@ -5,7 +5,9 @@ Only the engine thread touches the LLMEngine, but for its thread-safe doors
 hand it work through a command queue (new requests, aborts, admin calls) and receive
 RequestOutputs through asyncio queues fed with ``call_soon_threadsafe``. A request's
 tokenization and checks run on the RequestProcessor's thread: neither the caller's event
-loop nor the engine thread waits on them.
+loop nor the engine thread waits on them. A constrained request's grammar is compiled
+after them (in the compiler's worker processes), and only a request that passed every
+check costs a compile.
 """
 
 from __future__ import annotations
@@ -77,6 +79,8 @@ class AsyncEngine:
         if self._thread.is_alive():
             self._thread.join(timeout)
         self.processor.shutdown()
+        if self.engine is not None:
+            self.engine.constraints.shutdown()  # its worker processes
 
     @property
     def alive(self) -> bool:
@@ -116,9 +120,6 @@ class AsyncEngine:
         rid = request_id or f"req-{uuid.uuid4().hex}"
         if rid in self._streams:
             raise InvalidRequestError(f"request_id {rid!r} is already in use")
-        # a grammar compiles on the compiler's threads: the request waits here, the engine
-        # steps on, and the processor's thread stays free for other requests
-        grammar = await self.engine.constraints.compile_async(params)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._streams[rid] = stream  # the id is taken from here on
         finished = False
@@ -126,8 +127,11 @@ class AsyncEngine:
         self.engine.prefetch_adapter(adapter)  # the read overlaps the step in progress
         try:
             # tokenized and checked on the processor's thread: off this loop and the engine's
-            seq = await self.processor.sequence(self.engine, prompt, params, adapter, rid,
-                                                 grammar)
+            seq = await self.processor.sequence(self.engine, prompt, params, adapter, rid)
+            # its grammar last, once every other check passed: the compile runs in a worker
+            # process while this waits (the engine steps on; the processor's thread is free)
+            constraints = self.engine.constraints
+            constraints.attach(seq, await constraints.compile_async(seq.params))
             await self.run(lambda e: e.add_sequence(seq))
             while not finished:
                 item = await stream.queue.get()

@@ -23,6 +23,7 @@ CAPACITY = "capacity"
 LORA = "LoRA adapters"
 SAMPLING = "sampling"
 REQUEST_LIMITS = "request limits"
+STRUCTURED = "structured outputs"
 
 
 def _check_range(name: str, value: float, low: float, high: float | None = None) -> None:
@@ -105,6 +106,30 @@ class EngineConfig:
     max_bad_words_chars: int = flag(  # bounds their tokenizing and the index they make
         65536, group=REQUEST_LIMITS,
         help="the most characters of a request's `bad_words`, all together")
+    # structured outputs: the grammar compiler's bounds (structured/compiler.py, limits.py)
+    grammar_compile_timeout: float = flag(
+        10.0, group=STRUCTURED, metavar="SECONDS",
+        help="how long one grammar compile may run (its wait in the queue not counted); past "
+        "it its worker process is killed and the request gets a 400")
+    max_pending_grammars: int = flag(
+        16, group=STRUCTURED, help="grammar compiles queued or running at once; a new "
+        "constraint gets RESOURCE_EXHAUSTED / 429 beyond (large ones: half of it)")
+    grammar_compile_workers: int = flag(
+        2, group=STRUCTURED, help="worker processes compiling grammars (one more is kept "
+        "for small constraints)")
+    grammar_compile_memory: int = flag(
+        1 << 30, group=STRUCTURED, kind="bytes", metavar="BYTES",
+        help="memory one grammar compile may take in its worker (e.g. 1GiB); a 400 beyond")
+    max_compiled_grammar_bytes: int = flag(
+        16 << 20, group=STRUCTURED, kind="bytes", metavar="BYTES",
+        help="a compiled grammar's serialized size (e.g. 16MiB); a 400 beyond")
+    max_grammar_bytes: int = flag(
+        64 << 10, group=STRUCTURED, kind="bytes", metavar="BYTES",
+        help="a constraint's source: a schema's compact JSON, a regex, a grammar, the "
+        "choices together (e.g. 64KiB); a 400 beyond")
+    max_schema_depth: int = flag(
+        64, group=STRUCTURED, help="how deep a JSON schema's objects and arrays may nest")
+    max_pattern_repetition: int = 64  # a schema pattern's nested {m,n} counts, multiplied
     debug_checks: bool = False  # assert the adapter pool's and KV blocks' books every step
 
     def __post_init__(self) -> None:
@@ -138,6 +163,7 @@ class EngineConfig:
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode={self.logprobs_mode!r} is not supported: choose "
                              f"one of {LOGPROBS_MODES}")
+        self._check_structured()
         # the caller's dict is copied: a later change to it does not reach the engine
         object.__setattr__(self, "lora_modules", dict(self.lora_modules))
 
@@ -158,6 +184,18 @@ class EngineConfig:
             raise ValueError(
                 f"max_cpu_loras={self.host_loras} must be >= max_loras={self.max_loras}"
             )
+
+    def _check_structured(self) -> None:
+        if not self.grammar_compile_timeout > 0:
+            raise ValueError(f"grammar_compile_timeout={self.grammar_compile_timeout!r} is out "
+                             "of range: must be > 0 seconds")
+        _check_range("max_pending_grammars", self.max_pending_grammars, 1)
+        _check_range("grammar_compile_workers", self.grammar_compile_workers, 1, 64)
+        _check_range("grammar_compile_memory", self.grammar_compile_memory, 64 << 20)
+        _check_range("max_compiled_grammar_bytes", self.max_compiled_grammar_bytes, 1 << 10)
+        _check_range("max_grammar_bytes", self.max_grammar_bytes, 1)
+        _check_range("max_schema_depth", self.max_schema_depth, 1, 512)
+        _check_range("max_pattern_repetition", self.max_pattern_repetition, 1)
 
     @property
     def host_loras(self) -> int:

@@ -6,6 +6,7 @@ from ..errors import (  # noqa: F401  (re-exported: the engine's error surface)
     AdapterExistsError,
     AdapterFaultError,
     AdapterNotFoundError,
+    CapacityError,
     EngineDeadError,
     InvalidRequestError,
 )

@@ -94,7 +94,7 @@ class LLMEngine(EngineAdapters):
                                    cfg.adapter_starvation_steps)
         self.outputs = OutputProcessor(self.tokenizer)
         self.constraints = Constraints(self.tokenizer, self.base.hf_config.vocab_size,
-                                       self.base.eos_token_ids)  # structured outputs
+                                       self.base.eos_token_ids, cfg)  # structured outputs
         self.requests: dict[str, list[Sequence]] = {}  # request id -> its live choices
         # the names that run the base model besides "" (``names_base_model``), as NOT_FOUND
         # messages show them; a server sets its own (ServerState.attach)
@@ -126,10 +126,12 @@ class LLMEngine(EngineAdapters):
 
     def make_sequence(self, prompt: Prompt, params: SamplingParams | None = None,
                       adapter: str | None = None, request_id: str | None = None,
-                      grammar: object | None = None) -> Sequence:
+                      grammar: object | None = None, compile_grammar: bool = True
+                      ) -> Sequence:
         """Validate a request and build its Sequence (does not touch engine state). A
-        constrained request's grammar is compiled here (blocking) unless ``grammar``, its
-        compiled grammar, is given (``AsyncEngine`` compiles it off the engine thread)."""
+        constrained request's grammar is compiled last, once every other check passed
+        (blocking), unless ``grammar``, its compiled grammar, is given or
+        ``compile_grammar`` is false (``AsyncEngine`` then compiles it and attaches it)."""
         params = (params or SamplingParams()).with_defaults(self.base.sampling_defaults)
         vocab = self.base.hf_config.vocab_size
         check_limits(params, self.config, vocab)  # first: the lists' lengths bound the rest
@@ -153,8 +155,7 @@ class LLMEngine(EngineAdapters):
         self._check_vocab(params.stop_token_ids, "stop_token_ids")
         check_sampling(params, self.config, vocab)
         bad_words = tokenize_bad_words(self.tokenizer, params.bad_words, vocab)
-        self.constraints.check(params)
-        grammar = grammar if grammar is not None else self.constraints.compile(params)
+        self.constraints.check(params)  # the constraint's limits; compiles nothing
         params.max_new_tokens = max_new
         if params.temperature is None:
             params.temperature = 1.0
@@ -166,6 +167,8 @@ class LLMEngine(EngineAdapters):
             eos_token_ids=self.base.eos_token_ids,
             max_tokens=len(ids) + max_new, bad_words=bad_words,
         )
+        if grammar is None and compile_grammar:  # the expensive part, after every check
+            grammar = self.constraints.compile(params)
         self.constraints.attach(seq, grammar)
         return seq
 

@@ -49,13 +49,12 @@ class RequestProcessor:
         return await loop.run_in_executor(self._pool, functools.partial(fn, *args, **kwargs))
 
     async def sequence(self, engine: LLMEngine, prompt: Prompt, params: SamplingParams | None,
-                       adapter: str | None, request_id: str,
-                       grammar: object | None = None) -> Sequence:
+                       adapter: str | None, request_id: str) -> Sequence:
         """The checked Sequence for one request (raises what ``make_sequence`` raises:
-        InvalidRequestError naming the field, AdapterNotFoundError); ``grammar``: its
-        constraint, compiled already."""
+        InvalidRequestError naming the field, AdapterNotFoundError), without its grammar:
+        the caller compiles that next (a compile never holds this thread)."""
         return await self.run(engine.make_sequence, prompt, params, adapter, request_id,
-                              grammar)
+                              compile_grammar=False)
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

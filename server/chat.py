@@ -48,6 +48,10 @@ def chat_ids(tokenizer: Any | None, turns: Sequence[ChatTurn],
     try:
         text = tokenizer.apply_chat_template(messages, tools=tools or None,
                                              add_generation_prompt=True, tokenize=False)
+    except RecursionError:  # a tool's parameters (or a call's arguments) hundreds deep
+        raise ValueError("the messages or tools nest too deeply for the chat template (a "
+                         "tool's parameters schema may nest at most --max-schema-depth "
+                         "levels)") from None
     except (jinja2.TemplateError, TypeError) as exc:  # the messages, not the server
         raise ValueError(f"the model's chat template cannot render these messages: "
                          f"{type(exc).__name__}: {str(exc)[:500]} (its raise_exception, or a "

@@ -15,6 +15,7 @@ from ..engine.errors import (
     AdapterExistsError,
     AdapterFaultError,
     AdapterNotFoundError,
+    CapacityError,
     EngineDeadError,
     InvalidRequestError,
 )
@@ -30,7 +31,8 @@ class ErrorCode(enum.Enum):
     ALREADY_EXISTS = "ALREADY_EXISTS"  # a taken adapter name, without replace
     PERMISSION_DENIED = "PERMISSION_DENIED"  # an adapter path (or a file) outside its roots
     UNAUTHENTICATED = "UNAUTHENTICATED"  # no token, or a wrong one
-    RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"  # the queue is full; an upload too large
+    RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"  # the queue is full; an upload too large;
+    # the grammar compiler is busy
     FAILED_PRECONDITION = "FAILED_PRECONDITION"  # the set-up refuses the call; an adapter's
     # data failed the request at run time (NaN / Inf logits, a refused re-read)
     DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED"  # a client stream idle past the server's timeout
@@ -62,6 +64,8 @@ def code_of(exc: BaseException) -> tuple[ErrorCode, str]:
         return ErrorCode.FAILED_PRECONDITION, str(exc)
     if isinstance(exc, EngineDeadError):
         return ErrorCode.INTERNAL, str(exc)
+    if isinstance(exc, CapacityError):  # e.g. the grammar compiles pending are at the cap
+        return ErrorCode.RESOURCE_EXHAUSTED, str(exc)
     if isinstance(exc, (InvalidRequestError, ValueError)):
         return ErrorCode.INVALID_ARGUMENT, str(exc)
     log.exception("internal error", exc_info=exc)

@@ -4,12 +4,13 @@ Exactly one of ``json`` (a JSON schema, as a dict or its text), ``json_object`` 
 object), ``regex`` (a full match), ``choice`` (one of the strings) or ``grammar`` (xgrammar's
 syntax: EBNF / GBNF with a ``root ::=`` rule, or Lark with a ``start:`` rule).
 
-Whitespace between JSON tokens is bounded by default: with free whitespace a weak or unlucky
-model can loop on newlines until ``max_tokens`` (the failure vLLM's
-``disable_any_whitespace`` exists for). ``max_whitespace`` is the most whitespace characters
-allowed in each gap of the JSON: 0 gives compact JSON (``{"a":1,"b":[2,3]}``), the default
-4 also allows ``json.dumps``'s ``", "`` / ``": "`` and an indent-2 line one level deep, and
-None allows any amount.
+JSON is compact by default: ``max_whitespace`` is the most whitespace characters allowed in
+each gap of the JSON, and its default 0 allows none (``{"a":1,"b":[2,3]}``, the separators
+of ``json.dumps(separators=(",", ":"))``), so a weak adapter cannot spend its token budget
+on ``"sku"\n\n:\n\n"IQ201"`` (or loop on newlines until ``max_tokens``, the failure vLLM's
+``disable_any_whitespace`` exists for). A request may ask for more: 4 also allows
+``json.dumps``'s ``", "`` / ``": "`` and an indent-2 line one level deep; None allows any
+amount. The size bounds checked before a compile are structured/limits.py's.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-DEFAULT_MAX_WHITESPACE = 4
+DEFAULT_MAX_WHITESPACE = 0  # compact JSON
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
 
@@ -81,6 +82,9 @@ class StructuredOutputs:
                 schema = json.loads(schema)
             except json.JSONDecodeError as e:
                 raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
+            except RecursionError:  # nested past Python's parser: far past --max-schema-depth
+                raise ValueError("structured_outputs.json nests too deeply to be read "
+                                 "(see --max-schema-depth)") from None
         if not isinstance(schema, dict):
             raise ValueError("structured_outputs.json must be a JSON schema object, got "  # noqa: TRY004
                              f"{type(schema).__name__}")

@@ -142,6 +142,14 @@ def non_default_flags(tmp_path: Path) -> dict[str, tuple[list[str], dict[str, An
         "--max-allowed-token-ids": (["8"], {"max_allowed_token_ids": 8}),
         "--max-word-chars": (["9"], {"max_word_chars": 9}),
         "--max-bad-words-chars": (["10"], {"max_bad_words_chars": 10}),
+        # the grammar compiler's bounds (issue 42)
+        "--grammar-compile-timeout": (["2.5"], {"grammar_compile_timeout": 2.5}),
+        "--max-pending-grammars": (["3"], {"max_pending_grammars": 3}),
+        "--grammar-compile-workers": (["4"], {"grammar_compile_workers": 4}),
+        "--grammar-compile-memory": (["512MiB"], {"grammar_compile_memory": 512 << 20}),
+        "--max-compiled-grammar-bytes": (["4MiB"], {"max_compiled_grammar_bytes": 4 << 20}),
+        "--max-grammar-bytes": (["8KiB"], {"max_grammar_bytes": 8 << 10}),
+        "--max-schema-depth": (["16"], {"max_schema_depth": 16}),
     }
 
 

@@ -236,3 +236,41 @@ def test_structured_outputs_object_and_dict_are_one(json_model):
         structured_outputs=StructuredOutputs(regex=cases.REGEX)))[0]
     assert a.token_ids == b.token_ids
     assert engine.constraints.compiler.stats().hits == 1
+
+
+def test_every_other_check_runs_before_a_compile(json_model):
+    """Issue 42: a request that fails any other check never costs a compile (the grammar is
+    requested last), on the offline path and through the AsyncEngine; the size limits are
+    checks of their own, before any compile."""
+    engine = engine_for(json_model)
+    schema = {"json": cases.SCHEMAS[1][1]}  # never compiled in this engine
+    deep: dict = {"type": "integer"}
+    for _ in range(70):
+        deep = {"type": "array", "items": deep}
+    bad = [({"max_new_tokens": 10_000}, None, "max_new_tokens=10000 does not fit"),
+           ({"temperature": -1.0}, None, "temperature"),
+           ({"ignore_eos": True}, None, "ignore_eos cannot be combined"),
+           ({}, "no-such-adapter", "no-such-adapter"),
+           ({"structured_outputs": {"json": deep}}, None, "nests more than 64 levels")]
+    for fields, adapter, message in bad:
+        params = SamplingParams(**{"structured_outputs": schema, **fields})
+        with pytest.raises(LookupError if adapter else InvalidRequestError, match=message):
+            engine.add_request("the cat", params, adapter)
+
+    async def through_async_engine() -> None:
+        ae = AsyncEngine(engine)
+        ae.start()
+        try:
+            for fields, adapter, message in bad:
+                params = SamplingParams(**{"structured_outputs": schema, **fields})
+                with pytest.raises(LookupError if adapter else InvalidRequestError,
+                                   match=message):
+                    async for _ in ae.generate("the cat", params, adapter):
+                        pass
+        finally:
+            ae.shutdown()
+
+    asyncio.run(through_async_engine())
+    assert engine.constraints.compiler.stats().misses == 0
+    assert engine.constraints.compiler.worker_pids() == []  # no worker was ever needed
+    assert_clean(engine)

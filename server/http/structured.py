@@ -5,8 +5,9 @@ StructuredOutputs (structured/constraint.py): what a completion's or chat answer
   object), ``{"type": "json_schema", "json_schema": {"name", "schema", "strict"}}``; the
   schema is always enforced (``strict`` false is honoured more strictly than OpenAI does);
 - ``structured_outputs``: exactly one of ``json``, ``json_object``, ``regex``, ``choice``,
-  ``grammar``; ``disable_any_whitespace`` gives compact JSON; loraplex's ``max_whitespace``
-  bounds each gap of the JSON (default 4; null = any). Names that would change the answer and
+  ``grammar``; JSON is compact by default (``disable_any_whitespace`` says so too);
+  loraplex's ``max_whitespace`` allows up to N whitespace characters in each gap of the
+  JSON (default 0; null = any). Names that would change the answer and
   are not implemented (``whitespace_pattern``, ``structural_tag``) are a 400, as are names
   vLLM does not define.
 

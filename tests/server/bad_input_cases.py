@@ -165,6 +165,35 @@ LIMIT_CASES = [
 ]
 GENERATE_CASES += LIMIT_CASES
 
+# ---- the grammar compiler's limits (issue 42, items 6 and 15): refused before any compile
+def nested_schema(levels: int) -> dict[str, Any]:
+    schema: dict[str, Any] = {"type": "integer"}
+    for _ in range(levels):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
+DEEP_SCHEMA = nested_schema(400)  # "maximum recursion depth exceeded" before issue 42
+DEEP_TEXT = '{"a":' * 5000 + "1" + "}" * 5000  # past Python's own parser
+BIG_SCHEMA = {"type": "string", "description": "x" * 70_000}  # past --max-grammar-bytes
+NESTED_PATTERN = {"type": "string", "pattern": "^([a-z]{1,20}){1,20}$"}  # ~15 s to compile
+GENERATE_CASES += [
+    gen("structured_outputs-json-400-deep", INVALID, "nests more than 64 levels",
+        structured_outputs={"json": DEEP_SCHEMA}),
+    gen("structured_outputs-json-text-5000-deep", INVALID, "nests too deeply",
+        structured_outputs={"json": DEEP_TEXT}),
+    gen("structured_outputs-json-over-max-grammar-bytes", INVALID, "--max-grammar-bytes",
+        structured_outputs={"json": BIG_SCHEMA}),
+    gen("structured_outputs-regex-over-max-grammar-bytes", INVALID, "regex takes 70000 bytes",
+        structured_outputs={"regex": "a" * 70_000}),
+    gen("structured_outputs-choice-over-max-grammar-bytes", INVALID, "choice takes",
+        structured_outputs={"choice": ["x" * 99] * 700}),
+    gen("structured_outputs-grammar-over-max-grammar-bytes", INVALID, "grammar takes",
+        structured_outputs={"grammar": "root ::= " + '"a" ' * 20_000}),
+    gen("structured_outputs-pattern-nested-repetition", INVALID, "multiply to 400",
+        structured_outputs={"json": NESTED_PATTERN}),
+]
+
 LOAD_CASES = [
     # names
     load("name-empty", INVALID, "name is empty", name=""),
@@ -483,4 +512,41 @@ HTTP_CASES += [
                f"the base model is '{ALIAS}' (or an empty name)", model="nope"),
     chat("chat-model-unknown-names-the-base-model", 404, "GET /v1/models or gRPC ListAdapters",
          model="nope"),
+]
+
+# ---- the grammar compiler's limits (issue 42, items 6 and 15), HTTP: every way a
+# constraint comes in (structured_outputs, response_format, a tool's parameters)
+def _format(schema: Any) -> dict[str, Any]:
+    return {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+
+
+def _tool(parameters: dict[str, Any]) -> list[dict[str, Any]]:
+    return [{"type": "function", "function": {"name": "f", "parameters": parameters}}]
+
+
+HTTP_CASES += [
+    completion("structured_outputs-json-400-deep", 400, "nests more than 64 levels",
+               structured_outputs={"json": DEEP_SCHEMA}),
+    completion("structured_outputs-json-text-5000-deep", 400, "nests too deeply",
+               structured_outputs={"json": DEEP_TEXT}),
+    chat("response_format-json-400-deep", 400, "(--max-schema-depth)",
+         response_format=_format(DEEP_SCHEMA)),
+    chat("tools-parameters-400-deep", 400, "nest too deeply for the chat template",
+         tools=_tool(DEEP_SCHEMA), tool_choice="required"),
+    chat("tools-parameters-70-deep", 400, "nests more than 64 levels",
+         tools=_tool(nested_schema(70)), tool_choice="required"),
+    chat("tools-named-over-max-grammar-bytes", 400, "--max-grammar-bytes",
+         tools=_tool(BIG_SCHEMA), tool_choice={"type": "function", "function": {"name": "f"}}),
+    completion("structured_outputs-json-over-max-grammar-bytes", 400, "--max-grammar-bytes",
+               structured_outputs={"json": BIG_SCHEMA}),
+    completion("structured_outputs-regex-over-max-grammar-bytes", 400,
+               "regex takes 70000 bytes", structured_outputs={"regex": "a" * 70_000}),
+    chat("chat-structured_outputs-choice-over-max-grammar-bytes", 400, "choice takes",
+         structured_outputs={"choice": ["x" * 99] * 700}),
+    completion("structured_outputs-grammar-over-max-grammar-bytes", 400, "grammar takes",
+               structured_outputs={"grammar": "root ::= " + '"a" ' * 20_000}),
+    completion("structured_outputs-pattern-nested-repetition", 400, "multiply to 400",
+               structured_outputs={"json": NESTED_PATTERN}),
+    chat("response_format-pattern-nested-repetition", 400, "multiply to 400",
+         response_format=_format(NESTED_PATTERN)),
 ]
