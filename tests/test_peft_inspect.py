@@ -150,7 +150,7 @@ def test_huge_finite_values_are_read(ad: Path, llama: BaseShapes) -> None:
     (lora/weight_bounds.py: x @ A^T would overflow), not as NaN or Inf."""
     edit_tensors(ad, lambda t: t[f"{Q0}.lora_A.weight"].fill_(3e38))
     meta = inspect_peft_adapter(ad, llama, 8)
-    layers = meta.layout.load(ad / WEIGHTS, dict, meta.dtype)
+    layers = meta.layout.load(meta.files, dict, meta.dtype)
     assert torch.all(layers[(0, "q_proj")][0] == 3e38)
     with pytest.raises(AdapterError, match="q_proj.lora_A has a row whose absolute values"):
         read_peft_adapter(ad, llama, 8)

@@ -69,9 +69,9 @@ def test_generate_stops_after_256_new_tokens_by_default(capsys, long_server: Any
 def test_generate_default_fits_a_short_context(capsys, server: Any) -> None:
     """max_model_len 256: fewer than 256 tokens fit beside the prompt, and the default
     still runs (to the end of the context)."""
-    with server.client() as c:
+    with server.client(admin_token=ADMIN) as c:
         whole = c.generate("the cat", temperature=0.0, apply_chat_template=True)
-    assert main(["generate", "--server", server.target, "the cat"]) == 0
+    assert main(["generate", "--server", server.target, "the cat", *TOKEN]) == 0
     assert capsys.readouterr().out == whole.text + "\n"
 
 

@@ -17,6 +17,8 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
 from loraplex import SamplingParams
 from loraplex.client import AsyncClient, Client
 
+from tests.server.conftest import slow_steps
+
 ALIAS = "tiny-base"
 PROMPTS = ["the cat is", "select name from user where city", "paris is the capital of",
            "one two three", "the dog and the river", "json model adapter token"]
@@ -217,11 +219,14 @@ def test_cancelled_stream_frees_blocks(client: Client) -> None:
     wait_for_idle(client, timeout=5.0)
 
 
-def test_expired_deadline_aborts_and_frees_blocks(client: Client) -> None:
+def test_expired_deadline_aborts_and_frees_blocks(server: Any, client: Client) -> None:
     wait_for_idle(client)
     started = time.monotonic()
-    err = rpc_error(client.generate, "the cat is", temperature=0.0, max_new_tokens=240,
-                    ignore_eos=True, timeout=0.15)
+    # 240 steps of >= 10 ms cannot end within the deadline, however fast the machine (the
+    # tiny model alone runs them in ~0.1 s on a quiet one)
+    with slow_steps(server.engine, 0.01):
+        err = rpc_error(client.generate, "the cat is", temperature=0.0, max_new_tokens=240,
+                        ignore_eos=True, timeout=0.15)
     assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert time.monotonic() - started < 2.0
     wait_for_idle(client, timeout=5.0)

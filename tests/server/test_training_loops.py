@@ -112,10 +112,12 @@ def test_a_preloaded_adapters_first_in_place_load_is_version_2(serve, make_engin
             "lora_name": "pre", "lora_path": str(tiny_adapters("a3")), "load_inplace": True})
         assert r.status_code == 200 and r.headers["loraplex-adapter-version"] == "2"
         assert gen(c, "pre").adapter_version == 2
-        r = httpx.post(f"{one.http_url}/v1/completions", timeout=60, json={
+        auth = {"Authorization": f"Bearer {ADMIN}"}  # every route needs a token once one is set
+        r = httpx.post(f"{one.http_url}/v1/completions", timeout=60, headers=auth, json={
             "model": "pre", "prompt": IDS, "max_tokens": 2, "temperature": 0.0})
         assert r.status_code == 200 and r.headers["loraplex-adapter-version"] == "2"
-        cards = {m["id"]: m for m in httpx.get(f"{one.http_url}/v1/models").json()["data"]}
+        cards = {m["id"]: m for m in httpx.get(f"{one.http_url}/v1/models",
+                                               headers=auth).json()["data"]}
         assert cards["pre"]["version"] == 2
         assert c.load_adapter("pre", tiny_adapters("a2"), replace=True).version == 3
 
