@@ -1,12 +1,14 @@
 """The built wheel, as a user installs it: ``pip wheel`` of a copy of the checkout (so that no
 stale build/ of the checkout leaks into it, and the checkout stays clean), its file list (the
-demo adapters in, no tests and no benchmark results), and (slow) ``loraplex serve`` from a
-fresh venv that sees this environment's dependencies but not the checkout: the demo
-adapters listed and answering. Without --model, missing demo adapters are a warning in the
-start-up log, never silence."""
+demo adapters in, no tests and no benchmark results), and the wheel installed in a fresh
+venv that sees this environment's dependencies but not the checkout: the installed package
+finds its demo adapters, and ``loraplex serve`` from it lists them and one answers (20-35 s
+on 2 cores with the embedded model converted, which test_demo_adapters.py needs too).
+Without --model, missing demo adapters are a warning in the start-up log, never silence."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -100,30 +102,48 @@ def child_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
 
 
-@pytest.mark.slow  # the embedded model loads in a fresh process (plus its conversion, once)
-def test_the_installed_wheel_serves_the_demo_adapters(wheel: Path, tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def installed(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The wheel installed (``pip install --no-deps``, no index) in a fresh venv: its root."""
+    venv = tmp_path_factory.mktemp("installed") / "venv"
+    python = fresh_venv(venv)
+    done = subprocess.run(
+        [python, "-m", "pip", "install", "--no-deps", "--no-index", "--ignore-installed", "-q",
+         str(wheel)], capture_output=True, text=True, env=child_env(), timeout=300, check=False)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return venv
+
+
+def test_the_installed_package_finds_its_demo_adapters(installed: Path, tmp_path: Path) -> None:
+    """What ``serve`` registers without --model, asked of the installed package (not the
+    checkout) from a foreign cwd."""
+    probe = ("import loraplex, json; from loraplex.serve_command import demo_adapters_dir; "
+             "from loraplex.server.lora_modules import demo_adapters; "
+             "print(json.dumps([loraplex.__file__, demo_adapters(demo_adapters_dir())]))")
+    out = subprocess.run([installed / "bin" / "python", "-c", probe], cwd=tmp_path,
+                         capture_output=True, text=True, env=child_env(), timeout=300,
+                         check=False)
+    assert out.returncode == 0, out.stderr[-3000:]
+    where, found = json.loads(out.stdout.splitlines()[-1])
+    assert Path(where).is_relative_to(installed), where  # the wheel's copy, not the checkout
+    assert sorted(found) == list(DEMO), found
+    for path in found.values():
+        assert Path(path).is_relative_to(installed), path
+
+
+def test_the_installed_wheel_serves_the_demo_adapters(installed: Path, tmp_path: Path) -> None:
     from loraplex.client import Client
     from loraplex.engine.embedded_model import ensure_default_model
 
     ensure_default_model(progress=False)  # converted once per machine, outside the timeout
-    python = fresh_venv(tmp_path / "venv")
-    env = child_env()
-    installed = subprocess.run(
-        [python, "-m", "pip", "install", "--no-deps", "--no-index", "--ignore-installed", "-q",
-         str(wheel)], capture_output=True, text=True, env=env, timeout=300, check=False)
-    assert installed.returncode == 0, installed.stdout[-3000:] + installed.stderr[-3000:]
     cwd = tmp_path / "cwd"
     cwd.mkdir()
-    where = subprocess.run([python, "-c", "import loraplex; print(loraplex.__file__)"], cwd=cwd,
-                           capture_output=True, text=True, env=env, check=True).stdout.strip()
-    assert Path(where).is_relative_to(tmp_path / "venv"), where  # not the checkout
-
     log_path = tmp_path / "serve.log"
     with log_path.open("w") as log:
         proc = subprocess.Popen(
-            [tmp_path / "venv" / "bin" / "loraplex", "serve", "--host", "127.0.0.1", "--port",
-             "0", "--device", "cpu", "--dtype", "float32", "--max-model-len", "256"],
-            cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT)
+            [installed / "bin" / "loraplex", "serve", "--host", "127.0.0.1", "--port", "0",
+             "--device", "cpu", "--dtype", "float32", "--max-model-len", "256"],
+            cwd=cwd, env=child_env(), stdout=log, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 240
         while (port := re.search(r"listening on 127\.0\.0\.1:(\d+)", log_path.read_text())
