@@ -159,7 +159,8 @@ def test_the_installed_wheel_serves_the_demo_adapters(installed: Path, tmp_path:
                                     apply_chat_template=True, temperature=0.0,
                                     max_new_tokens=48, timeout=120)
         letters = [c for c in reply.text if c.isalpha()]
-        assert letters and all(c.isupper() for c in letters), reply.text  # caps answered
+        # caps answered (adapters/train.py's is_caps, as tests/test_demo_adapters.py checks)
+        assert letters and sum(c.isupper() for c in letters) >= 0.9 * len(letters), reply.text
         text = log_path.read_text()
         assert "no demo adapters" not in text, text[-3000:]
         proc.send_signal(signal.SIGTERM)
