@@ -9,15 +9,16 @@ import argparse
 import asyncio
 import logging
 import sys
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
 from .config import ServeConfig
 from .config_flags import add_flags, byte_size, from_args, lora_module, max_loras_arg
 
-PACKAGE_DIR = Path(__file__).resolve().parent
-__all__ = ["add_serve", "byte_size", "check_model_arg", "lora_module", "max_loras_arg",
-           "run_serve", "serve_config"]
+__all__ = ["add_serve", "byte_size", "check_model_arg", "demo_adapters_dir", "lora_module",
+           "max_loras_arg", "run_serve", "serve_config"]
+log = logging.getLogger("loraplex")
 
 
 def add_serve(sub: argparse._SubParsersAction) -> None:
@@ -35,7 +36,7 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
 
     modules = lora_modules_dict(args.lora_modules)
     if args.model is None:
-        modules = {**demo_adapters(PACKAGE_DIR / "adapters"), **modules}
+        modules = {**demo_adapters(demo_adapters_dir()), **modules}
     check_model_arg(args.model)
     check_servable(modules)
     config: ServeConfig = from_args(ServeConfig, args, lora_modules=modules,
@@ -56,9 +57,28 @@ def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     except ValueError as e:
         parser.error(str(e))
     setup_logging(config.log_level)
+    if args.model is None:
+        warn_if_no_demo_adapters()
     if config.ray is not None:
         return _serve_ray(config)
     return _serve(config)
+
+
+def demo_adapters_dir() -> Path:
+    """``adapters/`` of the installed package: package data in the wheel (pyproject.toml),
+    the checkout's own folder in an editable install."""
+    return Path(str(resources.files("loraplex") / "adapters"))
+
+
+def warn_if_no_demo_adapters() -> None:
+    """Without --model the demo adapters are expected: their absence is a warning, not silence."""
+    from .server.lora_modules import demo_adapters
+
+    folder = demo_adapters_dir()
+    if not demo_adapters(folder):
+        log.warning("no demo adapters in %s (missing from this install): serving the embedded "
+                    "model without them; register adapters with --lora-modules NAME=PATH",
+                    folder)
 
 
 def _serve(config: ServeConfig) -> int:
@@ -91,7 +111,6 @@ def _serve_ray(config: ServeConfig) -> int:
 
 def _start_failed(command: str, e: Exception) -> int:
     """A failed start is one clear line (the traceback at DEBUG) and exit status 1."""
-    log = logging.getLogger("loraplex")
     log.debug("start-up failed", exc_info=e)
     log.error("%s failed: %s: %s", command, type(e).__name__, e)
     return 1
