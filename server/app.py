@@ -28,15 +28,15 @@ from ..engine.errors import EngineDeadError
 from ..engine.llm_engine import LLMEngine
 from ..engine.sampling_params import SamplingParams
 from ..proto import loraplex_pb2_grpc as pb_grpc
-from .adapter_admin import AdapterAdminServicer
 from .adapter_paths import path_loading_warning
 from .adapter_resolver import attach_resolver
 from .description import describe
-from .grpc_auth import TokenAuthInterceptor
-from .health import SERVICE_NAMES, PhaseHealth
-from .inference import InferenceServicer
+from .grpc.adapter_admin import AdapterAdminServicer
+from .grpc.auth_interceptor import TokenAuthInterceptor
+from .grpc.health import SERVICE_NAMES, PhaseHealth
+from .grpc.inference import InferenceServicer
+from .grpc.server_info import ServerInfoServicer
 from .options import ServerOptions
-from .server_info import ServerInfoServicer
 from .state import Phase, ServerState
 from .tls import server_credentials
 

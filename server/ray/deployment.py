@@ -45,11 +45,11 @@ from ...proto import loraplex_pb2 as pb
 from ..adapter_ops import list_adapters
 from ..adapter_paths import segment_problem
 from ..app import LoraplexServer
-from ..health import SERVICE_NAMES
+from ..grpc.health import SERVICE_NAMES
+from ..grpc.inference import InferenceServicer
+from ..grpc.server_info import ServerInfoServicer
 from ..http.probes import local_exposition
-from ..inference import InferenceServicer
 from ..options import ServerOptions
-from ..server_info import ServerInfoServicer
 from ..state import Phase
 from .admin import ClusterAdapters, ClusterAdminServicer, ReplicaTiers, local_tiers
 from .context import REPLICA_TRAILER, ProxyContext, authorize

@@ -17,8 +17,8 @@ from __future__ import annotations
 from types import TracebackType
 from typing import TYPE_CHECKING
 
-from .error_code import ErrorCode, ServiceError
-from .options import ServerOptions
+from ..error_code import ErrorCode, ServiceError
+from ..options import ServerOptions
 
 if TYPE_CHECKING:
     from typing_extensions import Self
