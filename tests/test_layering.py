@@ -174,7 +174,7 @@ def test_the_front_neutral_layer_speaks_no_grpc(graph: dict[str, set[str]]) -> N
                and m not in GRPC_FRONT and m != "loraplex.server.grpc"
                and not m.startswith("loraplex.server.ray")]
     assert {"loraplex.server.generation", "loraplex.server.state",
-            "loraplex.server.adapter_ops", "loraplex.server.http.errors"} <= set(neutral)
+            "loraplex.server.adapter_ops", "loraplex.server.http.error_bodies"} <= set(neutral)
     speaking = {m: sorted(absolute_imports(files[m]) & set(GRPC_PACKAGES)
                           | {d for d in graph[m] if d in GRPC_FRONT
                              or d.startswith("loraplex.proto")})

@@ -14,7 +14,7 @@ from http import HTTPStatus
 from fastapi import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from .errors import error_response
+from .error_bodies import error_response
 
 
 def _too_large(limit: int, size: str) -> str:

@@ -15,8 +15,8 @@ from ..auth import Scope
 from ..description import version
 from ..engine_snapshot import take_snapshot
 from ..state import Phase, ServerState
-from .auth import require, server_state
-from .errors import error_response
+from .error_bodies import error_response
+from .route_auth import require, server_state
 
 router = APIRouter()
 OPEN = [Depends(require(Scope.OPEN))]

@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from .structured import ResponseFormat
+from .response_format import ResponseFormat
 from .tools import Tool, ToolChoice
 
 TokenId = Annotated[int, Field(ge=0)]

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ...engine.output_processor import RequestOutput
-from .logprobs import TokenText, chat_logprobs, completion_logprobs, prompt_logprobs
+from .openai_logprobs import TokenText, chat_logprobs, completion_logprobs, prompt_logprobs
 from .tool_calls import ToolCallStream, whole_message
 from .tools import ToolPlan
 

@@ -18,7 +18,7 @@ import uvicorn
 
 from ..options import ServerOptions
 from ..state import ServerState
-from .app import build_app
+from .fastapi_app import build_app
 
 
 class _Uvicorn(uvicorn.Server):
