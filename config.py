@@ -18,10 +18,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .client_options import ServerConnection
-from .engine.config import EngineConfig
+from .engine.engine_config import EngineConfig
 from .flag import flag
-from .server.options import ServerOptions
-from .server.ray.options import RAY, RayOptions
+from .server.ray.ray_options import RAY, RayOptions
+from .server.server_options import ServerOptions
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from ..structured.compiler import CompileSettings, GrammarCompiler
 from ..structured.constraint import StructuredOutputs
 from ..structured.limits import ConstraintLimits
 from ..structured.matcher import ConstraintMatcher
-from .config import EngineConfig
+from .engine_config import EngineConfig
 from .errors import InvalidRequestError
 from .sampling_params import SamplingParams
 from .sequence import Sequence

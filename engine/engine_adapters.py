@@ -26,7 +26,7 @@ from .errors import InvalidRequestError
 if TYPE_CHECKING:
     import torch
 
-    from .config import EngineConfig
+    from .engine_config import EngineConfig
 
 
 class EngineAdapters:

@@ -17,9 +17,9 @@ from ..lora.upload_store import UploadStore
 from .base_model import BaseModel, load_base_model
 from .block_manager import BlockManager
 from .choices import choices_to_fork, report_choices, run_to_completion
-from .config import EngineConfig
 from .constraints import Constraints
 from .engine_adapters import EngineAdapters
+from .engine_config import EngineConfig
 from .errors import AdapterNotFoundError, InvalidRequestError
 from .lora_capacity import LoRACapacity
 from .memory_use import MemoryUse, memory_use

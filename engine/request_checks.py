@@ -7,7 +7,7 @@ the list fields also name the cap and its flag. They are the one check of every 
 from __future__ import annotations
 
 from .bad_words import BadWords
-from .config import EngineConfig
+from .engine_config import EngineConfig
 from .errors import InvalidRequestError
 from .sampling_params import ALL_LOGPROBS, SamplingParams
 

@@ -21,8 +21,8 @@ from ..engine.async_engine import AsyncEngine
 from ..engine.llm_engine import names_base_model
 from .adapter_paths import check_canonical, is_loopback
 from .error_code import ErrorCode, ServiceError
-from .metrics import ServerMetrics
-from .options import ServerOptions
+from .server_metrics import ServerMetrics
+from .server_options import ServerOptions
 
 log = logging.getLogger(__name__)
 

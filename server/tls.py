@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import grpc
 
-from .options import ServerOptions
+from .server_options import ServerOptions
 
 
 def server_credentials(options: ServerOptions) -> grpc.ServerCredentials | None:

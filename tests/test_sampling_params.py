@@ -131,7 +131,7 @@ def test_the_caps_are_flags(tiny_llama: Path) -> None:
 @pytest.mark.parametrize("field, value", [("max_stop_strings", 0), ("max_bad_words", -1),
                                           ("max_allowed_token_ids", 0), ("max_logprobs", -2)])
 def test_the_caps_are_validated(field: str, value: int) -> None:
-    from loraplex.engine.config import EngineConfig
+    from loraplex.engine.engine_config import EngineConfig
 
     with pytest.raises(ValueError, match=field):
         EngineConfig(**{field: value})

@@ -18,7 +18,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING
 
 from ..error_code import ErrorCode, ServiceError
-from ..options import ServerOptions
+from ..server_options import ServerOptions
 
 if TYPE_CHECKING:
     from typing_extensions import Self

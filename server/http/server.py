@@ -16,7 +16,7 @@ from collections.abc import Iterator
 
 import uvicorn
 
-from ..options import ServerOptions
+from ..server_options import ServerOptions
 from ..state import ServerState
 from .fastapi_app import build_app
 

@@ -20,7 +20,7 @@ import grpc
 from ..auth import bearer_token, refusal
 from ..error_code import shorten
 from ..grpc.auth_interceptor import scope_of_method
-from ..options import ServerOptions
+from ..server_options import ServerOptions
 
 REPLICA_TRAILER = "loraplex-replica"
 

@@ -39,17 +39,17 @@ from grpc_health.v1 import health_pb2
 from ray import serve
 from ray.exceptions import RayActorError
 
-from ...engine.config import EngineConfig
+from ...engine.engine_config import EngineConfig
 from ...engine.llm_engine import LLMEngine
 from ...proto import loraplex_pb2 as pb
 from ..adapter_ops import list_adapters
 from ..adapter_paths import segment_problem
-from ..app import LoraplexServer
 from ..grpc.health import SERVICE_NAMES
 from ..grpc.inference import InferenceServicer
 from ..grpc.server_info import ServerInfoServicer
 from ..http.probes import local_exposition
-from ..options import ServerOptions
+from ..loraplex_server import LoraplexServer
+from ..server_options import ServerOptions
 from ..state import Phase
 from .admin import ClusterAdapters, ClusterAdminServicer, ReplicaTiers, local_tiers
 from .context import REPLICA_TRAILER, ProxyContext, authorize

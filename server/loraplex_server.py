@@ -36,7 +36,7 @@ from .grpc.auth_interceptor import TokenAuthInterceptor
 from .grpc.health import SERVICE_NAMES, PhaseHealth
 from .grpc.inference import InferenceServicer
 from .grpc.server_info import ServerInfoServicer
-from .options import ServerOptions
+from .server_options import ServerOptions
 from .state import Phase, ServerState
 from .tls import server_credentials
 
