@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterable
 from collections.abc import Sequence as Seq
 from pathlib import Path
 
+from ..errors import AdapterNotFoundError, InvalidRequestError
 from ..lora.cache import AdapterCache
 from ..lora.layers import attach_lora, rank_row_bytes
 from ..lora.peft_format import BaseShapes
@@ -20,7 +21,6 @@ from .choices import choices_to_fork, report_choices, run_to_completion
 from .constraints import Constraints
 from .engine_adapters import EngineAdapters
 from .engine_config import EngineConfig
-from .errors import AdapterNotFoundError, InvalidRequestError
 from .lora_capacity import LoRACapacity
 from .memory_use import MemoryUse, memory_use
 from .model_runner import ModelRunner, num_kv_blocks

@@ -6,9 +6,9 @@ the list fields also name the cap and its flag. They are the one check of every 
 
 from __future__ import annotations
 
+from ..errors import InvalidRequestError
 from .bad_words import BadWords
 from .engine_config import EngineConfig
-from .errors import InvalidRequestError
 from .sampling_params import ALL_LOGPROBS, SamplingParams
 
 

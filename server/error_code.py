@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 import logging
 
-from ..engine.errors import (
+from ..errors import (
     AdapterConfinementError,
     AdapterExistsError,
     AdapterFaultError,

@@ -24,9 +24,9 @@ from grpc_health.v1 import health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from ..engine.async_engine import AsyncEngine
-from ..engine.errors import EngineDeadError
 from ..engine.llm_engine import LLMEngine
 from ..engine.sampling_params import SamplingParams
+from ..errors import EngineDeadError
 from ..proto import loraplex_pb2_grpc as pb_grpc
 from .adapter_paths import path_loading_warning
 from .adapter_resolver import attach_resolver

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 from loraplex import LLMEngine, SamplingParams
-from loraplex.engine.errors import InvalidRequestError
+from loraplex.errors import InvalidRequestError
 
 
 @pytest.mark.parametrize("fields, named", [

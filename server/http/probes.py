@@ -10,7 +10,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from ...engine.errors import EngineDeadError
+from ...errors import EngineDeadError
 from ..auth import Scope
 from ..description import version
 from ..engine_snapshot import take_snapshot

@@ -18,7 +18,7 @@ from typing import Any
 import grpc
 from ray.exceptions import ActorDiedError, RayActorError
 
-from ...engine.errors import AdapterExistsError
+from ...errors import AdapterExistsError
 from ...lora.cached_adapter import AdapterInfo
 from ...proto import loraplex_pb2 as pb
 from .. import adapter_ops
