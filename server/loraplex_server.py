@@ -38,7 +38,6 @@ from .grpc.inference import InferenceServicer
 from .grpc.server_info import ServerInfoServicer
 from .server_options import ServerOptions
 from .state import Phase, ServerState
-from .tls import server_credentials
 
 if TYPE_CHECKING:
     from .http.server import HttpServer
@@ -137,6 +136,18 @@ class LoraplexServer:
     async def wait_for_termination(self) -> None:
         if self._server is not None:
             await self._server.wait_for_termination()
+
+
+def server_credentials(options: ServerOptions) -> grpc.ServerCredentials | None:
+    """TLS (--ssl-certfile/--ssl-keyfile) and mutual TLS (--ssl-ca-certs): None without TLS;
+    with ``ssl_ca_certs`` clients must present a certificate it signed."""
+    if options.ssl_certfile is None or options.ssl_keyfile is None:
+        return None
+    key = options.ssl_keyfile.read_bytes()
+    cert = options.ssl_certfile.read_bytes()
+    ca = options.ssl_ca_certs.read_bytes() if options.ssl_ca_certs is not None else None
+    return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca,
+                                       require_client_auth=ca is not None)
 
 
 def _bind(server: grpc.aio.Server, options: ServerOptions) -> int:

@@ -144,11 +144,11 @@ def test_backends_stand_apart(graph: dict[str, set[str]]) -> None:
             assert not backends, (module, backends)
 
 
-# The gRPC front (server/grpc/) and the composition root (loraplex_server.py, tls.py): the
-# only modules of server/, with server/ray/ (which fronts Ray's gRPC proxy), that may speak
-# gRPC. Everything else in server/ (the front-neutral layer, and the HTTP front) raises
-# ErrorCode, never a gRPC code.
-GRPC_FRONT = {"loraplex.server.loraplex_server", "loraplex.server.tls"} | {
+# The gRPC front (server/grpc/) and the composition root (loraplex_server.py): the only
+# modules of server/, with server/ray/ (which fronts Ray's gRPC proxy), that may speak gRPC.
+# Everything else in server/ (the front-neutral layer, and the HTTP front) raises ErrorCode,
+# never a gRPC code.
+GRPC_FRONT = {"loraplex.server.loraplex_server"} | {
     f"loraplex.server.grpc.{m}" for m in (
         "inference", "adapter_admin", "server_info", "status", "auth_interceptor", "health",
         "proto_convert", "response_messages", "adapter_upload", "upload_limits")}
