@@ -8,7 +8,7 @@ import pytest
 import torch
 from loraplex.bench.kernel_fixtures import make_lora_pools, segments, step_segments
 from loraplex.kernel_backends import select_backend
-from loraplex.kernel_backends.cpu.segments import CPULoRASegments
+from loraplex.kernel_backends.cpu.cpu_lora_segments import CPULoRASegments
 
 CPU = torch.device("cpu")
 
