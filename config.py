@@ -1,8 +1,9 @@
 """The config tree's root: one frozen dataclass per command, made of the sections it has.
 
-    ServeConfig       serve [--ray]  engine: EngineConfig (engine/config.py)
-                                     server: ServerOptions (server/options.py)
-                                     ray: RayOptions (server/ray/options.py), None without --ray
+    ServeConfig       serve [--ray]  engine: EngineConfig (engine/engine_config.py)
+                                     server: ServerOptions (server/server_options.py)
+                                     ray: RayOptions (server/ray/ray_options.py), None without
+                                     --ray
     GenerateConfig    generate       engine: EngineConfig (in-process, without --server)
                                      connection: ServerConnection (client_options.py)
     ServerConnection  adapters, bench

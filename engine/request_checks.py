@@ -25,7 +25,7 @@ def _over(field: str, count: int, what: str, cap: int, flag: str) -> InvalidRequ
 
 
 def check_limits(params: SamplingParams, config: EngineConfig, vocab: int) -> None:
-    """The caps on the list fields (engine/config.py's request limits): cheap length checks,
+    """The caps on the list fields (engine/engine_config.py's request limits): cheap length checks,
     made before anything costly (tokenizing the prompt or the bad words)."""
     counts = (("stop", len(params.stop), "strings", config.max_stop_strings,
                "max-stop-strings"),

@@ -1,6 +1,6 @@
-"""The serving layer: gRPC servicers and the OpenAI-compatible HTTP front (server/http/) on one
-engine, the front-neutral request path, status-code mapping, auth, metrics, start-up and
-shutdown.
+"""The serving layer: the gRPC front (server/grpc/) and the OpenAI-compatible HTTP front
+(server/http/) on one engine; here, the front-neutral request path, the error codes, the auth
+rule, metrics, start-up and shutdown (loraplex_server.py).
 
 The exports load lazily: importing a submodule (the Ray adapter registry's actor, say) must
 not load the engine and torch with it."""

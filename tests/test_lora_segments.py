@@ -1,6 +1,6 @@
-"""The per-step LoRA segment metadata (kernel_backends/cpu/segments.py's CPULoRASegments): tokens
-grouped by adapter slot, the groups of the slots in use, and a batch with no adapter, which
-every backend skips."""
+"""The per-step LoRA segment metadata (kernel_backends/cpu/cpu_lora_segments.py's
+CPULoRASegments): tokens grouped by adapter slot, the groups of the slots in use, and a batch
+with no adapter, which every backend skips."""
 
 from __future__ import annotations
 

@@ -76,7 +76,7 @@ def test_the_engine_honours_bias_masks_and_bad_words(engine: LLMEngine) -> None:
     assert engine.block_manager.num_used_blocks == 0
 
 
-# ---- the caps on the list fields (engine/config.py's request limits), one check for every
+# ---- the caps on the list fields (engine/engine_config.py's request limits), one check for every
 # front: each refusal names the field, the cap and its flag, and holds nothing
 @pytest.mark.parametrize("fields, named", [
     ({"stop": [f"s{i}" for i in range(65)]},

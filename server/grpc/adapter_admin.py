@@ -1,4 +1,4 @@
-"""AdapterAdmin service: hot load (from a path or uploaded: server/adapter_upload.py), unload
+"""AdapterAdmin service: hot load (from a path or uploaded: adapter_upload.py), unload
 and list adapters (server/adapter_ops.py), and reset the prefix cache. Load and unload go
 through ``adapters`` (AdapterOps): this engine's by default, the cluster's on a Ray replica
 (server/ray/admin.py), as HTTP's load and unload routes do."""

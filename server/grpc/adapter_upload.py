@@ -10,7 +10,7 @@ Invariants:
   declared size, goes idle past ``--upload-idle-timeout``, is still sending after
   ``--upload-timeout`` or is cut (cancelled) removes the directory, and the name keeps what
   it had.
-- Bounded: each stream holds a lease of ``UploadLimits`` (server/upload_limits.py) from its
+- Bounded: each stream holds a lease of ``UploadLimits`` (upload_limits.py) from its
   first message to its end, so at most ``--max-concurrent-uploads`` streams run and their
   weights hold at most ``--upload-disk-budget`` bytes, reserved before they are written
   (the declared ``size_bytes`` at once, else chunk by chunk). The lease is released however

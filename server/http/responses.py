@@ -1,7 +1,7 @@
 """Response bodies and stream chunks of /v1/completions and /v1/chat/completions, shaped
 as vLLM sends them (OpenAI's objects plus vLLM's ``stop_reason`` and ``prompt_logprobs``):
 one choice per sample (``choices[i].index``), logprobs in OpenAI's completions or chat
-form (logprobs.py), ``echo``'s prompt in front of a completion, and usage counting the
+form (openai_logprobs.py), ``echo``'s prompt in front of a completion, and usage counting the
 prompt once and the tokens of every choice."""
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ DONE = sse("[DONE]")
 
 @dataclass(frozen=True)
 class View:
-    """What a request asked to see beyond the text (set by convert.py)."""
+    """What a request asked to see beyond the text (set by request_convert.py)."""
 
     chat: bool
     logprobs: int | None = None  # top-k per token (chat: top_logprobs with logprobs on); -1: all

@@ -2,7 +2,7 @@
 Serve's ``RayServegRPCContext``; and the token rule (server/auth.py) read from its metadata.
 
 The servicers end a failed call with ``await context.abort(code, message)``
-(server/status.py). Here ``abort`` sets the code and the message on Ray's context, which the
+(server/grpc/status.py). Here ``abort`` sets the code and the message on Ray's context, which the
 proxy sends to the client, and raises ``grpc.aio.AbortError`` as grpc.aio does; the
 deployment catches it: a unary call returns an empty message (the code, details and
 trailers reach the client); a stream raises again, as Ray's proxy reads a stream's status

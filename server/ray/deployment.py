@@ -2,7 +2,7 @@
 RPC of ``loraplex.v1`` and ``grpc.health.v1.Health/Check`` (Ray's gRPC proxy routes on the
 method name alone, so method names are unique across the services).
 
-Every call goes through server/'s own servicers (inference.py, adapter_admin.py via
+Every call goes through server/grpc/'s own servicers (inference.py, adapter_admin.py via
 admin.py, server_info.py), so request checks, conversions, admission and status codes are
 the single server's; ProxyContext (context.py) carries their ``abort`` onto Ray's context,
 and the token rule is server/auth.py's. Per replica:
