@@ -10,7 +10,7 @@ from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
 _EXPORTS = {
-    "EngineConfig": ".engine.config",
+    "EngineConfig": ".engine.engine_config",
     "LLMEngine": ".engine.llm_engine",
     "RequestOutput": ".engine.output_processor",
     "SamplingParams": ".engine.sampling_params",
@@ -20,7 +20,7 @@ _EXPORTS = {
 __all__ = list(_EXPORTS)
 
 if TYPE_CHECKING:
-    from .engine.config import EngineConfig as EngineConfig
+    from .engine.engine_config import EngineConfig as EngineConfig
     from .engine.llm_engine import LLMEngine as LLMEngine
     from .engine.logprobs import TokenLogprob as TokenLogprob
     from .engine.output_processor import RequestOutput as RequestOutput

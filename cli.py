@@ -20,7 +20,7 @@ from typing import Any
 from .client_options import ServerConnection
 from .config import GenerateConfig
 from .config_flags import add_flags, from_args
-from .engine.config import EngineConfig
+from .engine.engine_config import EngineConfig
 from .serve_command import add_serve, check_model_arg
 
 Handler = Callable[[argparse.Namespace, argparse.ArgumentParser], int]

@@ -1,8 +1,9 @@
 """The config tree's root: one frozen dataclass per command, made of the sections it has.
 
-    ServeConfig       serve [--ray]  engine: EngineConfig (engine/config.py)
-                                     server: ServerOptions (server/options.py)
-                                     ray: RayOptions (server/ray/options.py), None without --ray
+    ServeConfig       serve [--ray]  engine: EngineConfig (engine/engine_config.py)
+                                     server: ServerOptions (server/server_options.py)
+                                     ray: RayOptions (server/ray/ray_options.py), None without
+                                     --ray
     GenerateConfig    generate       engine: EngineConfig (in-process, without --server)
                                      connection: ServerConnection (client_options.py)
     ServerConnection  adapters, bench
@@ -18,10 +19,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .client_options import ServerConnection
-from .engine.config import EngineConfig
+from .engine.engine_config import EngineConfig
 from .flag import flag
-from .server.options import ServerOptions
-from .server.ray.options import RAY, RayOptions
+from .server.ray.ray_options import RAY, RayOptions
+from .server.server_options import ServerOptions
 
 
 @dataclass(frozen=True)

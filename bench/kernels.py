@@ -25,7 +25,7 @@ import torch
 from ..kernel_backends.torch import attention as reference_attention
 from ..kernel_backends.torch import lora as reference_lora
 from ..kernel_backends.triton import TritonBackend, attention, attention_prefill, sgmv
-from ..kernel_backends.triton.segments import TritonLoRASegments
+from ..kernel_backends.triton.triton_lora_segments import TritonLoRASegments
 from .kernel_fixtures import make_lora_pools, make_paged_cache
 
 TOL = {torch.float32: (1e-4, 1e-4), torch.bfloat16: (2e-2, 2e-2), torch.float16: (2e-3, 2e-3)}

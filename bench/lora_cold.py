@@ -20,8 +20,8 @@ import time
 import torch
 
 from ..kernel_backends.cpu import extension, isa
+from ..kernel_backends.cpu.cpu_lora_segments import CPULoRASegments
 from ..kernel_backends.cpu.lora_routes import kernel_prefetch
-from ..kernel_backends.cpu.segments import CPULoRASegments
 from .lora_cpu import LAYERS, token_slots, weights
 
 NUM_LAYERS = 30

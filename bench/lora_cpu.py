@@ -23,8 +23,8 @@ import torch
 import torch.nn.functional as F
 
 from ..kernel_backends.cpu import CPUBackend, isa
+from ..kernel_backends.cpu.cpu_lora_segments import CPULoRASegments
 from ..kernel_backends.cpu.lora_routes import ROUTE_NAMES, _compute_dtype, add_lora, choose_route
-from ..kernel_backends.cpu.segments import CPULoRASegments
 from ..kernel_backends.torch import lora as reference
 from .kernel_fixtures import LoRAPools, make_lora_pools
 

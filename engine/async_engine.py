@@ -22,7 +22,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import EngineDeadError, InvalidRequestError
+from ..errors import EngineDeadError, InvalidRequestError
 from .llm_engine import LLMEngine, Prompt
 from .output_processor import RequestOutput
 from .request_processor import RequestProcessor

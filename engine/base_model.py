@@ -13,7 +13,7 @@ from transformers import AutoTokenizer, GenerationConfig, PretrainedConfig
 
 from ..kernel_backends import backend_class, backend_name
 from ..kernel_backends.backend import KernelBackend
-from .config import EngineConfig
+from .engine_config import EngineConfig
 from .models.llama import LlamaForCausalLM
 from .models.loader import load_config, load_model, resolve_dtype
 

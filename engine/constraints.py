@@ -12,12 +12,12 @@ is built, off the processor's and the engine's threads).
 
 from __future__ import annotations
 
+from ..errors import InvalidRequestError
 from ..structured.compiler import CompileSettings, GrammarCompiler
 from ..structured.constraint import StructuredOutputs
 from ..structured.limits import ConstraintLimits
 from ..structured.matcher import ConstraintMatcher
-from .config import EngineConfig
-from .errors import InvalidRequestError
+from .engine_config import EngineConfig
 from .sampling_params import SamplingParams
 from .sequence import Sequence
 

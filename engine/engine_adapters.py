@@ -9,6 +9,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..errors import InvalidRequestError
 from ..kernel_backends import intra_op
 from ..lora.cache import AdapterCache
 from ..lora.cached_adapter import AdapterInfo
@@ -21,12 +22,11 @@ from ..lora.peft_format import (
 )
 from ..lora.slots import SlotBuffers
 from ..lora.upload_store import UploadStore
-from .errors import InvalidRequestError
 
 if TYPE_CHECKING:
     import torch
 
-    from .config import EngineConfig
+    from .engine_config import EngineConfig
 
 
 class EngineAdapters:

@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterable
 from collections.abc import Sequence as Seq
 from pathlib import Path
 
+from ..errors import AdapterNotFoundError, InvalidRequestError
 from ..lora.cache import AdapterCache
 from ..lora.layers import attach_lora, rank_row_bytes
 from ..lora.peft_format import BaseShapes
@@ -17,10 +18,9 @@ from ..lora.upload_store import UploadStore
 from .base_model import BaseModel, load_base_model
 from .block_manager import BlockManager
 from .choices import choices_to_fork, report_choices, run_to_completion
-from .config import EngineConfig
 from .constraints import Constraints
 from .engine_adapters import EngineAdapters
-from .errors import AdapterNotFoundError, InvalidRequestError
+from .engine_config import EngineConfig
 from .lora_capacity import LoRACapacity
 from .memory_use import MemoryUse, memory_use
 from .model_runner import ModelRunner, num_kv_blocks

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import EngineConfig
+from .engine_config import EngineConfig
 
 LORA_MEMORY_SHARE = 0.10  # of the memory left after weights and a minimum KV cache
 GIB = 1 << 30

@@ -20,7 +20,7 @@ from ..kernel_backends.staged_buffer import StagedBuffer
 from ..kernel_backends.step_metadata import StepMetadata, bind_step
 from ..structured.bitmask import StepBitmask
 from ..structured.matcher import ConstraintMatcher
-from .config import DEFAULT_CPU_KV_BYTES, EngineConfig
+from .engine_config import DEFAULT_CPU_KV_BYTES, EngineConfig
 from .logprob_ops import token_logprobs
 from .models.llama import LlamaForCausalLM, head_dim_of, kv_heads_of
 from .sampler import Sampler, SamplerOutput

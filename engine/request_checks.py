@@ -6,9 +6,9 @@ the list fields also name the cap and its flag. They are the one check of every 
 
 from __future__ import annotations
 
+from ..errors import InvalidRequestError
 from .bad_words import BadWords
-from .config import EngineConfig
-from .errors import InvalidRequestError
+from .engine_config import EngineConfig
 from .sampling_params import ALL_LOGPROBS, SamplingParams
 
 
@@ -25,7 +25,7 @@ def _over(field: str, count: int, what: str, cap: int, flag: str) -> InvalidRequ
 
 
 def check_limits(params: SamplingParams, config: EngineConfig, vocab: int) -> None:
-    """The caps on the list fields (engine/config.py's request limits): cheap length checks,
+    """The caps on the list fields (engine/engine_config.py's request limits): cheap length checks,
     made before anything costly (tokenizing the prompt or the bad words)."""
     counts = (("stop", len(params.stop), "strings", config.max_stop_strings,
                "max-stop-strings"),

@@ -15,7 +15,7 @@ import torch
 
 from . import lora_capacity
 from .base_model import BaseModel
-from .config import EngineConfig
+from .engine_config import EngineConfig
 from .lora_capacity import LoRACapacity
 from .model_runner import kv_bytes_per_block
 

@@ -1,7 +1,7 @@
 """RowTokens: a request's fixed token-id lists as tensors on the logits' device, made once.
 
 ``logit_bias``, ``allowed_token_ids`` and the one-token bad words do not change while a
-request runs, and may hold thousands of ids (up to the caps of engine/config.py). They are
+request runs, and may hold thousands of ids (up to the caps of engine/engine_config.py). They are
 turned into tensors at the request's first step and kept on its Sequence (shared by its
 choices), so that building a step's SamplingBatch joins one tensor per row instead of
 looping over every id in Python at every step.

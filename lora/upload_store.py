@@ -48,7 +48,7 @@ class UploadStore:
 
     def open_weights(self, upload: Path) -> BinaryIO:
         """``upload``'s adapter_model.safetensors (``upload`` from ``new_dir``), open for
-        writing: the stream's chunks go there (server/adapter_upload.py writes and closes it
+        writing: the stream's chunks go there (server/grpc/adapter_upload.py writes and closes it
         off the event loop)."""
         return (upload / WEIGHTS_NAME).open("wb")
 

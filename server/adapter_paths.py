@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from .error_code import ErrorCode, ServiceError
-from .options import ServerOptions
+from .server_options import ServerOptions
 
 # 1-128 characters of a safe alphabet, starting with a letter or digit; '/'-separated
 # segments that are never empty, "." or ".."

@@ -20,7 +20,7 @@ import asyncio
 import os
 from pathlib import Path
 
-from ..engine.errors import AdapterExistsError, AdapterNotFoundError
+from ..errors import AdapterExistsError, AdapterNotFoundError
 from . import adapter_ops
 from .adapter_paths import check_adapter_name
 from .state import ServerState

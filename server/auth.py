@@ -1,6 +1,6 @@
 """Bearer-token auth: the rule both fronts share (``required_tokens``, ``refusal``),
-front-neutral; server/grpc_auth.py applies it to gRPC calls, server/http/auth.py to HTTP
-routes, server/ray/context.py to Ray's gRPC proxy.
+front-neutral; server/grpc/auth_interceptor.py applies it to gRPC calls,
+server/http/route_auth.py to HTTP routes, server/ray/context.py to Ray's gRPC proxy.
 
 The one rule: with no token set, every route is open. When any token is set, every route
 except health (gRPC Health, HTTP /health and /ping), gRPC reflection and /metrics needs

@@ -8,7 +8,7 @@ from typing import Any
 
 from ..engine.llm_engine import LLMEngine
 from .auth import Scope, required_tokens
-from .options import ServerOptions
+from .server_options import ServerOptions
 
 
 def version() -> str:

@@ -1,8 +1,8 @@
 """ErrorCode: what kind of failure a call met, front-neutral (docs/contracts.md "Status
 codes"). The layer below the fronts raises ``ServiceError(code, message)`` or the engine's
 errors; ``code_of`` gives each its code, once, and each front maps the code: gRPC to
-``grpc.StatusCode`` (server/status.py), HTTP to a status and OpenAI's error body
-(server/http/errors.py). This module imports neither front.
+``grpc.StatusCode`` (server/grpc/status.py), HTTP to a status and OpenAI's error body
+(server/http/error_bodies.py). This module imports neither front.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 import logging
 
-from ..engine.errors import (
+from ..errors import (
     AdapterConfinementError,
     AdapterExistsError,
     AdapterFaultError,

@@ -16,9 +16,9 @@ from contextlib import AsyncExitStack, aclosing
 from dataclasses import dataclass
 
 from ..engine.async_engine import AsyncEngine
-from ..engine.errors import AdapterFaultError, AdapterNotFoundError
 from ..engine.output_processor import RequestOutput
 from ..engine.sampling_params import SamplingParams
+from ..errors import AdapterFaultError, AdapterNotFoundError
 from .error_code import ErrorCode, ServiceError
 from .prompt import Prompt
 from .state import ServerState

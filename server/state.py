@@ -1,6 +1,6 @@
 """ServerState: the serving phase, the engine once loaded, admission. Front-neutral: each
 front follows the phase its own way (gRPC's health servicer through ``phase_observers``,
-server/health.py; HTTP's probes read ``phase``).
+server/grpc/health.py; HTTP's probes read ``phase``).
 
 Invariants: every phase observer has seen the phase once ``set_phase`` returns;
 ``in_flight`` counts the generate calls admitted and not yet finished and never exceeds
@@ -21,8 +21,8 @@ from ..engine.async_engine import AsyncEngine
 from ..engine.llm_engine import names_base_model
 from .adapter_paths import check_canonical, is_loopback
 from .error_code import ErrorCode, ServiceError
-from .metrics import ServerMetrics
-from .options import ServerOptions
+from .server_metrics import ServerMetrics
+from .server_options import ServerOptions
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ class ServerState:
         self.exposed = not is_loopback(options.host) if exposed is None else exposed
         self.phase = Phase.STARTING
         self.engine: AsyncEngine | None = None
-        # told each new phase, in order (gRPC's health: server/health.py)
+        # told each new phase, in order (gRPC's health: server/grpc/health.py)
         self.phase_observers: list[Callable[[Phase], Awaitable[None]]] = []
         self.in_flight = 0
         self.requests_total = 0

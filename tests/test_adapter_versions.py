@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from loraplex import LLMEngine, SamplingParams
-from loraplex.engine.errors import AdapterExistsError, AdapterNotFoundError
+from loraplex.errors import AdapterExistsError, AdapterNotFoundError
 from loraplex.lora.peft_checks import AdapterError
 from peft import PeftModel
 from safetensors.torch import load_file

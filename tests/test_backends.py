@@ -12,7 +12,7 @@ import torch
 from loraplex.bench.kernel_fixtures import make_lora_pools, step_segments
 from loraplex.kernel_backends import backend_class, backend_name, select_backend
 from loraplex.kernel_backends.cpu import CPUBackend
-from loraplex.kernel_backends.cpu.segments import CPULoRASegments
+from loraplex.kernel_backends.cpu.cpu_lora_segments import CPULoRASegments
 from loraplex.kernel_backends.torch import TorchBackend
 from loraplex.kernel_backends.triton import TritonBackend
 

@@ -10,7 +10,7 @@ from loraplex.bench import report
 from loraplex.bench.cache_metrics import cache_stats, parse
 from loraplex.bench.scale import ScaleRun, derive_rate, parse_args, plan, server_flags
 from loraplex.bench.scale_report import headline, scale_table, target_rows, targets_table
-from loraplex.server.metrics import ServerMetrics
+from loraplex.server.server_metrics import ServerMetrics
 
 
 def test_plan_is_every_max_loras_alpha_and_n_with_n_ascending() -> None:

@@ -18,10 +18,10 @@ from loraplex.cli import build_parser, main
 from loraplex.client_options import ServerConnection
 from loraplex.config import GenerateConfig, ServeConfig
 from loraplex.config_flags import from_args
-from loraplex.engine.config import EngineConfig
+from loraplex.engine.engine_config import EngineConfig
 from loraplex.flag import flag_of
-from loraplex.server.options import ServerOptions
-from loraplex.server.ray.options import RayOptions
+from loraplex.server.ray.ray_options import RayOptions
+from loraplex.server.server_options import ServerOptions
 
 ROOT = Path(__file__).resolve().parents[1]
 # the loraplex command's parsers are built here: none may declare a setting of the tree

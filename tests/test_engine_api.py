@@ -8,7 +8,7 @@ import pytest
 import torch
 from loraplex import EngineConfig, LLMEngine, SamplingParams
 from loraplex.engine.async_engine import AsyncEngine
-from loraplex.engine.errors import AdapterNotFoundError, InvalidRequestError
+from loraplex.errors import AdapterNotFoundError, InvalidRequestError
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ from loraplex.bench.kernel_fixtures import (
 from loraplex.kernel_backends import backend_name, select_backend
 from loraplex.kernel_backends.torch import lora as reference
 from loraplex.kernel_backends.triton import sgmv
-from loraplex.kernel_backends.triton.segments import TritonLoRASegments
+from loraplex.kernel_backends.triton.triton_lora_segments import TritonLoRASegments
 
 pytestmark = pytest.mark.triton
 

@@ -144,12 +144,14 @@ def test_backends_stand_apart(graph: dict[str, set[str]]) -> None:
             assert not backends, (module, backends)
 
 
-# The gRPC front (and the composition root, app.py): the only modules of server/, with
-# server/ray/ (which fronts Ray's gRPC proxy), that may speak gRPC. Everything else in
-# server/ (the front-neutral layer, and the HTTP front) raises ErrorCode, never a gRPC code.
-GRPC_FRONT = {f"loraplex.server.{m}" for m in (
-    "app", "inference", "adapter_admin", "server_info", "status", "grpc_auth", "health",
-    "tls", "convert", "grpc_outputs", "adapter_upload")}
+# The gRPC front (server/grpc/) and the composition root (loraplex_server.py): the only
+# modules of server/, with server/ray/ (which fronts Ray's gRPC proxy), that may speak gRPC.
+# Everything else in server/ (the front-neutral layer, and the HTTP front) raises ErrorCode,
+# never a gRPC code.
+GRPC_FRONT = {"loraplex.server.loraplex_server"} | {
+    f"loraplex.server.grpc.{m}" for m in (
+        "inference", "adapter_admin", "server_info", "status", "auth_interceptor", "health",
+        "proto_convert", "response_messages", "adapter_upload", "upload_limits")}
 GRPC_PACKAGES = ("grpc", "grpc_health", "grpc_reflection")
 
 
@@ -170,9 +172,10 @@ def test_the_front_neutral_layer_speaks_no_grpc(graph: dict[str, set[str]]) -> N
     (server/error_code.py) that each front maps."""
     files = module_files()
     neutral = [m for m in files if m.startswith("loraplex.server.")
-               and m not in GRPC_FRONT and not m.startswith("loraplex.server.ray")]
+               and m not in GRPC_FRONT and m != "loraplex.server.grpc"
+               and not m.startswith("loraplex.server.ray")]
     assert {"loraplex.server.generation", "loraplex.server.state",
-            "loraplex.server.adapter_ops", "loraplex.server.http.errors"} <= set(neutral)
+            "loraplex.server.adapter_ops", "loraplex.server.http.error_bodies"} <= set(neutral)
     speaking = {m: sorted(absolute_imports(files[m]) & set(GRPC_PACKAGES)
                           | {d for d in graph[m] if d in GRPC_FRONT
                              or d.startswith("loraplex.proto")})

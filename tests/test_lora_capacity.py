@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 from loraplex import LLMEngine
-from loraplex.engine.config import EngineConfig
+from loraplex.engine.engine_config import EngineConfig
 from loraplex.engine.lora_capacity import LORA_MEMORY_SHARE, resolve
 
 ROW = 1000  # bytes of one rank row

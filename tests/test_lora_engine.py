@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from loraplex import LLMEngine, SamplingParams
-from loraplex.engine.errors import AdapterExistsError, AdapterNotFoundError
+from loraplex.errors import AdapterExistsError, AdapterNotFoundError
 from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
@@ -275,8 +275,8 @@ def test_the_base_model_has_one_set_of_names(tiny_llama, adapters, peft_referenc
     """``names_base_model`` is the engine's rule and the servers' (server/state.py):
     empty, the served model name, and ``model_name`` (the --model argument here) all run
     the base model, and none of them can name an adapter."""
-    from loraplex.engine.errors import InvalidRequestError
     from loraplex.engine.llm_engine import names_base_model
+    from loraplex.errors import InvalidRequestError
 
     engine = LLMEngine(model=tiny_llama, dtype="float32", max_model_len=128)
     assert engine.model_name == str(tiny_llama)

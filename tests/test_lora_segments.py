@@ -1,6 +1,6 @@
-"""The per-step LoRA segment metadata (kernel_backends/cpu/segments.py's CPULoRASegments): tokens
-grouped by adapter slot, the groups of the slots in use, and a batch with no adapter, which
-every backend skips."""
+"""The per-step LoRA segment metadata (kernel_backends/cpu/cpu_lora_segments.py's
+CPULoRASegments): tokens grouped by adapter slot, the groups of the slots in use, and a batch
+with no adapter, which every backend skips."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 from loraplex.bench.kernel_fixtures import make_lora_pools, segments, step_segments
 from loraplex.kernel_backends import select_backend
-from loraplex.kernel_backends.cpu.segments import CPULoRASegments
+from loraplex.kernel_backends.cpu.cpu_lora_segments import CPULoRASegments
 
 CPU = torch.device("cpu")
 

@@ -17,8 +17,8 @@ from loraplex.bench.kernel_fixtures import (
 )
 from loraplex.kernel_backends import backend_name, select_backend
 from loraplex.kernel_backends.cpu import extension, lora_routes
+from loraplex.kernel_backends.cpu.cpu_lora_segments import CPULoRASegments
 from loraplex.kernel_backends.cpu.lora_routes import ROUTE_NAMES, add_lora, choose_route
-from loraplex.kernel_backends.cpu.segments import CPULoRASegments
 from loraplex.kernel_backends.torch import lora as reference
 
 CPU = torch.device("cpu")

@@ -51,6 +51,6 @@ def test_ray_options_autoscaling() -> None:
 
 
 def test_single_process_server_does_not_import_ray() -> None:
-    code = ("import sys, loraplex.server.app, loraplex.cli, loraplex.client; "
+    code = ("import sys, loraplex.server.loraplex_server, loraplex.cli, loraplex.client; "
             "loraplex.cli.build_parser(); assert 'ray' not in sys.modules, 'ray imported'")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

@@ -16,8 +16,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 # what `loraplex serve` (with --ray) and the benchmarks' baselines pull in
-IMPORTS = ["loraplex.serve_command", "loraplex.engine.llm_engine", "loraplex.server.app",
-           "transformers", "transformers.modeling_utils", "peft", "ray.serve", "xgrammar"]
+IMPORTS = ["loraplex.serve_command", "loraplex.engine.llm_engine",
+           "loraplex.server.loraplex_server", "transformers", "transformers.modeling_utils",
+           "peft", "ray.serve", "xgrammar"]
 
 
 def root_entries() -> set[str]:

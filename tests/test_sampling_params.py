@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 from loraplex import LLMEngine, SamplingParams
-from loraplex.engine.errors import InvalidRequestError
+from loraplex.errors import InvalidRequestError
 
 
 @pytest.mark.parametrize("fields, named", [
@@ -76,7 +76,7 @@ def test_the_engine_honours_bias_masks_and_bad_words(engine: LLMEngine) -> None:
     assert engine.block_manager.num_used_blocks == 0
 
 
-# ---- the caps on the list fields (engine/config.py's request limits), one check for every
+# ---- the caps on the list fields (engine/engine_config.py's request limits), one check for every
 # front: each refusal names the field, the cap and its flag, and holds nothing
 @pytest.mark.parametrize("fields, named", [
     ({"stop": [f"s{i}" for i in range(65)]},
@@ -131,7 +131,7 @@ def test_the_caps_are_flags(tiny_llama: Path) -> None:
 @pytest.mark.parametrize("field, value", [("max_stop_strings", 0), ("max_bad_words", -1),
                                           ("max_allowed_token_ids", 0), ("max_logprobs", -2)])
 def test_the_caps_are_validated(field: str, value: int) -> None:
-    from loraplex.engine.config import EngineConfig
+    from loraplex.engine.engine_config import EngineConfig
 
     with pytest.raises(ValueError, match=field):
         EngineConfig(**{field: value})

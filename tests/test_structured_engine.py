@@ -16,7 +16,7 @@ import pytest
 from loraplex import LLMEngine, SamplingParams
 from loraplex.bench import structured_fixtures as cases
 from loraplex.engine.async_engine import AsyncEngine
-from loraplex.engine.errors import InvalidRequestError
+from loraplex.errors import InvalidRequestError
 from loraplex.structured.constraint import StructuredOutputs
 
 from tests.conftest import make_adapter, make_tiny_model

@@ -15,8 +15,8 @@ from torch import nn
 from ..lora_segments import LoRASegments
 from ..torch import TorchBackend
 from . import attention, extension, isa, lora_routes
+from .cpu_lora_segments import CPULoRASegments
 from .packed_linear import gemm_layout, pack_model, packing_available, warm_up_packed
-from .segments import CPULoRASegments
 
 
 def available() -> bool:

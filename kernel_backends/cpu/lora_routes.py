@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from . import extension
+from .cpu_lora_segments import CPULoRASegments as LoRASegments
 from .isa import HALF_NATIVE, cpu_isa
-from .segments import CPULoRASegments as LoRASegments
 
 Route = Callable[
     [torch.Tensor, torch.Tensor, list, list, torch.Tensor, list, LoRASegments, torch.dtype], None

@@ -10,7 +10,7 @@ import torch
 from ..lora_segments import LoRASegments
 from ..torch import TorchBackend
 from . import attention, attention_prefill, sgmv
-from .segments import TritonLoRASegments
+from .triton_lora_segments import TritonLoRASegments
 
 
 class TritonBackend(TorchBackend):

@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .segments import BLOCK_M, TritonLoRASegments
+from .triton_lora_segments import BLOCK_M, TritonLoRASegments
 
 MAX_SLICES = 3
 BLOCK_K = 64  # input features per inner step of shrink

@@ -1,6 +1,6 @@
 """BodyLimit: the HTTP front refuses a request body over ``--max-request-bytes`` with 413,
 before the body is parsed (uvicorn and FastAPI read a body of any size by default; gRPC
-refuses a message over the same limit, server/app.py).
+refuses a message over the same limit, server/loraplex_server.py).
 
 A declared ``Content-Length`` over the limit is answered at once, without reading the body;
 a chunked body is counted as it arrives and refused at the chunk that passes the limit, so
@@ -14,7 +14,7 @@ from http import HTTPStatus
 from fastapi import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from .errors import error_response
+from .error_bodies import error_response
 
 
 def _too_large(limit: int, size: str) -> str:
@@ -58,7 +58,7 @@ class BodyLimit:
                 received += len(message.get("body", b""))
                 if received > self.limit:
                     # FastAPI passes an HTTPException raised while it reads the body on to
-                    # the app's handler (errors.py), which answers 413 in OpenAI's shape
+                    # the app's handler (error_bodies.py), which answers 413 in OpenAI's shape
                     raise HTTPException(HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
                                         _too_large(self.limit, f"over {self.limit} bytes"))
             return message

@@ -18,12 +18,12 @@ from .. import generation
 from ..auth import Scope
 from ..generation import GenerateInput, OpenStream
 from ..state import ServerState
-from .auth import require, server_state
-from .convert import chat_input, completion_input
-from .errors import error_body, http_status_of
+from .error_bodies import error_body, http_status_of
 from .models import VERSION_HEADER
 from .protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from .request_convert import chat_input, completion_input
 from .responses import DONE, Reply, View, sse
+from .route_auth import require, server_state
 from .streaming import ClosingStreamingResponse, until_disconnect
 
 router = APIRouter(dependencies=[Depends(require(Scope.API))])

@@ -19,7 +19,7 @@ log = logging.getLogger(__name__)
 
 # name -> the neutral values (JSON null is always neutral: it means unset)
 SHARED_REFUSED: dict[str, tuple[Any, ...]] = {
-    # vLLM 0.12 replaced these with structured_outputs (honoured: structured.py)
+    # vLLM 0.12 replaced these with structured_outputs (honoured: response_format.py)
     "guided_json": (),
     "guided_regex": (),
     "guided_choice": (),

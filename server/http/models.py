@@ -19,8 +19,8 @@ from ...lora.cached_adapter import AdapterInfo
 from .. import adapter_ops
 from ..auth import Scope
 from ..state import ServerState
-from .auth import require, server_state
 from .protocol import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
+from .route_auth import require, server_state
 
 OWNED_BY = "loraplex"
 router = APIRouter()

@@ -10,13 +10,13 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from ...engine.errors import EngineDeadError
+from ...errors import EngineDeadError
 from ..auth import Scope
 from ..description import version
 from ..engine_snapshot import take_snapshot
 from ..state import Phase, ServerState
-from .auth import require, server_state
-from .errors import error_response
+from .error_bodies import error_response
+from .route_auth import require, server_state
 
 router = APIRouter()
 OPEN = [Depends(require(Scope.OPEN))]

@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from .structured import ResponseFormat
+from .response_format import ResponseFormat
 from .tools import Tool, ToolChoice
 
 TokenId = Annotated[int, Field(ge=0)]
@@ -56,7 +56,7 @@ class SamplingFields(RequestBody):
     bad_words: list[str] | None = None
     prompt_logprobs: int | None = None
     return_tokens_as_token_ids: bool | None = None
-    # what the answer must match (structured.py): OpenAI's and vLLM's forms
+    # what the answer must match (response_format.py): OpenAI's and vLLM's forms
     response_format: ResponseFormat | None = None
     structured_outputs: dict[str, Any] | None = None
 

@@ -1,7 +1,7 @@
 """Response bodies and stream chunks of /v1/completions and /v1/chat/completions, shaped
 as vLLM sends them (OpenAI's objects plus vLLM's ``stop_reason`` and ``prompt_logprobs``):
 one choice per sample (``choices[i].index``), logprobs in OpenAI's completions or chat
-form (logprobs.py), ``echo``'s prompt in front of a completion, and usage counting the
+form (openai_logprobs.py), ``echo``'s prompt in front of a completion, and usage counting the
 prompt once and the tokens of every choice."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ...engine.output_processor import RequestOutput
-from .logprobs import TokenText, chat_logprobs, completion_logprobs, prompt_logprobs
+from .openai_logprobs import TokenText, chat_logprobs, completion_logprobs, prompt_logprobs
 from .tool_calls import ToolCallStream, whole_message
 from .tools import ToolPlan
 
@@ -41,7 +41,7 @@ DONE = sse("[DONE]")
 
 @dataclass(frozen=True)
 class View:
-    """What a request asked to see beyond the text (set by convert.py)."""
+    """What a request asked to see beyond the text (set by request_convert.py)."""
 
     chat: bool
     logprobs: int | None = None  # top-k per token (chat: top_logprobs with logprobs on); -1: all

@@ -3,7 +3,7 @@
 Start binds the socket itself (so port 0 works and a taken port is a clear error) and runs
 uvicorn as a task. Stop stops accepting, lets in-flight requests finish within the grace
 period, then cancels the rest (cancelling aborts their sequences in the engine). Signals
-stay with ``server.app.serve``, which drains both fronts.
+stay with ``server.loraplex_server.serve``, which drains both fronts.
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from collections.abc import Iterator
 
 import uvicorn
 
-from ..options import ServerOptions
+from ..server_options import ServerOptions
 from ..state import ServerState
-from .app import build_app
+from .fastapi_app import build_app
 
 
 class _Uvicorn(uvicorn.Server):

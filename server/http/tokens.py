@@ -12,10 +12,10 @@ from .. import adapter_ops
 from ..auth import Scope
 from ..prompt import resolve_prompt
 from ..state import ServerState
-from .auth import require, server_state
-from .convert import chat_turns
 from .fields import check_fields
 from .protocol import DetokenizeRequest, TokenizeRequest
+from .request_convert import chat_turns
+from .route_auth import require, server_state
 
 router = APIRouter(dependencies=[Depends(require(Scope.API))])
 

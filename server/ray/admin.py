@@ -18,14 +18,15 @@ from typing import Any
 import grpc
 from ray.exceptions import ActorDiedError, RayActorError
 
-from ...engine.errors import AdapterExistsError
+from ...errors import AdapterExistsError
 from ...lora.cached_adapter import AdapterInfo
 from ...proto import loraplex_pb2 as pb
-from .. import adapter_ops, convert
-from ..adapter_admin import AdapterAdminServicer
+from .. import adapter_ops
 from ..error_code import ErrorCode, ServiceError
+from ..grpc import proto_convert
+from ..grpc.adapter_admin import AdapterAdminServicer
+from ..grpc.status import unary
 from ..state import ServerState
-from ..status import unary
 from .follower import RegistryFollower
 
 APPLY_TIMEOUT_S = 120.0
@@ -131,19 +132,19 @@ class ClusterAdminServicer(AdapterAdminServicer):
         tiers = await self.replica_tiers()
         adapters = []
         for name, entry in sorted(snapshot.entries.items()):
-            info = (convert.adapter_info(local[name]) if name in local else
+            info = (proto_convert.adapter_info(local[name]) if name in local else
                     pb.AdapterInfo(name=name, path=entry.path, pinned=entry.pin,
                                    preloaded=entry.preloaded))
             info.active_requests = 0
             states = []
             for replica, held in sorted(tiers.items()):
                 state, active = held.get(name, ("STATE_UNSPECIFIED", 0))
-                info.replicas.add(replica=replica, state=convert.state_number(state),
+                info.replicas.add(replica=replica, state=proto_convert.state_number(state),
                                   active_requests=active)
                 info.active_requests += active
                 states.append(state)
             if states:  # else (no replica answered) this replica's own view stays
-                info.state = convert.state_number(best_state(states))
+                info.state = proto_convert.state_number(best_state(states))
             adapters.append(info)
         return pb.ListAdaptersResponse(adapters=adapters)
 

@@ -2,7 +2,7 @@
 Serve's ``RayServegRPCContext``; and the token rule (server/auth.py) read from its metadata.
 
 The servicers end a failed call with ``await context.abort(code, message)``
-(server/status.py). Here ``abort`` sets the code and the message on Ray's context, which the
+(server/grpc/status.py). Here ``abort`` sets the code and the message on Ray's context, which the
 proxy sends to the client, and raises ``grpc.aio.AbortError`` as grpc.aio does; the
 deployment catches it: a unary call returns an empty message (the code, details and
 trailers reach the client); a stream raises again, as Ray's proxy reads a stream's status
@@ -19,8 +19,8 @@ import grpc
 
 from ..auth import bearer_token, refusal
 from ..error_code import shorten
-from ..grpc_auth import scope_of_method
-from ..options import ServerOptions
+from ..grpc.auth_interceptor import scope_of_method
+from ..server_options import ServerOptions
 
 REPLICA_TRAILER = "loraplex-replica"
 

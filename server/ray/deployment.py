@@ -2,7 +2,7 @@
 RPC of ``loraplex.v1`` and ``grpc.health.v1.Health/Check`` (Ray's gRPC proxy routes on the
 method name alone, so method names are unique across the services).
 
-Every call goes through server/'s own servicers (inference.py, adapter_admin.py via
+Every call goes through server/grpc/'s own servicers (inference.py, adapter_admin.py via
 admin.py, server_info.py), so request checks, conversions, admission and status codes are
 the single server's; ProxyContext (context.py) carries their ``abort`` onto Ray's context,
 and the token rule is server/auth.py's. Per replica:
@@ -39,17 +39,17 @@ from grpc_health.v1 import health_pb2
 from ray import serve
 from ray.exceptions import RayActorError
 
-from ...engine.config import EngineConfig
+from ...engine.engine_config import EngineConfig
 from ...engine.llm_engine import LLMEngine
 from ...proto import loraplex_pb2 as pb
 from ..adapter_ops import list_adapters
 from ..adapter_paths import segment_problem
-from ..app import LoraplexServer
-from ..health import SERVICE_NAMES
+from ..grpc.health import SERVICE_NAMES
+from ..grpc.inference import InferenceServicer
+from ..grpc.server_info import ServerInfoServicer
 from ..http.probes import local_exposition
-from ..inference import InferenceServicer
-from ..options import ServerOptions
-from ..server_info import ServerInfoServicer
+from ..loraplex_server import LoraplexServer
+from ..server_options import ServerOptions
 from ..state import Phase
 from .admin import ClusterAdapters, ClusterAdminServicer, ReplicaTiers, local_tiers
 from .context import REPLICA_TRAILER, ProxyContext, authorize

@@ -24,7 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 from ray import serve
 
-from ..http.app import build_app
+from ..http.fastapi_app import build_app
 from ..state import ServerState
 from .admin import ClusterAdapters
 

@@ -28,12 +28,12 @@ import torch
 from ray import serve
 from ray.serve.config import HTTPOptions, gRPCOptions
 
-from ...engine.config import EngineConfig
+from ...engine.engine_config import EngineConfig
 from ...kernel_backends import backend_name
 from ..adapter_paths import path_loading_warning
-from ..options import ServerOptions
+from ..server_options import ServerOptions
 from .deployment import ReplicaConfig, deployment_class
-from .options import RayOptions
+from .ray_options import RayOptions
 from .registry import AdapterRegistry
 from .registry_store import GcsStore
 from .shutdown import Shutdown

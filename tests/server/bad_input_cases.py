@@ -131,7 +131,7 @@ GENERATE_CASES = [
 ]
 
 # ---- bounded request fields, logprobs -1, unknown models (issue 42: helper c) ----------------
-# The caps of engine/config.py's request limits (defaults), one check for every front; each
+# The caps of engine/engine_config.py's request limits (defaults), one check for every front; each
 # message names the field, the cap and the flag. -1 asks for the whole vocabulary (384),
 # over the default --max-logprobs 20. gRPC refuses a message over --max-request-bytes.
 BIG = 5 << 20  # over the default --max-request-bytes (4 MiB)

@@ -23,7 +23,7 @@ import pytest
 import torch
 from loraplex import SamplingParams
 from loraplex.client import AsyncClient, Client
-from loraplex.engine.errors import EngineDeadError
+from loraplex.errors import EngineDeadError
 from loraplex.lora.weight_bounds import gain_limit
 from loraplex.server import ServerOptions, serve
 

@@ -22,7 +22,7 @@ from loraplex.server.adapter_paths import (
     path_loading_warning,
 )
 from loraplex.server.error_code import ServiceError
-from loraplex.server.options import ServerOptions
+from loraplex.server.server_options import ServerOptions
 from loraplex.server.state import ServerState
 
 from tests.server.conftest import wait_until

@@ -18,9 +18,9 @@ import pytest
 from fastapi.routing import APIRoute
 from loraplex.proto import loraplex_pb2 as pb
 from loraplex.server.auth import Scope
-from loraplex.server.grpc_auth import scope_of_method
-from loraplex.server.http.app import build_app
-from loraplex.server.http.auth import api_routes, route_scope
+from loraplex.server.grpc.auth_interceptor import scope_of_method
+from loraplex.server.http.fastapi_app import build_app
+from loraplex.server.http.route_auth import api_routes, route_scope
 
 API, ADMIN = "api-t0ken", "admin-s3cret"
 OPEN_ROUTES = {("GET", "/health"), ("GET", "/ping"), ("POST", "/ping"), ("GET", "/metrics")}

@@ -63,9 +63,9 @@ class RayApp:
 def ray_app(tiny_llama: Path, tiny_adapters: Callable[[str], Path],
             tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayApp]:
     import ray
-    from loraplex.engine.config import EngineConfig
-    from loraplex.server.options import ServerOptions
+    from loraplex.engine.engine_config import EngineConfig
     from loraplex.server.ray.launch import RayOptions, deploy, start_ray, teardown
+    from loraplex.server.server_options import ServerOptions
 
     modules = {n: str(tiny_adapters(n)) for n in NAMES}
     options = ServerOptions(port=_free_port(), http_port=_free_port(), admin_token=ADMIN,

@@ -7,7 +7,7 @@ from __future__ import annotations
 from grpc_health.v1 import health_pb2
 from grpc_health.v1._async import HealthServicer
 
-from .state import Phase
+from ..state import Phase
 
 SERVICE_NAMES = ("loraplex.v1.Inference", "loraplex.v1.AdapterAdmin", "loraplex.v1.ServerInfo")
 

@@ -1,6 +1,6 @@
 """UploadLimits: what the UploadAdapter streams of one server (one replica with ``--ray``) may
 hold at once: at most ``--max-concurrent-uploads`` streams, and ``--upload-disk-budget``
-bytes of weights on disk among them (server/adapter_upload.py takes a lease per stream).
+bytes of weights on disk among them (adapter_upload.py takes a lease per stream).
 
 What counts: an upload from its first message until it is loaded, refused or cut. An
 adapter once loaded no longer counts: it is a registered adapter like any other (the admin
@@ -17,8 +17,8 @@ from __future__ import annotations
 from types import TracebackType
 from typing import TYPE_CHECKING
 
-from .error_code import ErrorCode, ServiceError
-from .options import ServerOptions
+from ..error_code import ErrorCode, ServiceError
+from ..server_options import ServerOptions
 
 if TYPE_CHECKING:
     from typing_extensions import Self

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import grpc
 
-from ..engine.llm_engine import LLMEngine
-from ..proto import loraplex_pb2 as pb
-from ..proto import loraplex_pb2_grpc as pb_grpc
-from .description import describe
-from .state import ServerState
+from ...engine.llm_engine import LLMEngine
+from ...proto import loraplex_pb2 as pb
+from ...proto import loraplex_pb2_grpc as pb_grpc
+from ..description import describe
+from ..state import ServerState
 from .status import unary
 
 

@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 
 import grpc
 
-from .error_code import ErrorCode, code_of, shorten
+from ..error_code import ErrorCode, code_of, shorten
 
 T = TypeVar("T")
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..engine.sampling_params import SamplingParams
-from ..proto import loraplex_pb2 as pb
-from ..structured.constraint import DEFAULT_MAX_WHITESPACE, StructuredOutputs
-from .chat import ChatTurn
-from .generation import GenerateInput
-from .prompt import Prompt, resolve_prompt
+from ...engine.sampling_params import SamplingParams
+from ...proto import loraplex_pb2 as pb
+from ...structured.constraint import DEFAULT_MAX_WHITESPACE, StructuredOutputs
+from ..chat import ChatTurn
+from ..generation import GenerateInput
+from ..prompt import Prompt, resolve_prompt
 
 _OPTIONAL_PARAMS = ("temperature", "top_p", "top_k", "seed", "max_new_tokens")
 # set only when given: unset, the engine's SamplingParams defaults apply (n 1, no logprobs,

@@ -24,21 +24,20 @@ from grpc_health.v1 import health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from ..engine.async_engine import AsyncEngine
-from ..engine.errors import EngineDeadError
 from ..engine.llm_engine import LLMEngine
 from ..engine.sampling_params import SamplingParams
+from ..errors import EngineDeadError
 from ..proto import loraplex_pb2_grpc as pb_grpc
-from .adapter_admin import AdapterAdminServicer
 from .adapter_paths import path_loading_warning
 from .adapter_resolver import attach_resolver
 from .description import describe
-from .grpc_auth import TokenAuthInterceptor
-from .health import SERVICE_NAMES, PhaseHealth
-from .inference import InferenceServicer
-from .options import ServerOptions
-from .server_info import ServerInfoServicer
+from .grpc.adapter_admin import AdapterAdminServicer
+from .grpc.auth_interceptor import TokenAuthInterceptor
+from .grpc.health import SERVICE_NAMES, PhaseHealth
+from .grpc.inference import InferenceServicer
+from .grpc.server_info import ServerInfoServicer
+from .server_options import ServerOptions
 from .state import Phase, ServerState
-from .tls import server_credentials
 
 if TYPE_CHECKING:
     from .http.server import HttpServer
@@ -137,6 +136,18 @@ class LoraplexServer:
     async def wait_for_termination(self) -> None:
         if self._server is not None:
             await self._server.wait_for_termination()
+
+
+def server_credentials(options: ServerOptions) -> grpc.ServerCredentials | None:
+    """TLS (--ssl-certfile/--ssl-keyfile) and mutual TLS (--ssl-ca-certs): None without TLS;
+    with ``ssl_ca_certs`` clients must present a certificate it signed."""
+    if options.ssl_certfile is None or options.ssl_keyfile is None:
+        return None
+    key = options.ssl_keyfile.read_bytes()
+    cert = options.ssl_certfile.read_bytes()
+    ca = options.ssl_ca_certs.read_bytes() if options.ssl_ca_certs is not None else None
+    return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca,
+                                       require_client_auth=ca is not None)
 
 
 def _bind(server: grpc.aio.Server, options: ServerOptions) -> int:

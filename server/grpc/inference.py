@@ -9,11 +9,12 @@ from contextlib import aclosing
 
 import grpc
 
-from ..proto import loraplex_pb2 as pb
-from ..proto import loraplex_pb2_grpc as pb_grpc
-from . import convert, generation, grpc_outputs
-from .generation import GenerateInput
-from .state import ServerState
+from ...proto import loraplex_pb2 as pb
+from ...proto import loraplex_pb2_grpc as pb_grpc
+from .. import generation
+from ..generation import GenerateInput
+from ..state import ServerState
+from . import proto_convert, response_messages
 from .status import streaming, unary
 
 
@@ -26,21 +27,21 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                        ) -> pb.GenerateResponse:
         inp = await self._input(request)
         finals = await generation.complete(self.state, inp)
-        return grpc_outputs.generate_response(finals, request.adapter)
+        return response_messages.generate_response(finals, request.adapter)
 
     @streaming
     async def GenerateStream(self, request: pb.GenerateRequest,
                              context: grpc.aio.ServicerContext
                              ) -> AsyncIterator[pb.GenerateStreamResponse]:
         inp = await self._input(request)
-        usage, first = grpc_outputs.Usage(), True
+        usage, first = response_messages.Usage(), True
         with self.state.admit() as engine:
             async with aclosing(generation.outputs(self.state, engine, inp)) as outputs:
                 async for out in outputs:
-                    yield grpc_outputs.stream_response(out, request.adapter, usage, first)
+                    yield response_messages.stream_response(out, request.adapter, usage, first)
                     first = False
 
     async def _input(self, request: pb.GenerateRequest) -> GenerateInput:
         engine = self.state.require_engine()
-        return await engine.processor.run(convert.generate_input, request,
+        return await engine.processor.run(proto_convert.generate_input, request,
                                           engine.engine.tokenizer)

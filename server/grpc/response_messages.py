@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from ..engine.output_processor import RequestOutput
-from ..proto import loraplex_pb2 as pb
+from ...engine.output_processor import RequestOutput
+from ...proto import loraplex_pb2 as pb
 
 
 def token_logprob(lp: object) -> pb.TokenLogprob:

@@ -10,7 +10,7 @@ Invariants:
   declared size, goes idle past ``--upload-idle-timeout``, is still sending after
   ``--upload-timeout`` or is cut (cancelled) removes the directory, and the name keeps what
   it had.
-- Bounded: each stream holds a lease of ``UploadLimits`` (server/upload_limits.py) from its
+- Bounded: each stream holds a lease of ``UploadLimits`` (upload_limits.py) from its
   first message to its end, so at most ``--max-concurrent-uploads`` streams run and their
   weights hold at most ``--upload-disk-budget`` bytes, reserved before they are written
   (the declared ``size_bytes`` at once, else chunk by chunk). The lease is released however
@@ -31,15 +31,15 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO
 
-from ..lora.cached_adapter import AdapterInfo
-from ..lora.peft_files import CONFIG_NAME
-from ..lora.peft_format import WEIGHTS_NAME
-from ..lora.upload_store import UploadStore, write_config
-from ..proto import loraplex_pb2 as pb
-from .adapter_ops import AdapterOps
-from .adapter_paths import check_adapter_name
-from .error_code import ErrorCode, ServiceError, code_of
-from .state import ServerState
+from ...lora.cached_adapter import AdapterInfo
+from ...lora.peft_files import CONFIG_NAME
+from ...lora.peft_format import WEIGHTS_NAME
+from ...lora.upload_store import UploadStore, write_config
+from ...proto import loraplex_pb2 as pb
+from ..adapter_ops import AdapterOps
+from ..adapter_paths import check_adapter_name
+from ..error_code import ErrorCode, ServiceError, code_of
+from ..state import ServerState
 from .upload_limits import UploadLease, UploadLimits
 
 log = logging.getLogger(__name__)

@@ -12,9 +12,9 @@ from fastapi import FastAPI
 from ..adapter_ops import AdapterOps, LocalAdapters
 from ..description import version
 from ..state import ServerState
-from . import completions, errors, models, probes, tokens
-from .auth import check_scopes
+from . import completions, error_bodies, models, probes, tokens
 from .body_limit import BodyLimit
+from .route_auth import check_scopes
 
 
 def build_app(state: ServerState, adapters: AdapterOps | None = None,
@@ -27,7 +27,7 @@ def build_app(state: ServerState, adapters: AdapterOps | None = None,
     app.state.server_state = state
     app.state.adapters = adapters or LocalAdapters(state)
     app.state.exposition = exposition or (lambda: probes.local_exposition(state))
-    errors.install(app)
+    error_bodies.install(app)
     app.add_middleware(BodyLimit, limit=state.options.max_request_bytes)
     for module in (completions, models, tokens, probes):
         app.include_router(module.router)

@@ -7,7 +7,7 @@ from collections.abc import Awaitable, Callable
 
 import grpc
 
-from .auth import Scope, bearer_token, refusal
+from ..auth import Scope, bearer_token, refusal
 
 ADMIN_PREFIX = "/loraplex.v1.AdapterAdmin/"
 # health and reflection (both versions) stay open; every other service is API by default,

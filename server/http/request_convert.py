@@ -19,8 +19,8 @@ from ..generation import GenerateInput
 from ..prompt import resolve_prompt
 from .fields import CHAT_REFUSED, COMPLETION_REFUSED, check_fields
 from .protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields
+from .response_format import request_constraint
 from .responses import View
-from .structured import request_constraint
 from .tools import plan_tools
 
 _OPTIONAL = ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p")

@@ -1,4 +1,4 @@
-"""AdapterAdmin service: hot load (from a path or uploaded: server/adapter_upload.py), unload
+"""AdapterAdmin service: hot load (from a path or uploaded: adapter_upload.py), unload
 and list adapters (server/adapter_ops.py), and reset the prefix cache. Load and unload go
 through ``adapters`` (AdapterOps): this engine's by default, the cluster's on a Ray replica
 (server/ray/admin.py), as HTTP's load and unload routes do."""
@@ -9,12 +9,13 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from ..proto import loraplex_pb2 as pb
-from ..proto import loraplex_pb2_grpc as pb_grpc
-from . import adapter_ops, convert
-from .adapter_ops import AdapterOps, LocalAdapters
+from ...proto import loraplex_pb2 as pb
+from ...proto import loraplex_pb2_grpc as pb_grpc
+from .. import adapter_ops
+from ..adapter_ops import AdapterOps, LocalAdapters
+from ..state import ServerState
+from . import proto_convert
 from .adapter_upload import receive_upload
-from .state import ServerState
 from .status import unary
 from .upload_limits import UploadLimits
 
@@ -30,12 +31,12 @@ class AdapterAdminServicer(pb_grpc.AdapterAdminServicer):
                           context: grpc.aio.ServicerContext) -> pb.AdapterInfo:
         info = await self.adapters.load(request.name, request.path, replace=request.replace,
                                         pin=request.pin)
-        return convert.adapter_info(info)
+        return proto_convert.adapter_info(info)
 
     @unary
     async def UploadAdapter(self, requests: AsyncIterator[pb.UploadAdapterRequest],
                             context: grpc.aio.ServicerContext) -> pb.AdapterInfo:
-        return convert.adapter_info(await receive_upload(self.state, self.adapters,
+        return proto_convert.adapter_info(await receive_upload(self.state, self.adapters,
                                                          self.uploads, requests))
 
     @unary
@@ -54,4 +55,4 @@ class AdapterAdminServicer(pb_grpc.AdapterAdminServicer):
     async def ListAdapters(self, request: pb.ListAdaptersRequest,
                            context: grpc.aio.ServicerContext) -> pb.ListAdaptersResponse:
         infos = await adapter_ops.list_adapters(self.state)
-        return pb.ListAdaptersResponse(adapters=[convert.adapter_info(i) for i in infos])
+        return pb.ListAdaptersResponse(adapters=[proto_convert.adapter_info(i) for i in infos])
