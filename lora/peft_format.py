@@ -18,8 +18,11 @@ module's delta may overflow the serving dtype once applied (weight_bounds.py).
 Base model rule: ``base_model_name_or_path`` refuses the adapter only when both sides can
 be compared, i.e. it names a local directory (other than the served base) whose
 ``config.json`` loads and differs from the served base in model_type, hidden_size,
-num_layers, vocab_size or a module shape. A bare name that differs, a path that does not
-exist here, or a config that cannot be read is not an error: the tensor shapes are checked anyway.
+num_layers, vocab_size or a module shape; a config that loads but cannot be shaped (not
+Llama-like, as GPT-2, or a model type transformers does not know) is compared by its
+model_type alone. A bare name that differs, a path that does not exist here, or a config
+that cannot be read (not JSON, no model_type, values its model type's config refuses) is
+not an error: the tensor shapes are checked anyway.
 An adapter confined to a root (``root``: one a server loaded for a client) never makes the
 server open a path outside it: a ``base_model_name_or_path`` that does not resolve inside
 the root is not followed (not compared).
@@ -247,17 +250,20 @@ def _check_same_base(trained_on: str | None, base: BaseShapes, files: AdapterFil
             base.name_or_path):
         return
     other = _base_shapes(files, model_dir)
-    diffs = base.differences(other) if other is not None else []
+    if isinstance(other, str):  # only its model type is known
+        diffs = [f"model_type: {base.model_type} vs {other}"] if other != base.model_type else []
+    else:
+        diffs = base.differences(other) if other is not None else []
     if diffs:
         raise AdapterError(f"{files.label()}: adapter was trained on base model {trained_on!r}, "
                            f"which differs from the served base model (served vs trained: "
                            f"{'; '.join(diffs)}); serve it with its own base model")
 
 
-def _base_shapes(files: AdapterFiles, model_dir: Path) -> BaseShapes | None:
+def _base_shapes(files: AdapterFiles, model_dir: Path) -> BaseShapes | str | None:
     """The shapes of the model dir ``model_dir`` from its config.json, opened confined to
-    the adapter's root (parsed once per content); None if it cannot be read or is not
-    Llama-like (then nothing can be compared)."""
+    the adapter's root (parsed once per content); its model_type alone where it cannot be
+    shaped; None if it cannot be read (then nothing can be compared): ``_shapes_of``."""
     try:
         with AdapterFiles(model_dir, files.root).open("config.json") as f:
             raw = read_all(f)
@@ -267,17 +273,36 @@ def _base_shapes(files: AdapterFiles, model_dir: Path) -> BaseShapes | None:
     return PARSED.get("base_shapes", key, lambda: _shapes_of(raw, str(model_dir)))
 
 
-def _shapes_of(raw: bytes, name_or_path: str) -> BaseShapes | None:
+def _shapes_of(raw: bytes, name_or_path: str) -> BaseShapes | str | None:
     """A config.json's bytes as AutoConfig.from_pretrained reads them (the model type's
-    config class, ``from_dict``); None if they are not a known, Llama-like config."""
+    config class, ``from_dict``): its BaseShapes; only its (text) model_type when transformers
+    does not know that type or the config is not Llama-like (a field the shapes need is
+    missing or unusable); None when it cannot be read (not JSON, no model_type, values the
+    type's config class refuses)."""
     try:
-        from transformers import CONFIG_MAPPING
-
         config = json.loads(raw)
-        config_class = CONFIG_MAPPING[config["model_type"]]
-        return BaseShapes.from_hf_config(config_class.from_dict(config), name_or_path)
-    except Exception:  # noqa: BLE001
+    except ValueError:  # not JSON, or not UTF-8 (JSONDecodeError, UnicodeDecodeError)
         return None
+    model_type = config.get("model_type") if isinstance(config, dict) else None
+    if not isinstance(model_type, str):
+        return None
+    from huggingface_hub import errors as hub_errors
+    from transformers import CONFIG_MAPPING
+
+    if model_type not in CONFIG_MAPPING:
+        return model_type
+    # older huggingface_hub has no strict dataclasses; its configs raise ValueError / TypeError
+    refused = (ValueError, TypeError, getattr(hub_errors, "StrictDataclassError", ValueError))
+    try:
+        hf_config = CONFIG_MAPPING[model_type].from_dict(config)
+    except refused:
+        return None
+    try:
+        return BaseShapes.from_hf_config(hf_config, name_or_path)
+    except (AttributeError, TypeError, ArithmeticError):  # not Llama-like
+        text_config = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") \
+            else hf_config
+        return str(text_config.model_type)
 
 
 def _header(files: AdapterFiles) -> SafetensorsHeader:

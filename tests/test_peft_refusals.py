@@ -5,6 +5,7 @@ which only reading sees."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from collections.abc import Callable
@@ -201,3 +202,34 @@ def test_refuses_a_different_local_base(ad: Path, llama: BaseShapes,
     edit_config(ad, base_model_name_or_path=str(tiny_models("qwen3")))
     message = refused(ad, llama)
     assert "differs from the served base" in message and "model_type: llama vs qwen3" in message
+
+
+def test_refuses_a_local_base_of_a_family_it_cannot_shape(ad: Path, llama: BaseShapes,
+                                                          tmp_path: Path) -> None:
+    """A base dir whose config.json loads but is not Llama-like (GPT-2: no
+    intermediate_size) or names a model type transformers does not know is still another
+    base: its model_type is compared (this check used to be skipped by a swallowed error)."""
+    gpt2 = {"model_type": "gpt2", "n_embd": 64, "n_head": 4, "n_layer": 2, "vocab_size": 256,
+            "bos_token_id": 0, "eos_token_id": 0}
+    for config, model_type in ((gpt2, "gpt2"), ({"model_type": "no-such-model"},
+                                                "no-such-model")):
+        other = tmp_path / model_type
+        other.mkdir()
+        (other / "config.json").write_text(json.dumps(config))
+        edit_config(ad, base_model_name_or_path=str(other))
+        message = refused(ad, llama)
+        assert "differs from the served base" in message
+        assert f"model_type: llama vs {model_type}" in message
+
+
+def test_a_local_base_config_that_cannot_be_read_is_not_compared(
+        ad: Path, llama: BaseShapes, tmp_path: Path) -> None:
+    """Not JSON, no model_type, or values the model type's config refuses: nothing to
+    compare, the adapter is served (its tensor shapes are checked anyway)."""
+    for i, text in enumerate(("{not json", "[1, 2]", '{"hidden_size": 64}',
+                              '{"model_type": "llama", "hidden_size": "wide"}')):
+        other = tmp_path / f"unreadable{i}"
+        other.mkdir()
+        (other / "config.json").write_text(text)
+        edit_config(ad, base_model_name_or_path=str(other))
+        assert read_peft_adapter(ad, llama, 16).base_model_name_or_path == str(other)
