@@ -46,16 +46,15 @@ import itertools
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from ..kernel_backends import intra_op
 from .bad_words import BadWords
-from .errors import InvalidRequestError
+from .config import EngineConfig
+from .constraints import Constraints
+from .errors import AdapterNotFoundError, InvalidRequestError
 from .request_checks import check_limits, check_sampling, check_vocab, tokenize_bad_words
 from .sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    from .llm_engine import LLMEngine
 
 T = TypeVar("T")
 
@@ -94,8 +93,24 @@ class EngineRequest:
     grammar: object | None = None  # the compiled constraint, attached last
 
 
+class EngineView(Protocol):
+    """What the InputProcessor reads of the LLMEngine (read-only; the tokenizer is read at
+    each request, so a swapped one is used at once)."""
+
+    config: EngineConfig
+    base: Any  # BaseModel: hf_config.vocab_size, sampling_defaults
+    tokenizer: Any
+    max_model_len: int
+    lora: Any  # AdapterCache: names, lookup
+    constraints: Constraints
+
+    def is_base_model(self, name: str | None) -> bool: ...
+
+    def unknown_adapter(self, name: str) -> AdapterNotFoundError: ...
+
+
 class InputProcessor:
-    def __init__(self, engine: LLMEngine):
+    def __init__(self, engine: EngineView):
         self.engine = engine  # read-only here: model, config, tokenizer, adapter names
         self._ids = itertools.count()
         self._pool: ThreadPoolExecutor | None = None
