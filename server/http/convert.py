@@ -88,9 +88,6 @@ def completion_input(req: CompletionRequest, tokenizer: Any | None, request_id: 
     if req.max_tokens == 0 and not req.echo:
         raise ValueError("max_tokens=0 is only allowed with echo=true (the prompt alone); "
                          "give max_tokens >= 1")
-    if req.logprobs is not None and req.logprobs < -1:
-        raise ValueError(f"logprobs={req.logprobs} must be >= 0 (0 = the token's own "
-                         "logprob only), or -1 for the whole vocabulary")
     prompt = _one_prompt(req.prompt)
     if prompt == "" or prompt == []:
         raise ValueError("the prompt is empty: give at least one token")
