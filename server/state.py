@@ -5,7 +5,7 @@ server/health.py; HTTP's probes read ``phase``).
 Invariants: every phase observer has seen the phase once ``set_phase`` returns;
 ``in_flight`` counts the generate calls admitted and not yet finished and never exceeds
 ``options.max_queue``. All of it is touched from the server's event loop only (the engine
-thread reaches it through ``call_soon_threadsafe``), but ``adapter_of``, which only reads
+thread reaches it through ``call_soon_threadsafe``), except ``adapter_of``: it only reads
 (the options and ``model_name``, set once by ``attach``) and runs on the engine's
 InputProcessor thread, in the hop that checks a request (server/generation.py).
 """
