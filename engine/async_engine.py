@@ -1,13 +1,13 @@
 """AsyncEngine: the engine loop on its own thread; asyncio callers get a stream per request.
 
-Only the engine thread touches the LLMEngine, but for its thread-safe doors
-(``make_sequence``, run by the RequestProcessor's thread, and ``prefetch_adapter``). Callers
-hand it work through a command queue (new requests, aborts, admin calls) and receive
-RequestOutputs through asyncio queues fed with ``call_soon_threadsafe``. A request's
-tokenization and checks run on the RequestProcessor's thread: neither the caller's event
-loop nor the engine thread waits on them. A constrained request's grammar is compiled
-after them (in the compiler's worker processes), and only a request that passed every
-check costs a compile.
+Only the engine thread touches the LLMEngine, but for its thread-safe doors (the
+InputProcessor, run on its own thread, and ``prefetch_adapter``). Callers hand it work
+through a command queue (new requests, aborts, admin calls) and receive RequestOutputs
+through asyncio queues fed with ``call_soon_threadsafe``. A request is checked and tokenized
+by the InputProcessor on its thread (``process``: one hop there and back, with the front's
+translation of its fields): neither the caller's event loop nor the engine thread waits on
+it. A constrained request's grammar is compiled after that (in the compiler's worker
+processes), and only a request that passed every check costs a compile.
 """
 
 from __future__ import annotations
@@ -19,13 +19,14 @@ import threading
 import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
+from contextlib import aclosing
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ..errors import EngineDeadError, InvalidRequestError
+from .input_processor import EngineRequest, InputProcessor, RequestInput
 from .llm_engine import LLMEngine, Prompt
 from .output_processor import RequestOutput
-from .request_processor import RequestProcessor
 from .sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -51,7 +52,6 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._loop, name="loraplex-engine", daemon=True)
         self.error: BaseException | None = None  # set when the loop died
         self.on_death: Callable[[BaseException], None] | None = None
-        self.processor = RequestProcessor()  # tokenizing and checks, off loop and engine
 
     # ---- lifecycle ----------------------------------------------------------------------
     @classmethod
@@ -78,9 +78,14 @@ class AsyncEngine:
         self._go.set()
         if self._thread.is_alive():
             self._thread.join(timeout)
-        self.processor.shutdown()
         if self.engine is not None:
+            self.engine.input_processor.shutdown()  # its thread
             self.engine.constraints.shutdown()  # its worker processes
+
+    @property
+    def processor(self) -> InputProcessor:
+        """The engine's InputProcessor: every request check, on its own thread."""
+        return self.engine.input_processor
 
     @property
     def alive(self) -> bool:
@@ -113,25 +118,48 @@ class AsyncEngine:
     async def generate(self, prompt: Prompt, params: SamplingParams | None = None,
                        adapter: str | None = None, request_id: str | None = None
                        ) -> AsyncIterator[RequestOutput]:
-        """Yield the request's RequestOutputs as tokens arrive. With ``params.n`` > 1 the
-        outputs of choices 0..n-1 interleave (``RequestOutput.index``), each choice ending
-        with its own finished output; the stream ends once every choice has finished.
-        Leaving early (cancel, deadline, aclose) aborts every choice and frees its blocks."""
-        rid = request_id or f"req-{uuid.uuid4().hex}"
+        """Yield the request's RequestOutputs as tokens arrive (the Python API: ``process``,
+        its grammar compiled, then ``stream``). With ``params.n`` > 1 the outputs of
+        choices 0..n-1 interleave (``RequestOutput.index``), each choice ending with its own
+        finished output; the stream ends once every choice has finished. Leaving early
+        (cancel, deadline, aclose) aborts every choice and frees its blocks."""
+        request = await self.process(RequestInput(prompt, params, adapter, request_id))
+        request = await self.processor.compile_async(request)
+        async with aclosing(self.stream(request)) as outputs:
+            async for out in outputs:
+                yield out
+
+    async def process(self, translate: RequestInput | Callable[[], RequestInput]
+                      ) -> EngineRequest:
+        """The checked request (InputProcessor.process) on the processor's thread, in one
+        hop: ``translate``, a front's translation of its fields, runs there first. Raises
+        what they raise (InvalidRequestError naming the field, AdapterNotFoundError). Its
+        adapter's read from disk starts at once; its grammar is not compiled yet (the
+        caller asks for it last: ``processor.compile_async``)."""
+        processor = self.processor
+
+        def checked() -> EngineRequest:
+            inp = translate() if callable(translate) else translate
+            if inp.request_id is None:  # unguessable: ids a client chose must not collide
+                inp = replace(inp, request_id=f"req-{uuid.uuid4().hex}")
+            return processor.process(inp)
+
+        request = await processor.run(checked)
+        self.engine.prefetch_adapter(request)  # the read overlaps the step in progress
+        return request
+
+    async def stream(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
+        """Add a checked request (its grammar compiled) on the engine thread and yield its
+        RequestOutputs (see ``generate``)."""
+        rid = request.request_id
         if rid in self._streams:
             raise InvalidRequestError(f"request_id {rid!r} is already in use")
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._streams[rid] = stream  # the id is taken from here on
         finished = False
-        choices_left = params.n if params is not None else 1
-        self.engine.prefetch_adapter(adapter)  # the read overlaps the step in progress
+        choices_left = request.params.n
         try:
-            # tokenized and checked on the processor's thread: off this loop and the engine's
-            seq = await self.processor.sequence(self.engine, prompt, params, adapter, rid)
-            # its grammar last, once every other check passed: the compile runs in a worker
-            # process while this waits (the engine steps on; the processor's thread is free)
-            constraints = self.engine.constraints
-            constraints.attach(seq, await constraints.compile_async(seq.params))
+            seq = self.engine.sequence_of(request)  # its matcher made here, off the engine
             await self.run(lambda e: e.add_sequence(seq))
             while not finished:
                 item = await stream.queue.get()

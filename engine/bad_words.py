@@ -44,7 +44,7 @@ def _common(a: array, b: array) -> int:
 
 
 class BadWords:
-    """Built once per request (on the request processor's thread), read by the engine thread
+    """Built once per request (on the input processor's thread), read by the engine thread
     at each step of its choices (shared, never changed after building)."""
 
     __slots__ = ("_root", "always")

@@ -6,8 +6,8 @@ advancing matchers with the sampled tokens.
 A constrained sequence holds its ConstraintMatcher in ``Sequence.matcher``; a free one holds
 None. The step's bitmask is filled and applied by the ModelRunner (structured/bitmask.py).
 The grammar is requested last, once every other check of the request passed
-(``LLMEngine.make_sequence``; ``AsyncEngine.generate`` awaits it after the checked Sequence
-is built, off the processor's and the engine's threads).
+(engine/input_processor.py: ``InputProcessor.compile`` / ``compile_async``, awaited off the
+processor's and the engine's threads).
 """
 
 from __future__ import annotations

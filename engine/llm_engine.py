@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import itertools
 import logging
 from collections.abc import Callable, Iterable
 from collections.abc import Sequence as Seq
+from dataclasses import replace
 from pathlib import Path
 
 from ..errors import AdapterNotFoundError, InvalidRequestError
@@ -21,11 +21,11 @@ from .choices import choices_to_fork, report_choices, run_to_completion
 from .constraints import Constraints
 from .engine_adapters import EngineAdapters
 from .engine_config import EngineConfig
+from .input_processor import EngineRequest, InputProcessor, Prompt, RequestInput
 from .lora_capacity import LoRACapacity
 from .memory_use import MemoryUse, memory_use
 from .model_runner import ModelRunner, num_kv_blocks
 from .output_processor import OutputProcessor, RequestOutput
-from .request_checks import check_limits, check_sampling, check_vocab, tokenize_bad_words
 from .resolved_config import resolve_config
 from .sampling_params import SamplingParams
 from .scheduler import ScheduledBatch, Scheduler
@@ -33,7 +33,7 @@ from .sequence import Sequence
 
 log = logging.getLogger(__name__)
 
-Prompt = str | list[int]  # text, or token ids (the one alias: server/prompt.py uses it)
+__all__ = ["LLMEngine", "Prompt", "base_model_hint", "names_base_model"]
 
 
 def names_base_model(name: str | None, served_model_name: str | None, model_name: str) -> bool:
@@ -107,7 +107,7 @@ class LLMEngine(EngineAdapters):
         # messages show them; a server sets its own (ServerState.attach)
         self.base_model_names: list[str] = list(dict.fromkeys(
             n for n in (cfg.served_model_name, self.model_name) if n))
-        self._ids = itertools.count()
+        self.input_processor = InputProcessor(self)  # every request check, once
         for name, path in cfg.lora_modules.items():
             self.add_adapter(name, path, preloaded=True)
         log.info("engine ready: %s, %s on %s, %s kernels, %d KV blocks of %d tokens, "
@@ -125,71 +125,33 @@ class LLMEngine(EngineAdapters):
         return self.block_manager.num_blocks * self.block_manager.block_size
 
     def tokenize(self, prompt: Prompt) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise InvalidRequestError("this model has no tokenizer: give prompt_token_ids")
-            return list(self.tokenizer(prompt).input_ids)
-        return [int(t) for t in prompt]
+        return self.input_processor.tokenize(prompt)
 
     def make_sequence(self, prompt: Prompt, params: SamplingParams | None = None,
                       adapter: str | None = None, request_id: str | None = None,
-                      grammar: object | None = None, compile_grammar: bool = True
-                      ) -> Sequence:
-        """Validate a request and build its Sequence (does not touch engine state). A
-        constrained request's grammar is compiled last, once every other check passed
-        (blocking), unless ``grammar``, its compiled grammar, is given or
-        ``compile_grammar`` is false (``AsyncEngine`` then compiles it and attaches it)."""
-        params = (params or SamplingParams()).with_defaults(self.base.sampling_defaults)
-        vocab = self.base.hf_config.vocab_size
-        check_limits(params, self.config, vocab)  # first: the lists' lengths bound the rest
-        try:
-            params.validate()
-        except ValueError as e:
-            raise InvalidRequestError(str(e)) from None
-        ids = self.tokenize(prompt)
-        self._check_prompt(ids)
-        room = self.max_model_len - len(ids)
-        max_new = params.max_new_tokens if params.max_new_tokens is not None else room
-        if max_new > room:
-            raise InvalidRequestError(
-                f"max_new_tokens={max_new} does not fit: the prompt has {len(ids)} tokens and "
-                f"max_model_len is {self.max_model_len}, so at most {room} new tokens")
-        if params.min_new_tokens > max_new:
-            raise InvalidRequestError(
-                f"min_new_tokens={params.min_new_tokens} cannot be reached: the prompt has "
-                f"{len(ids)} tokens and max_model_len is {self.max_model_len}, so at most "
-                f"{max_new} new tokens")
-        self._check_vocab(params.stop_token_ids, "stop_token_ids")
-        check_sampling(params, self.config, vocab)
-        bad_words = tokenize_bad_words(self.tokenizer, params.bad_words, vocab)
-        self.constraints.check(params)  # the constraint's limits; compiles nothing
-        params.max_new_tokens = max_new
-        if params.temperature is None:
-            params.temperature = 1.0
-        adapter_id = self._adapter_id(adapter)
+                      grammar: object | None = None) -> Sequence:
+        """Check a request (the InputProcessor: every check once, the adapter looked up)
+        and build its Sequence (does not touch engine state). A constrained request's
+        grammar is compiled last, once every other check passed (blocking), unless
+        ``grammar``, its compiled grammar, is given."""
+        request = self.input_processor.process(RequestInput(prompt, params, adapter,
+                                                            request_id))
+        request = replace(request, grammar=grammar) if grammar is not None else \
+            self.input_processor.compile(request)  # the expensive part, after every check
+        return self.sequence_of(request)
+
+    def sequence_of(self, request: EngineRequest) -> Sequence:
+        """The Sequence of a checked request, its grammar's matcher attached (any thread;
+        ``add_sequence`` adds it on the engine thread)."""
+        assert request.adapter_id is not None, "an unresolved adapter: InputProcessor.bind"
         seq = Sequence(
-            request_id=request_id if request_id is not None else f"req-{next(self._ids)}",
-            prompt_token_ids=ids, params=params, adapter_name=adapter or None,
-            adapter_id=adapter_id,  # add_sequence binds it and sets adapter_version
-            eos_token_ids=self.base.eos_token_ids,
-            max_tokens=len(ids) + max_new, bad_words=bad_words,
-        )
-        if grammar is None and compile_grammar:  # the expensive part, after every check
-            grammar = self.constraints.compile(params)
-        self.constraints.attach(seq, grammar)
+            request_id=request.request_id, prompt_token_ids=list(request.prompt_token_ids),
+            params=request.params, adapter_name=request.adapter_name,
+            adapter_id=request.adapter_id,  # add_sequence binds it and sets adapter_version
+            eos_token_ids=self.base.eos_token_ids, max_tokens=request.max_tokens,
+            bad_words=request.bad_words)
+        self.constraints.attach(seq, request.grammar)
         return seq
-
-    def _check_prompt(self, ids: list[int]) -> None:
-        if not ids:
-            raise InvalidRequestError("the prompt is empty: give at least one token")
-        self._check_vocab(ids, "the prompt")
-        if len(ids) >= self.max_model_len:
-            raise InvalidRequestError(
-                f"the prompt has {len(ids)} tokens; max_model_len is {self.max_model_len}, so a "
-                f"prompt may have at most {self.max_model_len - 1}")
-
-    def _check_vocab(self, ids: list[int], what: str) -> None:
-        check_vocab(ids, what, self.base.hf_config.vocab_size)
 
     @property
     def model_name(self) -> str:
@@ -201,18 +163,12 @@ class LLMEngine(EngineAdapters):
         """Whether ``name`` names the base model (``names_base_model``)."""
         return names_base_model(name, self.config.served_model_name, self.model_name)
 
-    def prefetch_adapter(self, adapter: str | None) -> None:
-        """Any thread: start reading ``adapter`` from disk ahead of its request, which is on
-        its way to the engine thread (``AdapterCache.prefetch``); no-op for the base model."""
-        if not self.is_base_model(adapter):
-            self.lora.prefetch(adapter)  # type: ignore[arg-type]
-
-    def _adapter_id(self, adapter: str | None) -> int:
-        if self.is_base_model(adapter):
-            return 0
-        if adapter not in self.lora.names:  # one dict read: safe beside the engine thread
-            raise self.unknown_adapter(adapter)  # type: ignore[arg-type]
-        return self.lora.lookup(adapter)  # type: ignore[arg-type]
+    def prefetch_adapter(self, request: EngineRequest) -> None:
+        """Any thread: start reading a checked request's adapter from disk ahead of it,
+        while it is on its way to the engine thread (``AdapterCache.prefetch``); no-op for
+        the base model."""
+        if request.adapter_id:
+            self.lora.prefetch(request.adapter_name)  # type: ignore[arg-type]
 
     def unknown_adapter(self, name: str) -> AdapterNotFoundError:
         """NOT_FOUND for a model name that is neither the base model nor a loaded adapter:
@@ -226,7 +182,7 @@ class LLMEngine(EngineAdapters):
     def add_sequence(self, seq: Sequence) -> str:
         if seq.request_id in self.requests:
             raise InvalidRequestError(f"request_id {seq.request_id!r} is already in use")
-        if seq.adapter_id:  # a load in place since make_sequence moves it to the new load
+        if seq.adapter_id:  # a load in place since the request was checked moves it there
             adapter = self.lora.bind(seq.adapter_id, seq.adapter_name or "")
             seq.adapter_id, seq.adapter_version = adapter.adapter_id, adapter.version
             self.lora.request_started(seq.adapter_id)

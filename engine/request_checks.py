@@ -1,5 +1,5 @@
 """The checks of a request's sampling fields that need the engine (its settings, the
-vocabulary, the tokenizer): LLMEngine.make_sequence runs them after
+vocabulary, the tokenizer): the InputProcessor (engine/input_processor.py) runs them after
 ``SamplingParams.validate``. Each raises InvalidRequestError naming the field; the caps on
 the list fields also name the cap and its flag. They are the one check of every front
 (gRPC, HTTP, the Python API)."""
@@ -51,9 +51,12 @@ def check_limits(params: SamplingParams, config: EngineConfig, vocab: int) -> No
                     "max-bad-words-chars")
 
 
-def check_sampling(params: SamplingParams, config: EngineConfig, vocab: int) -> None:
-    """``--max-logprobs``, ``--max-num-seqs`` and the vocabulary against the fields; a
-    ``logprobs`` / ``prompt_logprobs`` of -1 (the whole vocabulary) becomes its count."""
+def check_sampling(params: SamplingParams, config: EngineConfig, vocab: int
+                   ) -> dict[str, int]:
+    """``--max-logprobs``, ``--max-num-seqs`` and the vocabulary against the fields. Returns
+    the resolved ``logprobs`` / ``prompt_logprobs`` (-1, the whole vocabulary, becomes its
+    count), for the caller's ``dataclasses.replace``."""
+    resolved: dict[str, int] = {}
     cap = vocab if config.max_logprobs == ALL_LOGPROBS else config.max_logprobs
     for name in ("logprobs", "prompt_logprobs"):
         k = getattr(params, name)
@@ -66,7 +69,7 @@ def check_sampling(params: SamplingParams, config: EngineConfig, vocab: int) -> 
         if k > cap:
             limit = f"{cap}" if cap == config.max_logprobs else f"-1 (the vocabulary, {cap})"
             raise InvalidRequestError(f"{name}={k} is over the server's --max-logprobs={limit}")
-        setattr(params, name, vocab if k == ALL_LOGPROBS else min(k, vocab))
+        resolved[name] = vocab if k == ALL_LOGPROBS else min(k, vocab)
     if params.n > config.max_num_seqs:
         raise InvalidRequestError(
             f"n={params.n} is over --max-num-seqs={config.max_num_seqs}: the n choices run "
@@ -75,6 +78,7 @@ def check_sampling(params: SamplingParams, config: EngineConfig, vocab: int) -> 
         check_vocab(list(params.logit_bias), "logit_bias", vocab)
     if params.allowed_token_ids is not None:
         check_vocab(params.allowed_token_ids, "allowed_token_ids", vocab)
+    return resolved
 
 
 def tokenize_bad_words(tokenizer: object | None, words: list[str] | None,

@@ -1,9 +1,12 @@
 """SamplingParams: how one request is decoded. ``None`` fields take the model's defaults.
 
 The fields beyond temperature / top-p / top-k are vLLM's, with vLLM's meaning and defaults
-(docs/sampling.md). ``validate`` checks what needs no engine; LLMEngine.make_sequence checks
-the rest (``--max-logprobs``, ``max_num_seqs``, token ids against the vocabulary, the caps
-on the list fields: engine/request_checks.py).
+(docs/sampling.md). ``validate`` checks what needs no engine; the InputProcessor
+(engine/input_processor.py) checks the rest (``--max-logprobs``, ``max_num_seqs``, token ids
+against the vocabulary, the caps on the list fields: engine/request_checks.py).
+
+Frozen once built: a layer that needs other values makes a copy (``dataclasses.replace``,
+``with_defaults``), so what a front built is what the engine checked and runs.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ LOGIT_BIAS_RANGE = 100.0  # logit_bias values lie in [-100, 100] (OpenAI's range
 ALL_LOGPROBS = -1  # logprobs / prompt_logprobs: the whole vocabulary (vLLM's meaning)
 
 
-@dataclass
+@dataclass(frozen=True)
 class SamplingParams:
     temperature: float | None = None  # 0 = greedy
     top_p: float | None = None  # (0, 1]
@@ -32,7 +35,7 @@ class SamplingParams:
     ignore_eos: bool = False
     n: int = 1  # choices sampled from one prefill of the prompt
     # top-k alternatives per sampled token; 0 = its own only, -1 = the whole vocabulary
-    # (make_sequence turns -1 into the vocabulary size, within --max-logprobs)
+    # (the InputProcessor turns -1 into the vocabulary size, within --max-logprobs)
     logprobs: int | None = None
     prompt_logprobs: int | None = None  # the same for every prompt token (the first: None)
     presence_penalty: float = 0.0  # over generated tokens, OpenAI's formula
@@ -47,21 +50,23 @@ class SamplingParams:
     structured_outputs: StructuredOutputs | dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        self.stop = list(self.stop)
-        self.stop_token_ids = list(self.stop_token_ids)
+        """The given values in the fields' one form (lists, int keys, StructuredOutputs);
+        the only place the fields are set after ``__init__``."""
+        def put(name: str, value: Any) -> None:
+            object.__setattr__(self, name, value)
+
+        put("stop", [self.stop] if isinstance(self.stop, str) else list(self.stop))
+        put("stop_token_ids", list(self.stop_token_ids))
         if self.logit_bias is not None:  # JSON keys arrive as strings
-            self.logit_bias = {_token_key(k): v for k, v in self.logit_bias.items()}
+            put("logit_bias", {_token_key(k): v for k, v in self.logit_bias.items()})
         if self.allowed_token_ids is not None:
-            self.allowed_token_ids = list(self.allowed_token_ids)
-        if isinstance(self.bad_words, str):
-            self.bad_words = [self.bad_words]
+            put("allowed_token_ids", list(self.allowed_token_ids))
         if self.bad_words is not None:
-            self.bad_words = list(self.bad_words)
+            put("bad_words", [self.bad_words] if isinstance(self.bad_words, str)
+                else list(self.bad_words))
         if isinstance(self.structured_outputs, dict):
             try:
-                self.structured_outputs = StructuredOutputs(**self.structured_outputs)
+                put("structured_outputs", StructuredOutputs(**self.structured_outputs))
             except TypeError as e:
                 raise ValueError(f"structured_outputs: {e}") from None
 
@@ -147,7 +152,12 @@ class SamplingParams:
 
 
 def _token_key(key: int | str) -> int:
+    """A logit_bias key as a token id (JSON object keys are strings): the one check of the
+    keys' form, for every front; their range is ``validate``'s, the vocabulary the
+    InputProcessor's."""
     try:
         return int(key)
     except (TypeError, ValueError):
-        raise ValueError(f"logit_bias key {key!r} is not a token id") from None
+        shown = key[:32] if isinstance(key, str) else key
+        raise ValueError(f"logit_bias key {shown!r} is not a token id (an integer "
+                         "string)") from None

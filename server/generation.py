@@ -11,45 +11,63 @@ as an abort. A request of n choices streams the outputs of choices 0..n-1 interl
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack, aclosing
-from dataclasses import dataclass
+from dataclasses import replace
+from typing import TypeVar
 
 from ..engine.async_engine import AsyncEngine
+from ..engine.input_processor import EngineRequest, RequestInput
 from ..engine.output_processor import RequestOutput
-from ..engine.sampling_params import SamplingParams
 from ..errors import AdapterFaultError, AdapterNotFoundError
 from .error_code import ErrorCode, ServiceError
-from .prompt import Prompt
 from .state import ServerState
 
+T = TypeVar("T")
 
-@dataclass
-class GenerateInput:
-    """A checked request: what to continue, how, on which model."""
-
-    prompt: Prompt
-    params: SamplingParams
-    model: str = ""  # an adapter name, or "" / the served model name / the base's id
-    request_id: str | None = None
+# a front's translation of its request: the engine's RequestInput, and what the front
+# keeps for its reply (HTTP's View; None for gRPC)
+Translate = Callable[[], tuple[RequestInput, T]]
 
 
-async def outputs(state: ServerState, engine: AsyncEngine, inp: GenerateInput
+async def check(state: ServerState, translate: Translate[T]) -> tuple[EngineRequest, T]:
+    """A front's request checked, in one hop to the engine's InputProcessor thread: there
+    the front translates its fields (``translate``: prompt rules, chat template), its
+    ``model`` becomes the adapter (``ServerState.adapter_of``), and the InputProcessor makes
+    every check once. Raises what they raise (bad field: INVALID_ARGUMENT, unknown adapter:
+    NOT_FOUND); compiles nothing (``outputs`` asks for the grammar, last)."""
+    engine = state.require_engine()
+    kept: list[T] = []
+
+    def translated() -> RequestInput:
+        inp, keep = translate()
+        kept.append(keep)
+        return replace(inp, adapter=state.adapter_of(inp.adapter or ""),
+                       may_resolve=state.resolver is not None)
+
+    request = await engine.process(translated)
+    return request, kept[0]
+
+
+async def outputs(state: ServerState, engine: AsyncEngine, request: EngineRequest
                   ) -> AsyncIterator[RequestOutput]:
-    """The engine's outputs for ``inp``, recorded in ``state.metrics``, until every choice
-    has finished. An engine-side failure of the request raises INTERNAL, a fault of its
-    adapter's data FAILED_PRECONDITION."""
-    adapter = state.adapter_of(inp.model)
-    if adapter is not None and state.resolver is not None:
-        try:  # --lora-resolver-dir: loaded on first use
-            await state.resolver.ensure(adapter)
+    """The engine's outputs for a checked ``request``, recorded in ``state.metrics``, until
+    every choice has finished: its adapter loaded by the resolver if it was unknown, its
+    grammar compiled last. An engine-side failure of the request raises INTERNAL, a fault
+    of its adapter's data FAILED_PRECONDITION."""
+    if request.adapter_id is None:  # --lora-resolver-dir: loaded on first use
+        try:
+            await state.resolver.ensure(request.adapter_name)
         except AdapterNotFoundError as e:  # the resolver's reason, and what is valid
             raise AdapterNotFoundError(f"{e}; {engine.engine.base_model_hint()}") from None
-    track = state.metrics.track(adapter, inp.params.n)
-    choices_left = inp.params.n
+        request = engine.processor.bind(request)
+    track = state.metrics.track(request.adapter_name, request.params.n)
+    choices_left = request.params.n
     try:
-        stream = engine.generate(inp.prompt, inp.params, adapter, inp.request_id)
-        async with aclosing(stream) as outs:
+        # its grammar last, once every other check passed: the compile runs in a worker
+        # process while this waits (the engine steps on; the processor's thread is free)
+        request = await engine.processor.compile_async(request)
+        async with aclosing(engine.stream(request)) as outs:
             async for out in outs:
                 if out.finish_reason == "error":
                     raise _engine_failure(out)
@@ -72,18 +90,19 @@ def _engine_failure(out: RequestOutput) -> Exception:
                                             f"{out.error or 'no detail'}")
 
 
-async def complete(state: ServerState, inp: GenerateInput) -> list[RequestOutput]:
-    """Run ``inp`` to the end inside one of the ``--max-queue`` places; each choice's last
-    output, by index."""
+async def complete(state: ServerState, request: EngineRequest) -> list[RequestOutput]:
+    """Run ``request`` to the end inside one of the ``--max-queue`` places; each choice's
+    last output, by index."""
+    n = request.params.n
     with state.admit() as engine:
         finals: dict[int, RequestOutput] = {}
-        async with aclosing(outputs(state, engine, inp)) as outs:
+        async with aclosing(outputs(state, engine, request)) as outs:
             async for out in outs:
                 if out.finished:
                     finals[out.index] = out
     # the engine always ends every choice with a finished output
-    assert sorted(finals) == list(range(inp.params.n)), sorted(finals)
-    return [finals[i] for i in range(inp.params.n)]
+    assert sorted(finals) == list(range(n)), sorted(finals)
+    return [finals[i] for i in range(n)]
 
 
 class OpenStream:
@@ -99,16 +118,16 @@ class OpenStream:
         self._stack = stack
 
     @classmethod
-    async def open(cls, state: ServerState, inp: GenerateInput) -> OpenStream:
+    async def open(cls, state: ServerState, request: EngineRequest) -> OpenStream:
         stack = AsyncExitStack()
         try:
             engine = stack.enter_context(state.admit())
-            outs = await stack.enter_async_context(aclosing(outputs(state, engine, inp)))
+            outs = await stack.enter_async_context(aclosing(outputs(state, engine, request)))
             first = await anext(outs)
         except BaseException:
             await stack.aclose()
             raise
-        return cls(first, outs, stack, inp.params.n)
+        return cls(first, outs, stack, request.params.n)
 
     async def __aiter__(self) -> AsyncIterator[RequestOutput]:
         yield self.first

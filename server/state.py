@@ -5,7 +5,9 @@ server/grpc/health.py; HTTP's probes read ``phase``).
 Invariants: every phase observer has seen the phase once ``set_phase`` returns;
 ``in_flight`` counts the generate calls admitted and not yet finished and never exceeds
 ``options.max_queue``. All of it is touched from the server's event loop only (the engine
-thread reaches it through ``call_soon_threadsafe``).
+thread reaches it through ``call_soon_threadsafe``), except ``adapter_of``: it only reads
+(the options and ``model_name``, set once by ``attach``) and runs on the engine's
+InputProcessor thread, in the hop that checks a request (server/generation.py).
 """
 
 from __future__ import annotations
@@ -93,9 +95,10 @@ class ServerState:
         engine.on_death = on_death
 
     def adapter_of(self, model: str) -> str | None:
-        """None for the base model (the engine's rule, ``names_base_model``), else the
-        adapter name (which the engine resolves, NOT_FOUND if unknown); INVALID_ARGUMENT for
-        a name that is not canonical (``x/../good`` would be ``good`` under another name)."""
+        """A request's ``model`` as the engine's adapter: None for the base model (the
+        engine's rule, ``names_base_model``), else the adapter name (which the InputProcessor
+        looks up, NOT_FOUND if unknown); INVALID_ARGUMENT for a name that is not canonical
+        (``x/../good`` would be ``good`` under another name). Any thread (it only reads)."""
         if names_base_model(model, self.options.served_model_name, self.model_name):
             return None
         return check_canonical(model)

@@ -94,8 +94,8 @@ def test_versions_rise_and_in_flight_requests_keep_theirs(tiny_llama, versions, 
 
 def test_a_request_built_before_a_load_in_place_runs_on_the_new_load(
         tiny_llama, versions, reference):
-    """The server builds a Sequence on its processor thread, then hands it to the engine
-    thread: a load in place in between (the old load idle, so dropped at once) moves the
+    """The server checks a request on its processor thread (its adapter looked up there),
+    then hands it to the engine thread: a load in place in between (the old load idle, so dropped at once) moves the
     request to the new load; an unload in between refuses it with NOT_FOUND."""
     engine = engine_for(tiny_llama)
     engine.add_adapter("x", versions[0])

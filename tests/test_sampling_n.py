@@ -4,6 +4,7 @@ last partial block copied on write); each choice its own seeded stream; abort fr
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 from pathlib import Path
 
 from loraplex import LLMEngine, SamplingParams
@@ -50,7 +51,7 @@ def test_greedy_choices_equal_the_single_greedy_output(tiny_llama):
     engine = engine_for(tiny_llama)
     greedy = SamplingParams(temperature=0.0, max_new_tokens=NEW, min_new_tokens=NEW)
     one = engine.generate([PROMPT], greedy)[0].token_ids
-    greedy.n = 3
+    greedy = replace(greedy, n=3)  # SamplingParams is frozen
     assert [o.token_ids for o in engine.generate([PROMPT], greedy)[0]] == [one] * 3
 
 

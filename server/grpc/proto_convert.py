@@ -1,15 +1,16 @@
-"""Proto messages <-> engine values. Request fields are checked here; what only the engine
-can judge (prompt length, vocabulary, adapter names) it checks itself."""
+"""Proto messages <-> engine values: a GenerateRequest translated into the engine's
+RequestInput (the prompt rules and the oneofs checked here); every value check is the
+engine's InputProcessor's (engine/input_processor.py)."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from ...engine.input_processor import RequestInput
 from ...engine.sampling_params import SamplingParams
 from ...proto import loraplex_pb2 as pb
 from ...structured.constraint import DEFAULT_MAX_WHITESPACE, StructuredOutputs
 from ..chat import ChatTurn
-from ..generation import GenerateInput
 from ..prompt import Prompt, resolve_prompt
 
 _OPTIONAL_PARAMS = ("temperature", "top_p", "top_k", "seed", "max_new_tokens")
@@ -20,7 +21,8 @@ _GIVEN_PARAMS = ("n", "logprobs", "prompt_logprobs", "presence_penalty", "freque
 MAX_REQUEST_ID_LEN = 256
 
 
-def sampling_params(msg: pb.SamplingParams) -> SamplingParams:
+def sampling_params(msg: pb.SamplingParams,
+                    constraint: StructuredOutputs | None = None) -> SamplingParams:
     """Unset optional fields stay None, so the model's defaults apply."""
     optional = {name: getattr(msg, name) if msg.HasField(name) else None
                 for name in _OPTIONAL_PARAMS}
@@ -30,7 +32,8 @@ def sampling_params(msg: pb.SamplingParams) -> SamplingParams:
                           ignore_eos=msg.ignore_eos,
                           logit_bias=dict(msg.logit_bias) or None,
                           allowed_token_ids=list(msg.allowed_token_ids) or None,
-                          bad_words=list(msg.bad_words) or None)
+                          bad_words=list(msg.bad_words) or None,
+                          structured_outputs=constraint)
 
 
 def structured_outputs(msg: pb.StructuredOutputs) -> StructuredOutputs:
@@ -65,13 +68,13 @@ def request_id_of(request: pb.GenerateRequest) -> str | None:
     return rid or None
 
 
-def generate_input(request: pb.GenerateRequest, tokenizer: Any | None) -> GenerateInput:
-    """A GenerateRequest checked and converted for server/generation.py."""
-    params = sampling_params(request.params)
-    if request.HasField("structured_outputs"):
-        params.structured_outputs = structured_outputs(request.structured_outputs)
-    return GenerateInput(prompt_of(request, tokenizer), params, request.adapter,
-                         request_id_of(request))
+def generate_input(request: pb.GenerateRequest, tokenizer: Any | None) -> RequestInput:
+    """A GenerateRequest translated for the engine's InputProcessor (server/generation.py)."""
+    constraint = structured_outputs(request.structured_outputs) \
+        if request.HasField("structured_outputs") else None
+    params = sampling_params(request.params, constraint)
+    return RequestInput(prompt_of(request, tokenizer), params, request.adapter,
+                        request_id_of(request))
 
 
 def state_number(state: str) -> int:

@@ -1,7 +1,7 @@
 """POST /v1/completions and /v1/chat/completions: one request each, through the
 front-neutral generate path (server/generation.py), whole or streamed as vLLM streams. The
-body's conversion (tokenizing, the chat template, the checks) runs on the engine's
-RequestProcessor thread, off the event loop."""
+body's translation (tokenizing, the chat template) and the engine's checks run together on
+the engine's InputProcessor thread, off the event loop (``generation.check``)."""
 
 from __future__ import annotations
 
@@ -13,10 +13,11 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
+from ...engine.input_processor import EngineRequest, RequestInput
 from ...engine.output_processor import RequestOutput
 from .. import generation
 from ..auth import Scope
-from ..generation import GenerateInput, OpenStream
+from ..generation import OpenStream
 from ..state import ServerState
 from .error_bodies import error_body, http_status_of
 from .models import VERSION_HEADER
@@ -28,7 +29,7 @@ from .streaming import ClosingStreamingResponse, until_disconnect
 
 router = APIRouter(dependencies=[Depends(require(Scope.API))])
 
-Converter = Callable[[Any, Any, int, str], tuple[GenerateInput, View]]
+Converter = Callable[[Any, Any, str], tuple[RequestInput, View]]
 
 
 @router.post("/v1/completions")
@@ -46,21 +47,19 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
 async def _serve(request: Request, body: SamplingFields, convert: Converter, rid: str
                  ) -> Response:
     state = server_state(request)
-    engine = state.require_engine()
-    tokenizer = engine.engine.tokenizer
-    inp, view = await engine.processor.run(convert, body, tokenizer,
-                                           engine.engine.max_model_len, rid)
+    tokenizer = state.require_engine().engine.tokenizer
+    checked, view = await generation.check(state, lambda: convert(body, tokenizer, rid))
     reply = Reply(rid, body.model or state.model_name, view, tokenizer)
-    return await _answer(state, request, reply, inp, body)
+    return await _answer(state, request, reply, checked, body)
 
 
-async def _answer(state: ServerState, request: Request, reply: Reply, inp: GenerateInput,
+async def _answer(state: ServerState, request: Request, reply: Reply, checked: EngineRequest,
                   body: SamplingFields) -> Response:
     if not body.stream:
-        finals = await until_disconnect(request, generation.complete(state, inp))
+        finals = await until_disconnect(request, generation.complete(state, checked))
         return JSONResponse(reply.body(finals), headers=_version_header(finals[0]))
     # Admitted and accepted by the engine before the 200 goes out: a bad request is a 4xx.
-    stream = await OpenStream.open(state, inp)
+    stream = await OpenStream.open(state, checked)
     include_usage = body.stream_options is not None and body.stream_options.include_usage
     return ClosingStreamingResponse(_events(stream, reply, include_usage), stream.aclose,
                                     headers=_version_header(stream.first))

@@ -1,21 +1,25 @@
-"""HTTP request bodies -> the front-neutral GenerateInput (server/generation.py), and the
-View that tells responses.py how to show its outputs. Runs on the engine's
-RequestProcessor thread (it tokenizes and renders chat templates), never on the loop.
+"""HTTP request bodies -> the engine's RequestInput (engine/input_processor.py), and the
+View that tells responses.py how to show its outputs. Runs on the engine's InputProcessor
+thread, in the same hop as the InputProcessor's checks (server/generation.py ``check``):
+it tokenizes and renders chat templates, never on the loop.
 
 The prompt rules (server/prompt.py), the chat template (server/chat.py) and every value
 check of the engine are the ones gRPC uses; here OpenAI's / vLLM's field names are
 translated, the field table applied (fields.py), and the checks that only exist on HTTP
-made with vLLM's rules (``max_tokens`` against the context, ``best_of``, ``echo``,
-``top_logprobs`` without ``logprobs``, ``prompt_logprobs`` with streaming)."""
+made with vLLM's rules (``best_of``, ``echo``, ``top_logprobs`` without ``logprobs``,
+``prompt_logprobs`` with streaming). ``max_tokens`` against the context is the
+InputProcessor's one check, in vLLM's words (``RequestInput.max_tokens_field``); so are the
+logit_bias keys (SamplingParams: their form; the InputProcessor: the vocabulary)."""
 
 from __future__ import annotations
 
 import json
 from typing import Any
 
+from ...engine.input_processor import RequestInput
 from ...engine.sampling_params import SamplingParams
+from ...structured.constraint import StructuredOutputs
 from ..chat import ChatTurn
-from ..generation import GenerateInput
 from ..prompt import resolve_prompt
 from .fields import CHAT_REFUSED, COMPLETION_REFUSED, check_fields
 from .protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields
@@ -26,36 +30,24 @@ from .tools import plan_tools
 _OPTIONAL = ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p")
 
 
-def sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: int | None
-                    ) -> SamplingParams:
-    """OpenAI's / vLLM's names -> the engine's; unset fields keep the engine's defaults."""
+def sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: int | None,
+                    prompt_logprobs: int | None,
+                    constraint: StructuredOutputs | None = None) -> SamplingParams:
+    """OpenAI's / vLLM's names -> the engine's; unset fields keep the engine's defaults.
+    ``constraint``: the answer's constraint when it is not the body's own (a tool call)."""
     top_k = None if req.top_k in (None, -1, 0) else req.top_k
     given = {name: getattr(req, name) for name in _OPTIONAL if getattr(req, name) is not None}
     return SamplingParams(
-        structured_outputs=request_constraint(req.response_format, req.structured_outputs),
+        structured_outputs=constraint if constraint is not None else
+        request_constraint(req.response_format, req.structured_outputs),
         temperature=req.temperature, top_p=req.top_p, top_k=top_k, seed=req.seed,
         max_new_tokens=max_tokens, min_new_tokens=req.min_tokens,
         stop=[req.stop] if isinstance(req.stop, str) else list(req.stop or []),
         stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos,
         n=1 if req.n is None else req.n, logprobs=logprobs,
-        prompt_logprobs=req.prompt_logprobs,
-        logit_bias=_logit_bias(req.logit_bias), allowed_token_ids=req.allowed_token_ids,
+        prompt_logprobs=prompt_logprobs,
+        logit_bias=req.logit_bias or None, allowed_token_ids=req.allowed_token_ids,
         bad_words=req.bad_words or None, **given)
-
-
-def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
-    """JSON object keys are strings: each must be a token id (the engine checks the range
-    of ids and values)."""
-    if not bias:
-        return None
-    out = {}
-    for key, value in bias.items():
-        try:
-            out[int(key)] = value
-        except ValueError:
-            raise ValueError(f"logit_bias key {key[:32]!r} is not a token id (an integer "
-                             "string)") from None
-    return out
 
 
 def _check_common(req: SamplingFields) -> None:
@@ -67,17 +59,6 @@ def _check_common(req: SamplingFields) -> None:
 
 def _continuous_usage(req: SamplingFields) -> bool:
     return req.stream_options is not None and req.stream_options.continuous_usage_stats
-
-
-def _check_max_tokens(name: str, max_tokens: int | None, ids: list[int], max_model_len: int
-                      ) -> None:
-    """vLLM's rule: a given max_tokens must fit beside the prompt (unset: the room left)."""
-    if max_tokens is not None and len(ids) < max_model_len and \
-            len(ids) + max_tokens > max_model_len:
-        raise ValueError(
-            f"{name}={max_tokens} is too large: this model's maximum context length is "
-            f"{max_model_len} tokens and the request has {len(ids)} input tokens "
-            f"({max_tokens} > {max_model_len} - {len(ids)})")
 
 
 def _one_prompt(prompt: Any) -> str | list[int]:
@@ -97,8 +78,8 @@ def _token_ids(tokenizer: Any | None, text: str) -> list[int]:
     return list(tokenizer(text).input_ids)
 
 
-def completion_input(req: CompletionRequest, tokenizer: Any | None, max_model_len: int,
-                     request_id: str) -> tuple[GenerateInput, View]:
+def completion_input(req: CompletionRequest, tokenizer: Any | None, request_id: str
+                     ) -> tuple[RequestInput, View]:
     check_fields(req, COMPLETION_REFUSED)
     _check_common(req)
     if req.best_of not in (None, 1):
@@ -107,23 +88,19 @@ def completion_input(req: CompletionRequest, tokenizer: Any | None, max_model_le
     if req.max_tokens == 0 and not req.echo:
         raise ValueError("max_tokens=0 is only allowed with echo=true (the prompt alone); "
                          "give max_tokens >= 1")
-    if req.logprobs is not None and req.logprobs < -1:
-        raise ValueError(f"logprobs={req.logprobs} must be >= 0 (0 = the token's own "
-                         "logprob only), or -1 for the whole vocabulary")
     prompt = _one_prompt(req.prompt)
     if prompt == "" or prompt == []:
         raise ValueError("the prompt is empty: give at least one token")
     ids = resolve_prompt(tokenizer, *((prompt, None) if isinstance(prompt, str)
                                       else (None, prompt)))
     ids = _token_ids(tokenizer, ids) if isinstance(ids, str) else ids
-    _check_max_tokens("max_tokens", req.max_tokens, ids, max_model_len)
     echo_only = bool(req.echo) and req.max_tokens == 0
     # vLLM: echo brings the prompt's logprobs (as many as asked per generated token)
     prompt_logprobs = req.prompt_logprobs
     if req.echo and req.logprobs is not None and prompt_logprobs is None:
         prompt_logprobs = req.logprobs
-    params = sampling_params(req, 1 if echo_only else req.max_tokens, req.logprobs)
-    params.prompt_logprobs = prompt_logprobs
+    params = sampling_params(req, 1 if echo_only else req.max_tokens, req.logprobs,
+                             prompt_logprobs)
     echo_text = None
     if req.echo:
         echo_text = prompt if isinstance(prompt, str) else _decode(tokenizer, ids)
@@ -131,7 +108,7 @@ def completion_input(req: CompletionRequest, tokenizer: Any | None, max_model_le
                 prompt_logprobs=req.prompt_logprobs is not None,
                 token_ids_as_text=bool(req.return_tokens_as_token_ids),
                 continuous_usage=_continuous_usage(req))
-    return GenerateInput(ids, params, req.model or "", request_id), view
+    return RequestInput(ids, params, req.model or "", request_id, "max_tokens"), view
 
 
 def _decode(tokenizer: Any | None, ids: list[int]) -> str:
@@ -172,9 +149,8 @@ def _template_call(i: int, call: dict[str, Any]) -> dict[str, Any]:
     return {**call, "function": {**function, "arguments": arguments}}
 
 
-def chat_input(req: ChatCompletionRequest, tokenizer: Any | None, max_model_len: int,
-               request_id: str, auto_tool_parser: str | None = None
-               ) -> tuple[GenerateInput, View]:
+def chat_input(req: ChatCompletionRequest, tokenizer: Any | None, request_id: str,
+               auto_tool_parser: str | None = None) -> tuple[RequestInput, View]:
     """``auto_tool_parser``: the server's --tool-call-parser with --enable-auto-tool-choice
     (tools.py)."""
     check_fields(req, CHAT_REFUSED)
@@ -192,15 +168,14 @@ def chat_input(req: ChatCompletionRequest, tokenizer: Any | None, max_model_len:
     ids = resolve_prompt(tokenizer, turns=chat_turns(req.messages),
                          tools=tools.template_tools if tools is not None else None)
     assert isinstance(ids, list)  # chat turns come back as token ids
-    _check_max_tokens(name, max_tokens, ids, max_model_len)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    params = sampling_params(req, max_tokens, logprobs)
-    if tools is not None and tools.constraint is not None:
-        if params.structured_outputs is not None:
-            raise ValueError("tool_choice already constrains the answer to a tool call: leave "
-                             "response_format and structured_outputs unset")
-        params.structured_outputs = tools.constraint
+    tool_constraint = tools.constraint if tools is not None else None
+    if tool_constraint is not None and \
+            request_constraint(req.response_format, req.structured_outputs) is not None:
+        raise ValueError("tool_choice already constrains the answer to a tool call: leave "
+                         "response_format and structured_outputs unset")
+    params = sampling_params(req, max_tokens, logprobs, req.prompt_logprobs, tool_constraint)
     view = View(chat=True, logprobs=logprobs, prompt_logprobs=req.prompt_logprobs is not None,
                 token_ids_as_text=bool(req.return_tokens_as_token_ids),
                 continuous_usage=_continuous_usage(req), tools=tools)
-    return GenerateInput(ids, params, req.model or "", request_id), view
+    return RequestInput(ids, params, req.model or "", request_id, name), view

@@ -37,7 +37,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
     state = server_state(request)
     check_fields(body, {})
     tokenizer = await _tokenizer(state, body.model)
-    # on the engine's RequestProcessor thread: a long prompt does not stall the loop
+    # on the engine's InputProcessor thread: a long prompt does not stall the loop
     ids = await state.require_engine().processor.run(_token_ids, body, tokenizer)
     return {"count": len(ids), "max_model_len": state.require_engine().engine.max_model_len,
             "tokens": ids, "token_strs": None}

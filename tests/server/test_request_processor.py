@@ -1,4 +1,4 @@
-"""The request processor (engine/request_processor.py): a request's tokenization, chat
+"""The input processor (engine/input_processor.py): a request's tokenization, chat
 template and checks run off the event loop that serves both fronts. While one request's
 prompt is being tokenized, for as long as that takes, health probes and the other routes
 of both fronts keep answering.
