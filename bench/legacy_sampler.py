@@ -1,5 +1,5 @@
 """The engine's sampler before the batched one (engine/sampler.py at f213892), kept as
-bench/sampling.py's baseline: a host copy of the logits and a Python loop over the rows.
+benchmarks/sampling.py's baseline: a host copy of the logits and a Python loop over the rows.
 
 Sampler: greedy, temperature, top-k, top-p, and per-request seeds.
 

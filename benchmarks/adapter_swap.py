@@ -1,7 +1,7 @@
 """In-place adapter swaps as a training loop drives them, against a ``loraplex serve``
 subprocess on the embedded SmolLM2-135M:
 
-    python -m loraplex.bench.adapter_swap [--swaps 20] [--uploads 10] [--seconds 10]
+    python -m loraplex.benchmarks.adapter_swap [--swaps 20] [--uploads 10] [--seconds 10]
                                           [--blocks 2]
 
 - **swap**: ``LoadAdapter(replace=True)`` of a rank-16 all-linear adapter (float32 file)

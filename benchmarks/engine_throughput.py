@@ -1,6 +1,6 @@
 """loraplex vs transformers ``generate`` on the embedded SmolLM2, same requests, same run.
 
-    .venv/bin/python -m loraplex.bench.engine_throughput [--dtype float32] [--requests 32]
+    .venv/bin/python -m loraplex.benchmarks.engine_throughput [--dtype float32] [--requests 32]
 
 32 requests × 128 prompt tokens × 64 new tokens (EOS ignored), greedy. Prints output
 tokens/s of both and their ratio.

@@ -3,9 +3,9 @@ panel GEMM (csrc/panel_gemm.cpp; csrc/panel_gemm_bf16.cpp) or oneDNN's packed la
 rules it informs are ``kernel_backends/cpu/packed_linear.GEMM_LAYOUT`` (BF16_GEMM_LAYOUT),
 keyed by ``isa.cpu_isa()``.
 
-    python -m loraplex.bench.gemm_layout [--rows 1 8 32 128 512] [--rounds 5]
+    python -m loraplex.benchmarks.gemm_layout [--rows 1 8 32 128 512] [--rounds 5]
         [--dtype float32|bfloat16]
-    python -m loraplex.bench.gemm_layout --engine [--rounds 5]
+    python -m loraplex.benchmarks.gemm_layout --engine [--rounds 5]
 
 Linears alone: SmolLM2-135M's (30 layers: qkv, o, gate_up, down) plus the logits head,
 every layer with weights of its own, so weights come cold from memory as in serving.

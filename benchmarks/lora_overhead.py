@@ -1,7 +1,7 @@
 """What multi-LoRA costs, measured in an order that cannot hide a state one run leaves behind.
 
-    .venv/bin/python -m loraplex.bench.lora_overhead [--dtype auto] [--adapters 32]
-        [--rounds 3] [--processes 1] [--peft-rounds 1] [--out bench/results/DATE-lora-overhead]
+    .venv/bin/python -m loraplex.benchmarks.lora_overhead [--dtype auto] [--adapters 32]
+        [--rounds 3] [--processes 1] [--peft-rounds 1] [--out benchmarks/results/DATE-lora-overhead]
 
 SmolLM2-135M, 32 requests x 64 prompt x 32 new tokens, greedy, random rank-8 adapters on
 all seven targets; output tokens/s of ``LLMEngine.generate`` (the median of ``--rounds``):
@@ -23,7 +23,7 @@ decode step: the fresh base's and HF's prefill are also timed alone (one new tok
 where HF's prefill runs the same GEMMs at the cores' peak, the decode alone must make up
 the factor. It fails (exit 1) when the base after adapters runs below 0.95 of the base
 before them: that is a process-wide slowdown left behind by serving adapters
-(bench/results/2026-12-02-omp-pools.md). ``--out`` writes the figures as JSON and a
+(benchmarks/results/2026-12-02-omp-pools.md). ``--out`` writes the figures as JSON and a
 Markdown table.
 """
 
@@ -152,7 +152,7 @@ def peft_tps(model_dir: Path, adapters: dict[str, Path], prompts: list[list[int]
 
 # ---- the parent: children in order, then the verdict --------------------------------------
 def run_child(role: str, args: argparse.Namespace, dtype: str) -> dict:
-    cmd = [sys.executable, "-m", "loraplex.bench.lora_overhead", "--child", role,
+    cmd = [sys.executable, "-m", "loraplex.benchmarks.lora_overhead", "--child", role,
            "--dtype", dtype, "--adapters", str(args.adapters), "--rounds", str(args.rounds),
            "--peft-rounds", str(args.peft_rounds), "--adapter-dir", str(args.adapter_dir),
            "--prompt-len", str(args.prompt_len), "--new-tokens", str(args.new_tokens)]

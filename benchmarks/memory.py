@@ -1,4 +1,4 @@
-"""``python -m loraplex.bench.memory``: the resident memory of ``loraplex serve`` as
+"""``python -m loraplex.benchmarks.memory``: the resident memory of ``loraplex serve`` as
 ``make serve`` runs it (the embedded model and the demo adapters), after answering the
 README's four requests, and of ``serve --ray --num-replicas 2`` with Ray included.
 
@@ -172,7 +172,7 @@ def main(argv: list[str] | None = None) -> None:
     runs = [("serve", [])]
     if not args.skip_ray:
         runs.append(("serve --ray --num-replicas 2", ["--ray", "--num-replicas", "2"]))
-    lines = ["# Memory of `loraplex serve` (python -m loraplex.bench.memory)", "",
+    lines = ["# Memory of `loraplex serve` (python -m loraplex.benchmarks.memory)", "",
              f"Machine: {machine()}.", ""]
     print("\n".join(lines), flush=True)
     for name, flags in runs:

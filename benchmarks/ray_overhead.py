@@ -1,4 +1,4 @@
-"""Ray Serve's cost and its adapter affinity, measured: ``python -m loraplex.bench.ray_overhead``.
+"""Ray Serve's cost and its adapter affinity, measured: ``python -m loraplex.benchmarks.ray_overhead``.
 
 Starts the servers itself, one after the other (never two at once: 2 cores), each a
 subprocess of ``loraplex serve`` on a port of its own, on the embedded default model with
@@ -16,7 +16,7 @@ random rank-8 adapters (bench/common.make_random_adapters):
    first request ("first"), or any replica that had served the adapter before ("held");
    each adapter's first request is not counted.
 
-Prints a table and the machine line, and writes ``bench/results/<date>-ray-overhead.md``.
+Prints a table and the machine line, and writes ``benchmarks/results/<date>-ray-overhead.md``.
 """
 
 from __future__ import annotations
@@ -39,11 +39,11 @@ from pathlib import Path
 import grpc
 import httpx
 
+from ..bench.serving import SweepPlan, plan_runs, run_all, warmups_for
 from ..client import MULTIPLEXED_MODEL_ID, AsyncClient, Client, generate_request
 from ..proto import loraplex_pb2_grpc as pb_grpc
 from .common import default_model_dir, machine_line, make_random_adapters
 from .server_process import free_port
-from .serving import SweepPlan, plan_runs, run_all, warmups_for
 
 TRAILER = "loraplex-replica"
 RESULTS = Path(__file__).parent / "results"
@@ -300,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
     from ..kernel_backends import backend_name
 
     machine = machine_line(backend_name(torch.device("cpu")), dtype)
-    text = markdown(machine, "python -m loraplex.bench.ray_overhead", rows, affinity, wl,
+    text = markdown(machine, "python -m loraplex.benchmarks.ray_overhead", rows, affinity, wl,
                     http_rows)
     print(text)
     args.out.parent.mkdir(parents=True, exist_ok=True)

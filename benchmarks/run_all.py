@@ -1,6 +1,6 @@
 """``make bench``: the serving benchmark with its baselines, in one run on one machine.
 
-    .venv/bin/python -m loraplex.bench.run_all [--num-prompts 32] [--out-dir bench/results]
+    .venv/bin/python -m loraplex.benchmarks.run_all [--num-prompts 32] [--out-dir benchmarks/results]
 
 On the embedded SmolLM2 with random rank-8 adapters on all seven targets:
 
@@ -34,14 +34,14 @@ from pathlib import Path
 
 import torch
 
+from ..bench import report
+from ..bench.flags import int_list
+from ..bench.serving import RunOptions, RunSpec, SweepPlan, measure, plan_runs, warm_up
+from ..bench.workload import WorkloadSpec, synthetic, warmup_requests
 from ..client import AsyncClient
-from . import report
 from .common import default_model_dir, make_random_adapters
-from .flags import int_list
 from .lora_overhead import peft_tps
 from .server_process import served
-from .serving import RunOptions, RunSpec, SweepPlan, measure, plan_runs, warm_up
-from .workload import WorkloadSpec, synthetic, warmup_requests
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 ADAPTER_COUNTS = (1, 8, 32, 128)

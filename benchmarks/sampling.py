@@ -1,7 +1,7 @@
 """What the sampling outputs cost: logprobs and penalties in a 32-sequence decode, n = 8
 against n = 1 on a 512-token prompt, and the sampler step against the one it replaced.
 
-    .venv/bin/python -m loraplex.bench.sampling [--dtype bfloat16] [--rounds 2]
+    .venv/bin/python -m loraplex.benchmarks.sampling [--dtype bfloat16] [--rounds 2]
 
 SmolLM2-135M (the embedded model), base model, no prefix caching. Every configuration is
 measured in both orders (A B ... B A) in one process and the median reported:

@@ -1,6 +1,6 @@
 """``make bench-scale``: does serving hold up as the registered adapters grow?
 
-    python -m loraplex.bench.scale [--ns 8,64,256,1000] [--alphas 1,0.3]
+    python -m loraplex.benchmarks.scale [--ns 8,64,256,1000] [--alphas 1,0.3]
         [--max-loras auto,16] [--num-prompts 160] [--rate REQ_PER_S] [--name STEM]
 
 For every max-loras setting, α and n, a fresh ``loraplex serve`` (embedded SmolLM2,
@@ -13,7 +13,7 @@ n (all requests at once, on the first α and max-loras setting, measured first),
 ``--rate``. Warm-up requests go to the base model, so no adapter is touched before the run.
 
 Reports throughput and TTFT / TPOT / E2E at p50 and p99 (bench/metrics.py), the adapter
-cache's loads, load time and hit rate per tier (bench/cache_metrics.py, from /metrics),
+cache's loads, load time and hit rate per tier (benchmarks/cache_metrics.py, from /metrics),
 and, per α and max-loras, the ratios largest n / smallest n against the targets
 (throughput >= 0.95, TTFT p50 and p99 <= 1.5). Writes ``<out-dir>/<date>-scale.{json,md}``
 and plots (throughput and p99 TTFT against n).
@@ -34,10 +34,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..bench import report
+from ..bench.flags import int_list, length_range, positive_float_list, str_list
+from ..bench.serving import RunOptions, RunSpec, measure, warm_up
+from ..bench.workload import WorkloadSpec, synthetic, warmup_requests
 from ..client import AsyncClient
-from . import report
 from .cache_metrics import cache_stats, scrape
-from .flags import int_list, length_range, positive_float_list, str_list
 from .rss import rss_bytes
 from .scale_report import (
     headline,
@@ -48,8 +50,6 @@ from .scale_report import (
     targets_table,
 )
 from .server_process import free_port, served_process
-from .serving import RunOptions, RunSpec, measure, warm_up
-from .workload import WorkloadSpec, synthetic, warmup_requests
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 NS = (8, 64, 256, 1000)
@@ -226,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     args.out_dir.mkdir(parents=True, exist_ok=True)
     stem = args.name or f"{dt.date.today().isoformat()}-scale"
-    command = " ".join(["python -m loraplex.bench.scale",
+    command = " ".join(["python -m loraplex.benchmarks.scale",
                         *(sys.argv[1:] if argv is None else argv)])
     b = Bench(model_dir, adapters, args, vocab, stem, command)
     print(f"{len(runs)} runs ({len(adapters)} adapters on disk under {args.adapter_dir})",

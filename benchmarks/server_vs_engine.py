@@ -1,7 +1,7 @@
 """The server against its own engine: does serving over gRPC keep the engine's speed, and
 the CPU busy?
 
-    .venv/bin/python -m loraplex.bench.server_vs_engine [--dtype auto] [--adapters 0,8]
+    .venv/bin/python -m loraplex.benchmarks.server_vs_engine [--dtype auto] [--adapters 0,8]
 
 For each adapter count n (0: the base model; n > 0: request i uses adapter i mod n, random
 rank-8 adapters on all seven targets), 32 requests x 64 prompt x 32 new tokens (EOS
@@ -123,7 +123,7 @@ def main() -> None:
           f"{NEW_TOKENS} new tokens, median of {args.rounds}")
     for n in (int(v) for v in args.adapters.split(",")):
         adapters = make_random_adapters(model_dir, n, args.adapter_dir) if n else {}
-        run = subprocess.run([sys.executable, "-m", "loraplex.bench.server_vs_engine",
+        run = subprocess.run([sys.executable, "-m", "loraplex.benchmarks.server_vs_engine",
                               "--offline-child", str(n), "--dtype", dtype, "--rounds",
                               str(args.rounds), "--adapter-dir", str(args.adapter_dir)],
                              capture_output=True, text=True, check=True)

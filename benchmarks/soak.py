@@ -1,7 +1,7 @@
 """Churn soak: many clients on many adapters against a real ``loraplex serve`` process, with
 cancellations, deadlines and a load / unload / replace every second.
 
-    python -m loraplex.bench.soak [--duration 210] [--clients 64] [--adapters 32]
+    python -m loraplex.benchmarks.soak [--duration 210] [--clients 64] [--adapters 32]
 
 It fails (exit 1) unless every request ends with a valid response or a documented status,
 every completed greedy request equals the offline engine's output with the same adapter

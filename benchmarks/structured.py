@@ -1,11 +1,11 @@
 """What a JSON schema costs a decode: 32 concurrent constrained requests against 32 free ones.
 
-    .venv/bin/python -m loraplex.bench.structured [--requests 32] [--concurrency 32]
+    .venv/bin/python -m loraplex.benchmarks.structured [--requests 32] [--concurrency 32]
         [--rounds 4]
 
 The embedded SmolLM2-135M, greedy, prefix cache off. A constrained run keeps
 ``--concurrency`` requests in flight (a finished one is replaced at once) until
-``--requests`` have answered, each a JSON schema of the checks (bench/structured_fixtures.py,
+``--requests`` have answered, each a JSON schema of the checks (tests/structured_fixtures.py,
 the schemas compiled before the clock starts); a free run replays fresh prompts with
 ``max_new_tokens`` set to the constrained answers' lengths (``ignore_eos``), so both decode
 the same number of tokens in the same batches. ``--rounds`` pairs, in alternating order
@@ -30,7 +30,7 @@ from ..engine.llm_engine import LLMEngine
 from ..engine.sampling_params import SamplingParams
 from ..structured.compiler import GrammarCompiler
 from ..structured.constraint import StructuredOutputs
-from . import structured_fixtures as cases
+from ..tests import structured_fixtures as cases
 from .common import default_model_dir, machine_line
 
 TOPICS = ["a person", "a shipment", "a user account", "a weather report", "an order",

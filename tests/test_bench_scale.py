@@ -1,4 +1,4 @@
-"""The scale benchmark's pure parts (bench/scale.py, scale_report.py, cache_metrics.py):
+"""The scale benchmark's pure parts (benchmarks/scale.py, scale_report.py, cache_metrics.py):
 run planning, the rate, the ratios against their targets, and reading /metrics. No server."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ import math
 
 import pytest
 from loraplex.bench import report
-from loraplex.bench.cache_metrics import cache_stats, parse
-from loraplex.bench.scale import ScaleRun, derive_rate, parse_args, plan, server_flags
-from loraplex.bench.scale_report import headline, scale_table, target_rows, targets_table
+from loraplex.benchmarks.cache_metrics import cache_stats, parse
+from loraplex.benchmarks.scale import ScaleRun, derive_rate, parse_args, plan, server_flags
+from loraplex.benchmarks.scale_report import headline, scale_table, target_rows, targets_table
 from loraplex.server.metrics import ServerMetrics
 
 
@@ -164,7 +164,7 @@ def test_random_adapters_are_what_peft_saves(tiny_llama, tmp_path) -> None:
     same tensor names and shapes and the same config as PEFT's save_pretrained, made once."""
     import json
 
-    from loraplex.bench.common import make_random_adapters
+    from loraplex.benchmarks.common import make_random_adapters
     from loraplex.lora.peft_format import BaseShapes, read_peft_adapter
     from safetensors.torch import load_file
     from transformers import AutoConfig
