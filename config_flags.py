@@ -79,11 +79,15 @@ KINDS: dict[str, Kind] = {
 
 # ---- the parser ----------------------------------------------------------------------------
 def add_flags(parser: argparse.ArgumentParser, cls: type, groups: Groups | None = None,
-              required: Collection[str] = ()) -> Groups:
+              required: Collection[str] = (), only: Collection[str] | None = None) -> Groups:
     """Add the flags of ``cls`` and its sections to ``parser`` (``required``: field names
-    this command cannot do without). Returns the groups, for a caller adding its own."""
+    this command cannot do without; ``only``: these fields' flags alone, for a tool that
+    takes a few settings of the tree with the command's names, types and defaults).
+    Returns the groups, for a caller adding its own."""
     groups = {} if groups is None else groups
     for f, spec, hint in _flags(cls):
+        if only is not None and f.name not in only:
+            continue
         group = groups.get(spec.group) or groups.setdefault(
             spec.group, parser.add_argument_group(spec.group))
         if any(a.dest == f.name for a in parser._actions):  # one dest, one field of the tree

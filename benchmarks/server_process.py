@@ -3,6 +3,7 @@ load client does not share the server's GIL)."""
 
 from __future__ import annotations
 
+import dataclasses
 import signal
 import socket
 import subprocess
@@ -11,8 +12,13 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 from ..client import Client
+from ..config import ServeConfig
+from ..config_flags import to_argv
+from ..engine.config import EngineConfig
+from ..server.options import ServerOptions
 
 START_TIMEOUT_S = 600
 
@@ -23,34 +29,47 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def serve_command(model_dir: Path, port: int, adapters: Mapping[str, Path],
-                  flags: Sequence[str]) -> list[str]:
-    """The command line: every adapter registered at start through ``--lora-modules``."""
-    cmd = [sys.executable, "-m", "loraplex.cli", "serve", "--model", str(model_dir),
-           "--port", str(port), "--log-level", "WARNING", *flags]
-    if adapters:
-        cmd += ["--lora-modules", *(f"{n}={p}" for n, p in adapters.items())]
-    return cmd
+def serve_config(model_dir: Path, adapters: Mapping[str, Path], *,
+                 server: Mapping[str, Any] | None = None, flags: Sequence[str] = (),
+                 **engine: Any) -> ServeConfig:
+    """A benchmark's server as a ServeConfig: the command's defaults but for ``engine``
+    (EngineConfig's fields) and ``server`` (ServerOptions'), every adapter registered at
+    start (``--lora-modules``), logging at WARNING (the benchmark prints its own). ``flags``:
+    more ``loraplex serve`` flags a user passed through, parsed by serve's own parser over
+    the rest (a flag given there wins)."""
+    config = ServeConfig(
+        engine=EngineConfig(model=str(model_dir), **engine,
+                            lora_modules={n: str(Path(p).resolve()) for n, p in adapters.items()}),
+        server=ServerOptions(**(server or {})), log_level="WARNING")
+    if flags:
+        from ..cli import build_parser
+        from ..serve_command import serve_config as parse_serve
+
+        config = parse_serve(build_parser().parse_args(["serve", *to_argv(config), *flags]))
+    return config
+
+
+def serve_command(config: ServeConfig) -> list[str]:
+    """``loraplex serve``'s command line for ``config``, in this interpreter."""
+    return [sys.executable, "-m", "loraplex.cli", "serve", *to_argv(config)]
 
 
 @contextmanager
-def served(model_dir: Path, adapters: Mapping[str, Path], log_path: Path,
-           flags: Sequence[str] = ()) -> Iterator[str]:
-    """``loraplex serve`` with ``flags``, SERVING on a free port; SIGTERM and wait on exit.
+def served(config: ServeConfig, log_path: Path) -> Iterator[str]:
+    """``loraplex serve`` with ``config``, SERVING on a free port; SIGTERM and wait on exit.
     Yields HOST:PORT. The server's output is appended to ``log_path``."""
-    with served_process(model_dir, adapters, log_path, flags) as (target, _):
+    with served_process(config, log_path) as (target, _):
         yield target
 
 
 @contextmanager
-def served_process(model_dir: Path, adapters: Mapping[str, Path], log_path: Path,
-                   flags: Sequence[str] = ()) -> Iterator[tuple[str, int]]:
+def served_process(config: ServeConfig, log_path: Path) -> Iterator[tuple[str, int]]:
     """As ``served``; yields (HOST:PORT, the server's pid)."""
-    port = free_port()
+    config = dataclasses.replace(
+        config, server=dataclasses.replace(config.server, port=free_port()))
     with open(log_path, "ab") as log:
-        proc = subprocess.Popen(serve_command(model_dir, port, adapters, flags), stdout=log,
-                                stderr=subprocess.STDOUT)
-    target = f"127.0.0.1:{port}"
+        proc = subprocess.Popen(serve_command(config), stdout=log, stderr=subprocess.STDOUT)
+    target = f"127.0.0.1:{config.server.port}"
     try:
         with Client(target) as c:
             _wait_serving(c, proc, log_path)
