@@ -19,6 +19,7 @@ from ..config import ServeConfig
 from ..config_flags import to_argv
 from ..engine.config import EngineConfig
 from ..server.options import ServerOptions
+from ..server.ray.options import RayOptions
 
 START_TIMEOUT_S = 600
 
@@ -29,18 +30,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def serve_config(model_dir: Path, adapters: Mapping[str, Path], *,
-                 server: Mapping[str, Any] | None = None, flags: Sequence[str] = (),
+def serve_config(model_dir: Path | None, adapters: Mapping[str, Path], *,
+                 server: Mapping[str, Any] | None = None, ray: RayOptions | None = None,
+                 log_level: str = "WARNING", flags: Sequence[str] = (),
                  **engine: Any) -> ServeConfig:
     """A benchmark's server as a ServeConfig: the command's defaults but for ``engine``
-    (EngineConfig's fields) and ``server`` (ServerOptions'), every adapter registered at
-    start (``--lora-modules``), logging at WARNING (the benchmark prints its own). ``flags``:
-    more ``loraplex serve`` flags a user passed through, parsed by serve's own parser over
-    the rest (a flag given there wins)."""
+    (EngineConfig's fields), ``server`` (ServerOptions') and ``ray``, every adapter
+    registered at start (``--lora-modules``; None for ``model_dir``: the embedded model and
+    its demo adapters), logging at WARNING by default (the benchmark prints its own).
+    ``flags``: more ``loraplex serve`` flags a user passed through, parsed by serve's own
+    parser over the rest (a flag given there wins)."""
+    modules = {n: str(Path(p).resolve()) for n, p in adapters.items()}
     config = ServeConfig(
-        engine=EngineConfig(model=str(model_dir), **engine,
-                            lora_modules={n: str(Path(p).resolve()) for n, p in adapters.items()}),
-        server=ServerOptions(**(server or {})), log_level="WARNING")
+        engine=EngineConfig(model=None if model_dir is None else str(model_dir), **engine,
+                            lora_modules=modules),
+        server=ServerOptions(**(server or {})), ray=ray, log_level=log_level)
     if flags:
         from ..cli import build_parser
         from ..serve_command import serve_config as parse_serve
