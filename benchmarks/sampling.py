@@ -1,7 +1,7 @@
 """What the sampling outputs cost: logprobs and penalties in a 32-sequence decode, n = 8
 against n = 1 on a 512-token prompt, and the sampler step alone.
 
-    .venv/bin/python -m loraplex.benchmarks.sampling [--dtype bfloat16] [--rounds 2]
+    .venv/bin/python -m loraplex.benchmarks.sampling [--dtype auto] [--rounds 2]
 
 SmolLM2-135M (the embedded model), base model, no prefix caching. Every configuration is
 measured in both orders (A B ... B A) in one process and the median reported:
@@ -25,7 +25,7 @@ from collections.abc import Callable
 
 import torch
 
-from .common import default_model_dir, machine_line, random_prompts
+from .common import add_engine_flags, default_model_dir, machine_line, random_prompts
 
 VOCAB = 49152
 
@@ -151,16 +151,19 @@ def bench_sampler(engine, SamplingParams) -> list[str]:
 
 def main() -> None:
     from .. import LLMEngine, SamplingParams
+    from ..engine.config import EngineConfig
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    add_engine_flags(ap, "dtype")
     ap.add_argument("--rounds", type=int, default=2, help="pairs of both-order rounds")
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--only", choices=["decode", "n", "sampler"], default=None)
     args = ap.parse_args()
-    engine = LLMEngine(model=default_model_dir(), dtype=args.dtype, max_num_seqs=32,
-                       max_num_batched_tokens=512, max_model_len=1024,
-                       enable_prefix_caching=False)
+    # the 32 decode requests in one batch (the default), a 512-token prompt well inside
+    # 1,024 positions, no prefix cache (the n = 8 prompt must be computed every round)
+    engine = LLMEngine.from_config(EngineConfig(
+        model=str(default_model_dir()), dtype=args.dtype, max_model_len=1024,
+        enable_prefix_caching=False))
     print(machine_line(engine.base.kernels.name, str(engine.base.dtype).removeprefix("torch.")))
     print("SmolLM2-135M, base model, no prefix caching")
     parts = {"decode": lambda: bench_decode(engine, args, SamplingParams),
