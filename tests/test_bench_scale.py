@@ -172,7 +172,7 @@ def test_plot_has_one_line_per_series(tmp_path) -> None:
 
 
 def test_random_adapters_are_what_peft_saves(tiny_llama, tmp_path) -> None:
-    """bench/common.make_random_adapters writes the dirs itself (fast enough for 1,000): the
+    """benchmarks/common.make_random_adapters writes the dirs itself (fast enough for 1,000): the
     same tensor names and shapes and the same config as PEFT's save_pretrained, made once."""
     import json
 
