@@ -161,6 +161,28 @@ def test_the_runtime_imports_no_benchmark_and_no_test() -> None:
     assert "loraplex.bench.command" in files and "loraplex.benchmarks.scale" in files
 
 
+def test_the_wheel_leaves_benchmarks_and_tests_out(graph: dict[str, set[str]]) -> None:
+    """pyproject.toml's packages hold what `loraplex` imports (``loraplex bench`` included)
+    and neither benchmarks/ nor tests/; no data of theirs is package data. (Building the
+    wheel and listing it: the wheel test.)"""
+    import tomllib
+
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    packages = set(setuptools["packages"])
+    assert not {p for p in packages if p.startswith(("loraplex.benchmarks", "loraplex.tests"))}
+    excluded = setuptools["exclude-package-data"]["*"]
+    assert {"benchmarks/*", "tests/*"} <= set(excluded)
+    seen, todo = set(), ["loraplex.cli", "loraplex.bench.command", "loraplex.bench.flags"]
+    while todo:  # everything the command line reaches, imported anywhere in its files
+        module = todo.pop()
+        if module not in seen:
+            seen.add(module)
+            todo += sorted(graph[module])
+    unpackaged = {m for m in seen if m != "loraplex" and m.rpartition(".")[0] not in packages
+                  and m not in packages}
+    assert not unpackaged, f"imported by the command line but not in the wheel: {unpackaged}"
+
+
 # The gRPC front (and the composition root, app.py): the only modules of server/, with
 # server/ray/ (which fronts Ray's gRPC proxy), that may speak gRPC. Everything else in
 # server/ (the front-neutral layer, and the HTTP front) raises ErrorCode, never a gRPC code.
