@@ -58,12 +58,16 @@ def engine_phases(model_dir: Path, adapters: dict[str, Path], prompts: list[list
     none before the first phase that uses them; each phase starts with one untimed short
     generate of its own requests (adapters made resident), then ``rounds`` timed ones."""
     from .. import LLMEngine, SamplingParams
+    from ..engine.config import EngineConfig
 
     n = len(prompts)
-    engine = LLMEngine(model=model_dir, dtype=dtype, max_num_seqs=n, max_num_batched_tokens=512,
-                       max_model_len=max_model_len, max_lora_rank=8, max_loras=len(adapters),
-                       max_cpu_loras=len(adapters), enable_prefix_caching=False,
-                       lora_modules={k: str(p) for k, p in adapters.items()})
+    # every request in one batch, every adapter on the device (no swaps inside a timed
+    # phase), the adapters' rank, no prefix cache (rounds repeat their prompts); else the
+    # engine's defaults
+    engine = LLMEngine.from_config(EngineConfig(
+        model=str(model_dir), dtype=dtype, max_num_seqs=n, max_model_len=max_model_len,
+        max_lora_rank=8, max_loras=len(adapters), max_cpu_loras=len(adapters),
+        enable_prefix_caching=False, lora_modules={k: str(p) for k, p in adapters.items()}))
     names = list(adapters)
     per_phase = {"a": [None] * n, "a_after": [None] * n, "b": [names[0]] * n, "c": names}
     warm = SamplingParams(temperature=0.0, max_new_tokens=2)
