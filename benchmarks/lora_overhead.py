@@ -41,7 +41,13 @@ from pathlib import Path
 
 import torch
 
-from .common import default_model_dir, machine_line, make_random_adapters, random_prompts
+from .common import (
+    add_engine_flags,
+    default_model_dir,
+    machine_line,
+    make_random_adapters,
+    random_prompts,
+)
 
 ORDERS = {"base first": ["a", "c", "b", "a_after"], "adapters first": ["c", "b", "a_after"]}
 PHASE_NAMES = {"a": "(a) base", "b": "(b) one adapter", "c": "(c) distinct adapters",
@@ -268,7 +274,7 @@ def report(results: dict) -> list[str]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    add_engine_flags(ap, "dtype")
     ap.add_argument("--adapters", type=int, default=32)
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=32)
