@@ -32,19 +32,19 @@ serve: kernels
 test: kernels
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
-# the serving benchmark with its baselines (~15 min on 2 cores): bench/results/<date>.{json,md,png}
+# the serving benchmark with its baselines (~15 min on 2 cores): benchmarks/results/<date>.{json,md,png}
 bench: kernels
-	$(PY) -m loraplex.bench.run_all $(BENCH_ARGS)
+	$(PY) -m loraplex.benchmarks.run_all $(BENCH_ARGS)
 
 # the scale benchmark (~20 min on 2 cores): 8 to 1,000 registered adapters at a fixed
-# Poisson rate, bench/results/<date>-scale.{json,md,png}; BENCH_ARGS="--max-loras 16,32
+# Poisson rate, benchmarks/results/<date>-scale.{json,md,png}; BENCH_ARGS="--max-loras 16,32
 # --ns 8,64 --num-prompts 20" for a short one
 bench-scale: kernels
-	$(PY) -m loraplex.bench.scale $(BENCH_ARGS)
+	$(PY) -m loraplex.benchmarks.scale $(BENCH_ARGS)
 
 # Churn soak against a real server (~5 minutes): SOAK_ARGS="--duration 60" for a short one.
 soak: kernels
-	$(PY) -m loraplex.bench.soak $(SOAK_ARGS)
+	$(PY) -m loraplex.benchmarks.soak $(SOAK_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

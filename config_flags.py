@@ -79,11 +79,15 @@ KINDS: dict[str, Kind] = {
 
 # ---- the parser ----------------------------------------------------------------------------
 def add_flags(parser: argparse.ArgumentParser, cls: type, groups: Groups | None = None,
-              required: Collection[str] = ()) -> Groups:
+              required: Collection[str] = (), only: Collection[str] | None = None) -> Groups:
     """Add the flags of ``cls`` and its sections to ``parser`` (``required``: field names
-    this command cannot do without). Returns the groups, for a caller adding its own."""
+    this command cannot do without; ``only``: these fields' flags alone, for a tool that
+    takes a few settings of the tree with the command's names, types and defaults).
+    Returns the groups, for a caller adding its own."""
     groups = {} if groups is None else groups
     for f, spec, hint in _flags(cls):
+        if only is not None and f.name not in only:
+            continue
         group = groups.get(spec.group) or groups.setdefault(
             spec.group, parser.add_argument_group(spec.group))
         if any(a.dest == f.name for a in parser._actions):  # one dest, one field of the tree
@@ -189,3 +193,70 @@ def _refuse_unswitched(section: type, args: argparse.Namespace, switch: Flag) ->
              if getattr(args, f.name) != _default(f, spec)]
     if given:
         raise ValueError(f"{', '.join(given)} only apply with {switch.option}")
+
+
+# ---- back to a command line ----------------------------------------------------------------
+def to_argv(config: Any) -> list[str]:
+    """The flags that parse back to ``config`` (a ServeConfig, say: ``serve``'s parser on
+    ``to_argv(c)`` builds ``c`` again): one option per flag field whose value differs from
+    its default (a switched section: its switch, then its fields). How a benchmark or a test
+    starts ``loraplex serve`` from a config object, with the same defaults as the command.
+    ValueError where no command line can say the value: a field without a flag that differs
+    from its default (unless a flag of that name elsewhere in the tree sets it), None for a
+    flag whose default is not None, a default list that a flag could only add to."""
+    flagged = {f.name for f, _, _ in _flags(type(config))}
+    argv: list[str] = []
+    _to_argv(config, flagged, argv)
+    return argv
+
+
+def _to_argv(config: Any, flagged: set[str], argv: list[str]) -> None:
+    hints = typing.get_type_hints(type(config))
+    for f in dataclasses.fields(config):
+        value, spec, section = getattr(config, f.name), flag_of(f), _section(hints[f.name])
+        if section is not None:
+            if value is not None:
+                argv += [spec.option] if spec is not None else []
+                _to_argv(value, flagged, argv)
+        elif spec is not None:
+            argv += _flag_argv(f, spec, hints[f.name], value)
+        elif f.name not in flagged and value != _field_default(f):
+            raise ValueError(f"{type(config).__name__}.{f.name}={value!r}: not a flag, no "
+                             "command line sets it")
+
+
+def _field_default(f: dataclasses.Field) -> Any:
+    if f.default_factory is not MISSING:
+        return f.default_factory()
+    return None if f.default is MISSING else f.default
+
+
+def _flag_argv(f: dataclasses.Field, spec: Flag, hint: Any, value: Any) -> list[str]:
+    """One field's part of the command line, as _argument's parser reads it back."""
+    value_type, many = _value_type(hint)
+    kind = KINDS[spec.kind] if spec.kind is not None else None
+    if value_type is bool:  # store_true: the option is the value
+        return [spec.option] if value else []
+    default = _default(f, spec)
+    if many:
+        items = [f"{k}={v}" for k, v in value.items()] if isinstance(value, dict) else \
+            [_text(v) for v in value]
+        defaults = list(default)
+        if items == [_text(v) for v in defaults] or (isinstance(value, dict) and
+                                                     value == default):
+            return []
+        if defaults:  # append / extend add to a copy of the default
+            raise ValueError(f"{spec.option}: a default of {defaults!r} can only grow")
+        if kind is not None:  # extend, nargs "+"
+            return [spec.option, *items] if items else []
+        return [part for item in items for part in (spec.option, item)]  # append
+    if value == default:
+        return []
+    if value is None:
+        raise ValueError(f"{spec.option}: None is not a value a command line gives "
+                         f"(its default is {default!r})")
+    return [spec.option, _text(value)]
+
+
+def _text(value: Any) -> str:
+    return repr(value) if isinstance(value, float) else str(value)

@@ -6,7 +6,7 @@ blocks, and the pool's untouched blocks (reserved address space, host_pages.py) 
 reached when the blocks in circulation run out. Handing out the least recently freed block
 instead walks the whole pool: every page of the KV budget ends up committed, and each step
 writes KV into memory that left the caches long ago (about 5 % of decode throughput on a
-2-core Xeon: bench/results/2026-12-02-kv-block-reuse.md).
+2-core Xeon: benchmarks/results/2026-12-02-kv-block-reuse.md).
 
 Then the blocks that still hold a full, hashed block's KV (the prefix cache), least recently
 freed first, so a cached prefix stays findable as long as any plain block is left.

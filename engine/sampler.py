@@ -44,9 +44,6 @@ def finite_rows(logits: torch.Tensor) -> list[bool]:
     return ok if all(ok) else torch.isfinite(logits).all(dim=-1).tolist()
 
 
-_finite_rows = finite_rows
-
-
 def apply_top_k_top_p(x: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor | None
                       ) -> torch.Tensor:
     """x: [R, vocab]; k: [R] in [1, vocab] or None; p: [R] in (0, 1] or None. Tokens below

@@ -4,7 +4,7 @@ operating system backs a page only when something first writes to it.
 
 On the CPU, ``zeros`` maps anonymous private memory (``mmap``): every page reads as zero
 and takes no memory until written, so a pool sized for 32 adapters of rank 64 costs what
-the adapters placed in it so far wrote (bench/memory.py measures it). Transparent huge
+the adapters placed in it so far wrote (benchmarks/memory.py measures it). Transparent huge
 pages are turned off for these mappings, so a write commits one small page, not 2 MiB.
 On other devices ``zeros`` is ``torch.zeros``: reserved and committed are the same.
 

@@ -7,7 +7,7 @@ all pools. Once they outnumber the CPUs it cuts the workers' spin-wait from ~300
 workers through the kernel (futex) instead of finding them spinning. A decode step is
 hundreds of small parallel ops, so one adapter read on a loader thread (or an engine built
 on one thread and stepped on another) slowed every later step, and any plain torch code in
-the process, by 15-35 % (bench/results/2026-12-02-omp-pools.md).
+the process, by 15-35 % (benchmarks/results/2026-12-02-omp-pools.md).
 
 The rule, on every thread but the one that steps the engine:
 - helper threads that run torch ops (adapter loaders) start with ``serial_thread`` and

@@ -9,12 +9,13 @@ import os
 
 import pytest
 import torch
-from loraplex.bench.kernel_fixtures import make_lora_pools, step_segments
 from loraplex.kernel_backends import backend_class, backend_name, select_backend
 from loraplex.kernel_backends.cpu import CPUBackend
 from loraplex.kernel_backends.cpu.cpu_lora_segments import CPULoRASegments
 from loraplex.kernel_backends.torch import TorchBackend
 from loraplex.kernel_backends.triton import TritonBackend
+
+from tests.kernel_fixtures import make_lora_pools, step_segments
 
 CPU = torch.device("cpu")
 ADAPTERS = [3, -1, 0, 2, 3, 1, -1, 0, 4, 2, 3, 0, 5]  # unsorted, no adapter (-1) mixed in

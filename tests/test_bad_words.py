@@ -9,12 +9,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from loraplex.bench.structured_fixtures import make_byte_tokenizer
 from loraplex.engine.bad_words import BadWords
 from loraplex.engine.request_checks import bad_word_ids
 from loraplex.engine.sampling_batch import banned_tokens, build_batch
 from loraplex.engine.sampling_params import SamplingParams
 from loraplex.engine.sequence import Sequence
+
+from tests.structured_fixtures import make_byte_tokenizer
 
 
 def scan(words: list[list[int]], outputs: list[int]) -> set[int]:

@@ -1,4 +1,4 @@
-"""bench/adapter_load.py on the tiny llama: its adapters are servable PEFT dirs, and a case
+"""benchmarks/adapter_load.py on the tiny llama: its adapters are servable PEFT dirs, and a case
 yields one row per timed load with the sizes of the adapter."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from loraplex.bench.adapter_load import QKVO, bench_case, make_adapter, methods
+from loraplex.benchmarks.adapter_load import QKVO, bench_case, make_adapter, methods
 from loraplex.lora.peft_format import BaseShapes, read_peft_adapter
 from safetensors.torch import load_file
 

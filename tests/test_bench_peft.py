@@ -1,4 +1,4 @@
-"""The baselines and orders of the benchmarks on a tiny model: bench/lora_overhead.py's
+"""The baselines and orders of the benchmarks on a tiny model: benchmarks/lora_overhead.py's
 peft_tps (and run_all's use of it) reports one figure per round; its engine phases measure
 the base before any adapter is read (and time its prefill alone, as HF's); its verdict
 compares the base after adapters with the base before them; its decode budget is what 2x HF
@@ -8,7 +8,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from loraplex.bench.lora_overhead import (
+from loraplex.bench.serving import RunOptions, RunSpec
+from loraplex.bench.workload import Request
+from loraplex.benchmarks.lora_overhead import (
     ORDERS,
     decode_budget,
     engine_phases,
@@ -18,9 +20,7 @@ from loraplex.bench.lora_overhead import (
     ratios,
     report,
 )
-from loraplex.bench.run_all import _peft
-from loraplex.bench.serving import RunOptions, RunSpec
-from loraplex.bench.workload import Request
+from loraplex.benchmarks.run_all import _peft
 
 from tests.conftest import make_adapter
 

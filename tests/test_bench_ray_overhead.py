@@ -1,8 +1,8 @@
-"""bench/ray_overhead.py's affinity arithmetic (the benchmark itself runs Ray: not a test)."""
+"""benchmarks/ray_overhead.py's affinity arithmetic (the benchmark itself runs Ray: not a test)."""
 
 from __future__ import annotations
 
-from loraplex.bench.ray_overhead import hit_rates
+from loraplex.benchmarks.ray_overhead import hit_rates
 
 
 def test_hit_rates_count_only_repeat_requests_in_completion_order() -> None:

@@ -1,15 +1,18 @@
-"""The scale benchmark's pure parts (bench/scale.py, scale_report.py, cache_metrics.py):
+"""The scale benchmark's pure parts (benchmarks/scale.py, scale_report.py, cache_metrics.py):
 run planning, the rate, the ratios against their targets, and reading /metrics. No server."""
 
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 from loraplex.bench import report
-from loraplex.bench.cache_metrics import cache_stats, parse
-from loraplex.bench.scale import ScaleRun, derive_rate, parse_args, plan, server_flags
-from loraplex.bench.scale_report import headline, scale_table, target_rows, targets_table
+from loraplex.benchmarks.cache_metrics import cache_stats, parse
+from loraplex.benchmarks.scale import ScaleRun, derive_rate, parse_args, plan, server_config
+from loraplex.benchmarks.scale_report import headline, scale_table, target_rows, targets_table
+from loraplex.config_flags import to_argv
+from loraplex.engine.engine_config import EngineConfig
 from loraplex.server.server_metrics import ServerMetrics
 
 
@@ -24,15 +27,24 @@ def test_plan_is_every_max_loras_alpha_and_n_with_n_ascending() -> None:
         plan([8], [], ["16"])
 
 
-def test_max_loras_values_reach_the_server_as_given() -> None:
+def test_max_loras_values_reach_the_server_as_given(tmp_path: Path) -> None:
     args = parse_args(["--max-loras", "auto, 16,32", "--ns", "8,1000", "--alphas", "1,0.3"])
     assert args.max_loras == ["auto", "16", "32"]
     assert (args.ns, args.alphas) == ([8, 1000], [1.0, 0.3])
-    flags = server_flags("auto", "bfloat16", 8123)
-    assert flags[flags.index("--max-loras") + 1] == "auto"
-    for flag, value in (("--max-num-seqs", "32"), ("--max-cpu-loras", "128"),
-                        ("--http-port", "8123"), ("--dtype", "bfloat16")):
+    config = server_config(tmp_path, {}, "auto", "bfloat16", 8123)
+    flags = to_argv(config)
+    assert config.engine.max_loras == "auto"  # the engine's default: to_argv leaves it out
+    sixteen = to_argv(server_config(tmp_path, {}, "16", "bfloat16", 8123))
+    assert sixteen[sixteen.index("--max-loras") + 1] == "16"
+    for flag, value in (("--max-cpu-loras", "128"), ("--http-port", "8123"),
+                        ("--dtype", "bfloat16"), ("--model", str(tmp_path))):
         assert flags[flags.index(flag) + 1] == value
+    assert config.engine.max_num_seqs == 32
+    # --server-args: serve's own flags over the benchmark's
+    given = server_config(tmp_path, {}, "16", "float32", 8123, ["--max-num-seqs", "8",
+                                                                 "--max-cpu-loras", "256"])
+    assert (given.engine.max_num_seqs, given.engine.max_cpu_loras) == (8, 256)
+    assert parse_args([]).dtype == EngineConfig().dtype  # the engine's default
     defaults = parse_args([])
     assert (defaults.ns, defaults.alphas, defaults.max_loras) == (
         [8, 64, 256, 1000], [1.0, 0.3], ["auto", "16"])
@@ -160,11 +172,11 @@ def test_plot_has_one_line_per_series(tmp_path) -> None:
 
 
 def test_random_adapters_are_what_peft_saves(tiny_llama, tmp_path) -> None:
-    """bench/common.make_random_adapters writes the dirs itself (fast enough for 1,000): the
+    """benchmarks/common.make_random_adapters writes the dirs itself (fast enough for 1,000): the
     same tensor names and shapes and the same config as PEFT's save_pretrained, made once."""
     import json
 
-    from loraplex.bench.common import make_random_adapters
+    from loraplex.benchmarks.common import make_random_adapters
     from loraplex.lora.peft_format import BaseShapes, read_peft_adapter
     from safetensors.torch import load_file
     from transformers import AutoConfig

@@ -1,11 +1,11 @@
-"""bench/soak.py's memory verdict against hand-computed samples: growth from the first to
+"""benchmarks/soak.py's memory verdict against hand-computed samples: growth from the first to
 the last window's median, and the per-minute trajectory it prints."""
 
 from __future__ import annotations
 
 import pytest
-from loraplex.bench.rss import rss_by_minute, rss_growth
-from loraplex.bench.soak import RSS_GROWTH_LIMIT
+from loraplex.benchmarks.rss import rss_by_minute, rss_growth
+from loraplex.benchmarks.soak import RSS_GROWTH_LIMIT
 
 MIB = 2**20
 

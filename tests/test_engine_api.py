@@ -194,7 +194,7 @@ def test_async_engine_streams_and_cancels(engine):
 def test_finite_rows_is_exact() -> None:
     """The sampler's finiteness test: NaN / ±Inf anywhere fail the row; huge finite values
     whose sum overflows do not."""
-    from loraplex.engine.sampler import _finite_rows
+    from loraplex.engine.sampler import finite_rows
 
     logits = torch.randn(6, 1000)
     logits[1, 7] = float("nan")
@@ -202,7 +202,7 @@ def test_finite_rows_is_exact() -> None:
     logits[3, 0] = -float("inf")
     logits[4, :] = 3e38  # finite, the row's sum is not
     logits[5, :2] = torch.tensor([float("inf"), -float("inf")])  # sums to NaN
-    assert _finite_rows(logits) == [True, False, False, False, True, False]
+    assert finite_rows(logits) == [True, False, False, False, True, False]
 
 
 def test_an_invalid_step_is_refused_before_any_kernel_runs(engine) -> None:

@@ -1,5 +1,5 @@
-"""bench/gpu_check.sh gives a verdict: its CPU dry run (interpreter, tiny shapes) passes, a
-missing pytest fails it, and bench/kernels.py's verdict fails on a mismatch or a NaN."""
+"""benchmarks/gpu_check.sh gives a verdict: its CPU dry run (interpreter, tiny shapes) passes, a
+missing pytest fails it, and benchmarks/kernels.py's verdict fails on a mismatch or a NaN."""
 
 from __future__ import annotations
 
@@ -9,14 +9,14 @@ import sys
 from pathlib import Path
 
 import torch
-from loraplex.bench.kernels import Verdict, summary
+from loraplex.benchmarks.kernels import Verdict, summary
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def run_check(tmp_path: Path, python: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "OUT": str(tmp_path / "logs"), "PYTHON": python}
-    return subprocess.run(["bash", str(ROOT / "bench" / "gpu_check.sh"), "--dry-run"],
+    return subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), "--dry-run"],
                           env=env, capture_output=True, text=True, timeout=600, check=False)
 
 

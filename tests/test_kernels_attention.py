@@ -9,12 +9,13 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
-from loraplex.bench.kernel_fixtures import make_paged_cache
 from loraplex.kernel_backends.torch import attention as reference
 from loraplex.kernel_backends.triton import attention
 from loraplex.kernel_backends.triton.attention_prefill import paged_attention_prefill
 
-# compiled kernels on the GPU (bench/gpu_check.sh sets TRITON_INTERPRET=0), else the interpreter
+from tests.kernel_fixtures import make_paged_cache
+
+# compiled kernels on the GPU (benchmarks/gpu_check.sh sets TRITON_INTERPRET=0), else the interpreter
 DEVICE = torch.device("cuda" if os.environ.get("TRITON_INTERPRET") == "0" else "cpu")
 HEAD_DIM = 40  # not a power of two: the kernels pad and mask it
 NUM_KV_HEADS = 2

@@ -12,12 +12,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from loraplex.bench.kernel_fixtures import make_paged_cache
 from loraplex.kernel_backends import backend_name, select_backend
 from loraplex.kernel_backends.cpu import attention as cpu_attention
 from loraplex.kernel_backends.cpu import extension
 from loraplex.kernel_backends.torch import attention as reference
 from loraplex.kernel_backends.torch.logprob_rows import logprob_rows as twin_logprob_rows
+
+from tests.kernel_fixtures import make_paged_cache
 
 CPU = torch.device("cpu")
 

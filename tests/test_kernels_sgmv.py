@@ -1,6 +1,6 @@
 """Triton SGMV shrink / expand (kernel_backends/triton/sgmv.py, under the interpreter) against the
 torch backend's (kernel_backends/torch/lora.py), over rank-row pools holding adapters of mixed
-ranks back to back (bench/kernel_fixtures.py), so a load past a slot's rank reads a neighbour's
+ranks back to back (tests/kernel_fixtures.py), so a load past a slot's rank reads a neighbour's
 rows; sparse slot ids, slot -1 and unsorted tokens throughout."""
 
 from __future__ import annotations
@@ -9,16 +9,17 @@ import os
 
 import pytest
 import torch
-from loraplex.bench.kernel_fixtures import (
+from loraplex.kernel_backends import backend_name, select_backend
+from loraplex.kernel_backends.torch import lora as reference
+from loraplex.kernel_backends.triton import sgmv
+from loraplex.kernel_backends.triton.triton_lora_segments import TritonLoRASegments
+
+from tests.kernel_fixtures import (
     LoRAPools,
     make_lora_pools,
     random_token_slots,
     step_segments,
 )
-from loraplex.kernel_backends import backend_name, select_backend
-from loraplex.kernel_backends.torch import lora as reference
-from loraplex.kernel_backends.triton import sgmv
-from loraplex.kernel_backends.triton.triton_lora_segments import TritonLoRASegments
 
 pytestmark = pytest.mark.triton
 
@@ -27,7 +28,7 @@ def segments(slots: list[int], device: str | torch.device = "cpu") -> TritonLoRA
     """The step's segments with the SGMV work list (what TritonBackend.lora_segments builds)."""
     return TritonLoRASegments.from_token_slots(slots, torch.device(device))
 
-# compiled kernels on the GPU (bench/gpu_check.sh sets TRITON_INTERPRET=0), else the interpreter
+# compiled kernels on the GPU (benchmarks/gpu_check.sh sets TRITON_INTERPRET=0), else the interpreter
 DEVICE = torch.device("cuda" if os.environ.get("TRITON_INTERPRET") == "0" else "cpu")
 
 MIXED = [1, 8, 16, 5, 0, 13]  # adapter ranks, mixed in every batch; rotated per slice

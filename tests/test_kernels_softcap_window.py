@@ -8,9 +8,10 @@ import math
 
 import pytest
 import torch
-from loraplex.bench.kernel_fixtures import make_paged_cache
 from loraplex.kernel_backends import select_backend
 from loraplex.kernel_backends.torch import attention as reference
+
+from tests.kernel_fixtures import make_paged_cache
 
 HEAD_DIM, KV_HEADS, GROUP, BLOCK = 16, 2, 2, 16
 # (softcap, window): off, each alone, both; windows shorter and longer than the contexts

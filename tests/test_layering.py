@@ -18,11 +18,12 @@ import torch
 from transformers import AutoModelForCausalLM
 
 ROOT = Path(__file__).resolve().parents[1]  # the repository root is the package `loraplex`
-PACKAGES = ["kernel_backends", "lora", "structured", "engine", "server", "proto", "bench"]
+PACKAGES = ["kernel_backends", "lora", "structured", "engine", "server", "proto", "bench",
+            "benchmarks"]
 LAYERS = {"errors": 0, "flag": 0, "kernel_backends": 1, "lora": 2, "structured": 2, "engine": 3,
           "server": 4}
 # The modules that may parse flags: the command line (cli.py and the modules it owns), and
-# the tools that are their own entry points (python -m loraplex.bench.*, the client's
+# the tools that are their own entry points (python -m loraplex.benchmarks.*, the client's
 # health probe, the stubs' generator). The layers and the config tree never do: their
 # settings are dataclass fields, and config_flags.py derives the flags from them.
 FLAG_PARSERS = {"loraplex.cli", "loraplex.config_flags", "loraplex.serve_command",
@@ -119,14 +120,15 @@ def test_nothing_below_cli_parses_flags() -> None:
     below = {m: f for m, f in parsing.items() if layer(m) is not None or m in CONFIG_TREE}
     assert not below, f"parses flags below cli.py: {below}"
     stray = {m: f for m, f in parsing.items()
-             if m not in FLAG_PARSERS and not m.startswith("loraplex.bench.")}
+             if m not in FLAG_PARSERS and not m.startswith(("loraplex.bench.",
+                                                            "loraplex.benchmarks."))}
     assert not stray, f"parses flags outside cli.py and the tools: {stray}"
     assert {"loraplex.cli", "loraplex.config_flags"} <= set(parsing)  # the rule sees them
 
 
 def test_backends_stand_apart(graph: dict[str, set[str]]) -> None:
     """The torch backend imports no other backend; nothing outside kernel_backends/cpu (and the
-    tools in bench/) imports it, so the folder can be deleted; the engine and the LoRA
+    tools in benchmarks/) imports it, so the folder can be deleted; the engine and the LoRA
     layers reach the kernels only through the interface and the selector."""
     def inside(module: str, package: str) -> bool:
         return module == package or module.startswith(package + ".")
@@ -136,12 +138,49 @@ def test_backends_stand_apart(graph: dict[str, set[str]]) -> None:
     for module, deps in graph.items():
         if inside(module, torch_):
             assert not any(inside(d, cpu) or inside(d, triton) for d in deps), module
-        if not inside(module, cpu) and not inside(module, "loraplex.bench"):
+        if not inside(module, cpu) and not inside(module, "loraplex.benchmarks"):
             assert not any(inside(d, cpu) for d in deps), (module, deps)
         if layer(module) in (2, 3, 4):
             backends = [d for d in deps if inside(d, cpu) or inside(d, triton)
                         or inside(d, torch_)]
             assert not backends, (module, backends)
+
+
+
+def test_the_runtime_imports_no_benchmark_and_no_test() -> None:
+    """benchmarks/ and tests/ are left out of the wheel: no module of the package (bench/, the
+    command ``loraplex bench``, included) imports them; the benchmarks may import the package."""
+    outside = ("loraplex.benchmarks", "loraplex.tests")
+    files = module_files()
+    for module, path in files.items():
+        if module.startswith(outside):
+            continue
+        deps = imports_of(module, path, set(files) | set(outside))
+        assert not [d for d in deps if d.startswith(outside)], (module, deps)
+        assert not absolute_imports(path) & {"tests", "benchmarks"}, module
+    assert "loraplex.bench.command" in files and "loraplex.benchmarks.scale" in files
+
+
+def test_the_wheel_leaves_benchmarks_and_tests_out(graph: dict[str, set[str]]) -> None:
+    """pyproject.toml's packages hold what `loraplex` imports (``loraplex bench`` included)
+    and neither benchmarks/ nor tests/; no data of theirs is package data. (Building the
+    wheel and listing it: the wheel test.)"""
+    import tomllib
+
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    packages = set(setuptools["packages"])
+    assert not {p for p in packages if p.startswith(("loraplex.benchmarks", "loraplex.tests"))}
+    excluded = setuptools["exclude-package-data"]["*"]
+    assert {"benchmarks/*", "tests/*"} <= set(excluded)
+    seen, todo = set(), ["loraplex.cli", "loraplex.bench.command", "loraplex.bench.flags"]
+    while todo:  # everything the command line reaches, imported anywhere in its files
+        module = todo.pop()
+        if module not in seen:
+            seen.add(module)
+            todo += sorted(graph[module])
+    unpackaged = {m for m in seen if m != "loraplex" and m.rpartition(".")[0] not in packages
+                  and m not in packages}
+    assert not unpackaged, f"imported by the command line but not in the wheel: {unpackaged}"
 
 
 # The gRPC front (server/grpc/) and the composition root (loraplex_server.py): the only

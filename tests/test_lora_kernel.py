@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from loraplex.bench.kernel_fixtures import make_lora_pools
 from loraplex.kernel_backends.cpu import extension
 from loraplex.kernel_backends.cpu.cpu_lora_segments import CPULoRASegments
+
+from tests.kernel_fixtures import make_lora_pools
 
 RANKS = [1, 8, 16, 5, 0, 13, 3]  # adapter ranks: odd ones leave rank rows past the vectors
 OUTS = [200, 72, 136]  # slice widths: none a multiple of 16 (a tail past the vectors)

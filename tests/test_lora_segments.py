@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from loraplex.bench.kernel_fixtures import make_lora_pools, segments, step_segments
 from loraplex.kernel_backends import select_backend
 from loraplex.kernel_backends.cpu.cpu_lora_segments import CPULoRASegments
+
+from tests.kernel_fixtures import make_lora_pools, segments, step_segments
 
 CPU = torch.device("cpu")
 

@@ -8,18 +8,19 @@ from __future__ import annotations
 
 import pytest
 import torch
-from loraplex.bench.kernel_fixtures import (
+from loraplex.kernel_backends import backend_name, select_backend
+from loraplex.kernel_backends.cpu import extension, lora_routes
+from loraplex.kernel_backends.cpu.cpu_lora_segments import CPULoRASegments
+from loraplex.kernel_backends.cpu.lora_routes import ROUTE_NAMES, add_lora, choose_route
+from loraplex.kernel_backends.torch import lora as reference
+
+from tests.kernel_fixtures import (
     LoRAPools,
     make_lora_pools,
     random_token_slots,
     segments,
     step_segments,
 )
-from loraplex.kernel_backends import backend_name, select_backend
-from loraplex.kernel_backends.cpu import extension, lora_routes
-from loraplex.kernel_backends.cpu.cpu_lora_segments import CPULoRASegments
-from loraplex.kernel_backends.cpu.lora_routes import ROUTE_NAMES, add_lora, choose_route
-from loraplex.kernel_backends.torch import lora as reference
 
 CPU = torch.device("cpu")
 
@@ -338,7 +339,7 @@ def test_kernel_prefetch_changes_no_bit(case: str, dtype: torch.dtype, layout: s
 
 
 def test_kernel_prefetch_is_keyed_by_isa_and_dtype() -> None:
-    """Only AMX in bf16 prefetches (bench/results/2026-12-02-lora-amx.md); AVX-512 (EPYC)
+    """Only AMX in bf16 prefetches (benchmarks/results/2026-12-02-lora-amx.md); AVX-512 (EPYC)
     and AVX2 keep the kernel as measured there."""
     assert lora_routes.kernel_prefetch(torch.bfloat16, "AMX") == 1
     assert lora_routes.kernel_prefetch(torch.float32, "AMX") == 0

@@ -13,12 +13,12 @@ from typing import Any
 import pytest
 import torch
 from loraplex import LLMEngine, SamplingParams
-from loraplex.bench.kernel_fixtures import step_segments
 from loraplex.kernel_backends import select_backend
 from loraplex.kernel_backends.lora_segments import LoRASegments
 from loraplex.kernel_backends.step_metadata import StepMetadata
 
 from tests.conftest import ALL_TARGETS, make_adapter
+from tests.kernel_fixtures import step_segments
 
 CPU = torch.device("cpu")
 TRITON = pytest.param("triton", marks=[

@@ -17,7 +17,6 @@ import time
 
 import pytest
 import xgrammar
-from loraplex.bench import structured_fixtures as cases
 from loraplex.errors import CapacityError
 from loraplex.structured.compile_worker import compile_constraint
 from loraplex.structured.compiler import GrammarCompiler
@@ -26,6 +25,7 @@ from loraplex.structured.limits import ConstraintLimits, nested_repetition
 from loraplex.structured.matcher import ConstraintMatcher
 from transformers import AutoTokenizer
 
+from tests import structured_fixtures as cases
 from tests.test_structured_compiler import EOS, VOCAB, allowed
 
 

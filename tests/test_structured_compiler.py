@@ -11,12 +11,13 @@ from pathlib import Path
 import jsonschema
 import pytest
 import torch
-from loraplex.bench import structured_fixtures as cases
 from loraplex.structured.bitmask import StepBitmask
 from loraplex.structured.compiler import CacheStats, GrammarCompiler
 from loraplex.structured.constraint import StructuredOutputs
 from loraplex.structured.matcher import ConstraintMatcher
 from transformers import AutoTokenizer
+
+from tests import structured_fixtures as cases
 
 EOS = 2
 VOCAB = 384

@@ -14,11 +14,11 @@ from pathlib import Path
 import jsonschema
 import pytest
 from loraplex import LLMEngine, SamplingParams
-from loraplex.bench import structured_fixtures as cases
 from loraplex.engine.async_engine import AsyncEngine
 from loraplex.errors import InvalidRequestError
 from loraplex.structured.constraint import StructuredOutputs
 
+from tests import structured_fixtures as cases
 from tests.conftest import make_adapter, make_tiny_model
 
 PROMPTS = ["the cat sat on", "user: give json", "select name from", "one two three"]

@@ -1,6 +1,6 @@
 """The CPU routes of ``add_lora``: exact formulations of the LoRA delta, one chosen per
 step and layer shape by ``choose_route`` (the rule and its measurements:
-``bench/lora_cpu.py``, bench/results/).
+``benchmarks/lora_cpu.py``, benchmarks/results/).
 
 Slot buffers are overlapping views of rank-row pools (``KernelBackend.lora_pool``): the
 rows past a slot's rank are the next adapter's, not zeros. Every route reads exactly a
@@ -33,7 +33,7 @@ KERNEL_MAX_WORK = 4096  # tokens per adapter segment × rank up to which the ker
 # into L2 (absent: none). AMX Xeon, bf16: a cold 30-layer decode step 12.7 -> 10.6-11.0 ms;
 # float32 there: no gain (16.1-16.6 ms either way). Not on AVX512: a next-block prefetch
 # gained nothing on an EPYC Zen 4 (2026-12-02-step-breakdown.md). Measured by
-# bench/lora_cold.py (bench/results/2026-12-02-lora-amx.md).
+# benchmarks/lora_cold.py (benchmarks/results/2026-12-02-lora-amx.md).
 KERNEL_PREFETCH = {("AMX", torch.bfloat16): 1}
 
 
@@ -193,7 +193,7 @@ ROUTE_NAMES = ("kernel", *ROUTES)  # every route add_lora takes
 def choose_route(seg: LoRASegments, compute_dtype: torch.dtype = torch.float32,
                  mixed_ranks: bool = False, rank: int = 8) -> str:
     """The fastest exact route for this step's shape, compute dtype and largest used
-    ``rank``; the rule follows bench/lora_cpu.py's measurements.
+    ``rank``; the rule follows benchmarks/lora_cpu.py's measurements.
 
     - "kernel" (C++, per token, reads A and B in place) while tokens per adapter × rank is
       at most KERNEL_MAX_WORK: decode and short segments;

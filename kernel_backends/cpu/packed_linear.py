@@ -12,7 +12,7 @@ and bfloat16 either; bfloat16 only where the CPU has native bf16):
   in chunks of ``CHUNK_ROWS``; ``warm_up`` builds every size at engine start.
 
 Which layout serves is a rule per instruction set and dtype (``GEMM_LAYOUT``,
-``BF16_GEMM_LAYOUT``), measured with ``python -m loraplex.bench.gemm_layout [--dtype
+``BF16_GEMM_LAYOUT``), measured with ``python -m loraplex.benchmarks.gemm_layout [--dtype
 bfloat16]`` on each ISA we could reach; results equal ``F.linear`` up to summation order
 either way.
 """
@@ -30,7 +30,7 @@ BATCH_HINT = 32  # the row count oneDNN tunes the packing for; any row count wor
 CHUNK_ROWS = 512  # longer inputs run in chunks of this many rows
 
 # isa.cpu_isa() -> the faster layout there for float32 / bfloat16 linears
-# (bench/gemm_layout.py; figures in bench/results/). Unlisted ISAs take oneDNN, the library;
+# (benchmarks/gemm_layout.py; figures in benchmarks/results/). Unlisted ISAs take oneDNN, the library;
 # bfloat16 is packed only where the CPU has native bf16 (AVX512-BF16 or AMX).
 GEMM_LAYOUT: dict[str, str] = {
     "AVX2": "panels",

@@ -6,7 +6,7 @@ before, answer over HTTP (the openai SDK) and gRPC in about their normal time. A
 no worker process is left over, the server's memory is where it was, and a free greedy
 request answers as before.
 
-The slow schemas nest bounded repetitions in patterns (bench/structured_fixtures.py's
+The slow schemas nest bounded repetitions in patterns (tests/structured_fixtures.py's
 slow_schema): the server is started with the pattern limit raised so that they reach the
 compiler, as schemas that are slow for some other reason would."""
 
@@ -24,8 +24,8 @@ import jsonschema
 import openai
 import pytest
 from loraplex import LLMEngine
-from loraplex.bench import structured_fixtures as cases
 
+from tests import structured_fixtures as cases
 from tests.conftest import make_tiny_model
 
 TIMEOUT_S = 3.0  # the server's --grammar-compile-timeout

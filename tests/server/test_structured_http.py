@@ -16,9 +16,9 @@ import jsonschema
 import openai
 import pytest
 from loraplex import LLMEngine
-from loraplex.bench import structured_fixtures as cases
 from transformers import AutoTokenizer
 
+from tests import structured_fixtures as cases
 from tests.conftest import make_adapter, make_tiny_model
 
 # a hermes-style template (Qwen 2.5's shape, shortened): the tools' names in front, an

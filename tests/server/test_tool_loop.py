@@ -17,9 +17,9 @@ import httpx
 import openai
 import pytest
 from loraplex import LLMEngine
-from loraplex.bench import structured_fixtures as cases
 from transformers import AutoTokenizer
 
+from tests import structured_fixtures as cases
 from tests.conftest import make_adapter, make_tiny_model
 
 # Qwen 2.5 / Hermes' shape, shortened: every turn's content concatenated (a missing one is an

@@ -1,7 +1,7 @@
 """What multi-LoRA costs, measured in an order that cannot hide a state one run leaves behind.
 
-    .venv/bin/python -m loraplex.bench.lora_overhead [--dtype auto] [--adapters 32]
-        [--rounds 3] [--processes 1] [--peft-rounds 1] [--out bench/results/DATE-lora-overhead]
+    .venv/bin/python -m loraplex.benchmarks.lora_overhead [--dtype auto] [--adapters 32]
+        [--rounds 3] [--processes 1] [--peft-rounds 1] [--out benchmarks/results/DATE-lora-overhead]
 
 SmolLM2-135M, 32 requests x 64 prompt x 32 new tokens, greedy, random rank-8 adapters on
 all seven targets; output tokens/s of ``LLMEngine.generate`` (the median of ``--rounds``):
@@ -23,7 +23,7 @@ decode step: the fresh base's and HF's prefill are also timed alone (one new tok
 where HF's prefill runs the same GEMMs at the cores' peak, the decode alone must make up
 the factor. It fails (exit 1) when the base after adapters runs below 0.95 of the base
 before them: that is a process-wide slowdown left behind by serving adapters
-(bench/results/2026-12-02-omp-pools.md). ``--out`` writes the figures as JSON and a
+(benchmarks/results/2026-12-02-omp-pools.md). ``--out`` writes the figures as JSON and a
 Markdown table.
 """
 
@@ -41,7 +41,13 @@ from pathlib import Path
 
 import torch
 
-from .common import default_model_dir, machine_line, make_random_adapters, random_prompts
+from .common import (
+    add_engine_flags,
+    default_model_dir,
+    machine_line,
+    make_random_adapters,
+    random_prompts,
+)
 
 ORDERS = {"base first": ["a", "c", "b", "a_after"], "adapters first": ["c", "b", "a_after"]}
 PHASE_NAMES = {"a": "(a) base", "b": "(b) one adapter", "c": "(c) distinct adapters",
@@ -58,12 +64,16 @@ def engine_phases(model_dir: Path, adapters: dict[str, Path], prompts: list[list
     none before the first phase that uses them; each phase starts with one untimed short
     generate of its own requests (adapters made resident), then ``rounds`` timed ones."""
     from .. import LLMEngine, SamplingParams
+    from ..engine.engine_config import EngineConfig
 
     n = len(prompts)
-    engine = LLMEngine(model=model_dir, dtype=dtype, max_num_seqs=n, max_num_batched_tokens=512,
-                       max_model_len=max_model_len, max_lora_rank=8, max_loras=len(adapters),
-                       max_cpu_loras=len(adapters), enable_prefix_caching=False,
-                       lora_modules={k: str(p) for k, p in adapters.items()})
+    # every request in one batch, every adapter on the device (no swaps inside a timed
+    # phase), the adapters' rank, no prefix cache (rounds repeat their prompts); else the
+    # engine's defaults
+    engine = LLMEngine.from_config(EngineConfig(
+        model=str(model_dir), dtype=dtype, max_num_seqs=n, max_model_len=max_model_len,
+        max_lora_rank=8, max_loras=len(adapters), max_cpu_loras=len(adapters),
+        enable_prefix_caching=False, lora_modules={k: str(p) for k, p in adapters.items()}))
     names = list(adapters)
     per_phase = {"a": [None] * n, "a_after": [None] * n, "b": [names[0]] * n, "c": names}
     warm = SamplingParams(temperature=0.0, max_new_tokens=2)
@@ -152,7 +162,7 @@ def peft_tps(model_dir: Path, adapters: dict[str, Path], prompts: list[list[int]
 
 # ---- the parent: children in order, then the verdict --------------------------------------
 def run_child(role: str, args: argparse.Namespace, dtype: str) -> dict:
-    cmd = [sys.executable, "-m", "loraplex.bench.lora_overhead", "--child", role,
+    cmd = [sys.executable, "-m", "loraplex.benchmarks.lora_overhead", "--child", role,
            "--dtype", dtype, "--adapters", str(args.adapters), "--rounds", str(args.rounds),
            "--peft-rounds", str(args.peft_rounds), "--adapter-dir", str(args.adapter_dir),
            "--prompt-len", str(args.prompt_len), "--new-tokens", str(args.new_tokens)]
@@ -264,7 +274,7 @@ def report(results: dict) -> list[str]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    add_engine_flags(ap, "dtype")
     ap.add_argument("--adapters", type=int, default=32)
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=32)

@@ -1,11 +1,11 @@
 """What a JSON schema costs a decode: 32 concurrent constrained requests against 32 free ones.
 
-    .venv/bin/python -m loraplex.bench.structured [--requests 32] [--concurrency 32]
+    .venv/bin/python -m loraplex.benchmarks.structured [--requests 32] [--concurrency 32]
         [--rounds 4]
 
 The embedded SmolLM2-135M, greedy, prefix cache off. A constrained run keeps
 ``--concurrency`` requests in flight (a finished one is replaced at once) until
-``--requests`` have answered, each a JSON schema of the checks (bench/structured_fixtures.py,
+``--requests`` have answered, each a JSON schema of the checks (tests/structured_fixtures.py,
 the schemas compiled before the clock starts); a free run replays fresh prompts with
 ``max_new_tokens`` set to the constrained answers' lengths (``ignore_eos``), so both decode
 the same number of tokens in the same batches. ``--rounds`` pairs, in alternating order
@@ -26,11 +26,12 @@ from pathlib import Path
 
 import numpy as np
 
+from ..engine.engine_config import EngineConfig
 from ..engine.llm_engine import LLMEngine
 from ..engine.sampling_params import SamplingParams
 from ..structured.compiler import GrammarCompiler
 from ..structured.constraint import StructuredOutputs
-from . import structured_fixtures as cases
+from ..tests import structured_fixtures as cases
 from .common import default_model_dir, machine_line
 
 TOPICS = ["a person", "a shipment", "a user account", "a weather report", "an order",
@@ -90,8 +91,11 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--out", type=Path, help="also write the report here")
     args = ap.parse_args()
-    engine = LLMEngine(model=default_model_dir(), max_num_seqs=args.concurrency,
-                       enable_prefix_caching=False)
+    # the concurrent requests in one batch, no prefix cache (the prompts share their chat
+    # template: each run computes all of its own); else the engine's defaults
+    engine = LLMEngine.from_config(EngineConfig(
+        model=str(default_model_dir()), max_num_seqs=args.concurrency,
+        enable_prefix_caching=False))
     schemas = [cases.SCHEMAS[i % len(cases.SCHEMAS)][1] for i in range(args.requests)]
 
     def constrained(salt: str) -> list[tuple[list[int], SamplingParams]]:

@@ -3,9 +3,9 @@ panel GEMM (csrc/panel_gemm.cpp; csrc/panel_gemm_bf16.cpp) or oneDNN's packed la
 rules it informs are ``kernel_backends/cpu/packed_linear.GEMM_LAYOUT`` (BF16_GEMM_LAYOUT),
 keyed by ``isa.cpu_isa()``.
 
-    python -m loraplex.bench.gemm_layout [--rows 1 8 32 128 512] [--rounds 5]
+    python -m loraplex.benchmarks.gemm_layout [--rows 1 8 32 128 512] [--rounds 5]
         [--dtype float32|bfloat16]
-    python -m loraplex.bench.gemm_layout --engine [--rounds 5]
+    python -m loraplex.benchmarks.gemm_layout --engine [--rounds 5]
 
 Linears alone: SmolLM2-135M's (30 layers: qkv, o, gate_up, down) plus the logits head,
 every layer with weights of its own, so weights come cold from memory as in serving.
@@ -59,6 +59,7 @@ def engine_ab(rounds: int) -> None:
     from pathlib import Path
 
     from .. import LLMEngine, SamplingParams
+    from ..engine.engine_config import EngineConfig
     from .common import default_model_dir, make_random_adapters, random_prompts
 
     model_dir = default_model_dir()
@@ -68,11 +69,13 @@ def engine_ab(rounds: int) -> None:
     engines = {}
     for layout in ("panels", "onednn"):
         os.environ["LORAPLEX_GEMM_LAYOUT"] = layout
-        engines[layout] = LLMEngine(model=model_dir, dtype="float32", max_num_seqs=32,
-                                    max_num_batched_tokens=512, max_model_len=1024,
-                                    max_lora_rank=8, max_loras=32, max_cpu_loras=32,
-                                    enable_prefix_caching=False,
-                                    lora_modules={n: str(p) for n, p in adapters.items()})
+        # float32: GEMM_LAYOUT is the float32 table (bf16 has its own, --dtype above);
+        # every request in one batch, every adapter on the device, the adapters' rank, no
+        # prefix cache (rounds repeat their prompts); else the engine's defaults
+        engines[layout] = LLMEngine.from_config(EngineConfig(
+            model=str(model_dir), dtype="float32", max_num_seqs=32, max_model_len=1024,
+            max_lora_rank=8, max_loras=32, max_cpu_loras=32, enable_prefix_caching=False,
+            lora_modules={n: str(p) for n, p in adapters.items()}))
     del os.environ["LORAPLEX_GEMM_LAYOUT"]
     params = SamplingParams(temperature=0.0, max_new_tokens=32, ignore_eos=True)
     print(machine_line("cpu", "float32"))

@@ -2,8 +2,8 @@
 shape is first checked against its torch twin (kernel_backends/torch), then timed against the twin
 and the memory-bandwidth roofline.
 
-    python -m loraplex.bench.kernels [--peak-tbs 4.8] [--quick]
-    python -m loraplex.bench.kernels --dry-run     # CPU, TRITON_INTERPRET=1, tiny shapes
+    python -m loraplex.benchmarks.kernels [--peak-tbs 4.8] [--quick]
+    python -m loraplex.benchmarks.kernels --dry-run     # CPU, TRITON_INTERPRET=1, tiny shapes
 
 Roofline = bytes the kernel must move / peak HBM bandwidth (H200 ≈ 4.8 TB/s); "% roof" =
 roofline time / measured time. The LoRA kernels are also timed with every slot padded to the
@@ -26,7 +26,7 @@ from ..kernel_backends.torch import attention as reference_attention
 from ..kernel_backends.torch import lora as reference_lora
 from ..kernel_backends.triton import TritonBackend, attention, attention_prefill, sgmv
 from ..kernel_backends.triton.triton_lora_segments import TritonLoRASegments
-from .kernel_fixtures import make_lora_pools, make_paged_cache
+from ..tests.kernel_fixtures import make_lora_pools, make_paged_cache
 
 TOL = {torch.float32: (1e-4, 1e-4), torch.bfloat16: (2e-2, 2e-2), torch.float16: (2e-3, 2e-3)}
 KERNELS = {"shrink": sgmv._shrink_kernel, "expand": sgmv._expand_kernel,
@@ -240,8 +240,8 @@ def main() -> None:
         print("dry run: CPU, Triton interpreter, tiny shapes (figures mean nothing)")
     else:
         if not torch.cuda.is_available():
-            raise SystemExit("bench/kernels.py needs a CUDA device (or --dry-run); CPU "
-                             "figures: bench/lora_cpu.py")
+            raise SystemExit("benchmarks/kernels.py needs a CUDA device (or --dry-run); CPU "
+                             "figures: benchmarks/lora_cpu.py")
         bench = Bench(torch.device("cuda"), torch.bfloat16, args.peak_tbs, timed=True)
         shapes = gpu_shapes(args.quick)
         print(f"{torch.cuda.get_device_name()}  peak {args.peak_tbs} TB/s  (times in µs)")

@@ -1,6 +1,6 @@
 """loraplex vs transformers ``generate`` on the embedded SmolLM2, same requests, same run.
 
-    .venv/bin/python -m loraplex.bench.engine_throughput [--dtype float32] [--requests 32]
+    .venv/bin/python -m loraplex.benchmarks.engine_throughput [--dtype auto] [--requests 32]
 
 32 requests × 128 prompt tokens × 64 new tokens (EOS ignored), greedy. Prints output
 tokens/s of both and their ratio.
@@ -13,14 +13,16 @@ import argparse
 import torch
 
 from .. import kernel_backends as kernels
-from .common import default_model_dir, machine_line, random_prompts, timed
+from .common import add_engine_flags, default_model_dir, machine_line, random_prompts, timed
 
 
 def run_loraplex(model_dir, prompts, new_tokens: int, dtype: str) -> float:
     from .. import LLMEngine, SamplingParams
+    from ..engine.engine_config import EngineConfig
 
-    engine = LLMEngine(model=model_dir, dtype=dtype, max_num_seqs=len(prompts),
-                       max_num_batched_tokens=512, max_model_len=1024)
+    # every request in one batch, as transformers' generate batches them all
+    engine = LLMEngine.from_config(EngineConfig(
+        model=str(model_dir), dtype=dtype, max_num_seqs=len(prompts), max_model_len=1024))
     params = SamplingParams(temperature=0.0, max_new_tokens=new_tokens, ignore_eos=True)
     engine.generate(prompts[:2], SamplingParams(temperature=0.0, max_new_tokens=2))  # warm-up
     seconds, outs = timed(lambda: engine.generate(prompts, params))
@@ -42,11 +44,14 @@ def run_transformers(model_dir, prompts, new_tokens: int, dtype: str) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    add_engine_flags(ap, "dtype")
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=64)
     args = ap.parse_args()
+    from .lora_overhead import resolve_dtype
+
+    args.dtype = resolve_dtype(args.dtype)  # transformers takes a torch dtype: auto's own
     model_dir = default_model_dir()
     prompts = random_prompts(args.requests, args.prompt_len, vocab=49152, seed=1)
     ours = run_loraplex(model_dir, prompts, args.new_tokens, args.dtype)

@@ -1,6 +1,6 @@
 """``make bench``: the serving benchmark with its baselines, in one run on one machine.
 
-    .venv/bin/python -m loraplex.bench.run_all [--num-prompts 32] [--out-dir bench/results]
+    .venv/bin/python -m loraplex.benchmarks.run_all [--num-prompts 32] [--out-dir benchmarks/results]
 
 On the embedded SmolLM2 with random rank-8 adapters on all seven targets:
 
@@ -34,21 +34,29 @@ from pathlib import Path
 
 import torch
 
+from ..bench import report
+from ..bench.flags import int_list
+from ..bench.serving import RunOptions, RunSpec, SweepPlan, measure, plan_runs, warm_up
+from ..bench.workload import WorkloadSpec, synthetic, warmup_requests
 from ..client import AsyncClient
-from . import report
+from ..config_flags import to_argv
+from ..engine.engine_config import EngineConfig
 from .common import default_model_dir, make_random_adapters
-from .flags import int_list
 from .lora_overhead import peft_tps
-from .server_process import served
-from .serving import RunOptions, RunSpec, SweepPlan, measure, plan_runs, warm_up
-from .workload import WorkloadSpec, synthetic, warmup_requests
+from .server_process import serve_config, served
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 ADAPTER_COUNTS = (1, 8, 32, 128)
 PEFT_AT = 8  # the adapter count whose requests PEFT replays (its cost grows with adapters)
-SERVER_KNOBS = ["--dtype", "float32", "--device", "cpu", "--max-loras", "16",
-                "--max-cpu-loras", "64", "--max-lora-rank", "8", "--max-num-seqs", "64",
-                "--max-num-batched-tokens", "512", "--max-model-len", "512"]
+# The server's settings (EngineConfig's fields; every other one is the engine's default),
+# each where the benchmark's point differs from the default:
+SERVER = {
+    "dtype": "float32", "device": "cpu",  # the PEFT baseline's: like compared with like
+    "max_loras": 16, "max_cpu_loras": 64,  # n = 128 swaps from disk, n = 8 stays on device
+    "max_lora_rank": 8,  # the random adapters' rank: the pool holds no unused rank rows
+    "max_num_seqs": 64,  # every request of a run (32 by default, sent at once) in one batch
+    "max_model_len": 512,  # the prompts and answers are 64 tokens: a small KV cache
+}
 
 
 async def _measure_all(target: str, runs: Sequence[RunSpec], vocab: int, seed: int) -> list[dict]:
@@ -135,9 +143,9 @@ def main(argv: list[str] | None = None) -> int:
 
     lora_runs = _plan(args, names, vocab, args.seed, counts)
     base = _base_run(args, vocab, args.seed + len(lora_runs))
-    with served(model_dir, adapters, log, SERVER_KNOBS) as target:
+    with served(serve_config(model_dir, adapters, **SERVER), log) as target:
         measured = asyncio.run(_measure_all(target, lora_runs, vocab, args.seed + 100))
-    with served(model_dir, {}, log, SERVER_KNOBS) as target:
+    with served(serve_config(model_dir, {}, **SERVER), log) as target:
         base_measured = asyncio.run(_measure_all(target, [base], vocab, args.seed + 101))[0]
     peft_run = lora_runs[counts.index(PEFT_AT) if PEFT_AT in counts else -1]
     peft = _peft(model_dir, adapters, peft_run, args.peft_prompts, args.peft_output_len)
@@ -154,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
              f"{peft['output_throughput']:.1f} output tok/s")],
         "config": {"command": "make bench", "machine": machine(), "model": str(model_dir),
                    "adapters": "random rank 8, all 7 targets, float32",
-                   "server": " ".join(SERVER_KNOBS), "sizes": sizes,
+                   "server": " ".join(to_argv(EngineConfig(**SERVER))), "sizes": sizes,
                    "wall_s": None},
         "runs": [*measured, base_measured], "peft": peft, "ratios": ratios,
     }

@@ -1,6 +1,6 @@
 """The LoRA kernel with cold weights: a whole decode step's LoRA, per prefetch distance.
 
-    .venv/bin/python -m loraplex.bench.lora_cold [--tokens 32] [--prefetch 0,1,2]
+    .venv/bin/python -m loraplex.benchmarks.lora_cold [--tokens 32] [--prefetch 0,1,2]
 
 ``bench.lora_cpu`` times one layer over and over, its adapters hot in cache; in a decode
 step every layer's adapters come from memory once (32 distinct rank-8 adapters of

@@ -1,6 +1,6 @@
 """CPU figures for the LoRA delta of one wrapped linear, every route of the cpu backend.
 
-    .venv/bin/python -m loraplex.bench.lora_cpu [--threads 2] [--reps 20]
+    .venv/bin/python -m loraplex.benchmarks.lora_cpu [--threads 2] [--reps 20]
 
 SmolLM2-135M shapes (hidden 576, intermediate 1536, q 576→576, k/v 576→192), 32
 adapters of rank 8 (``--ranks 8,16,3``: ranks cycled over the adapters) packed back to
@@ -26,7 +26,7 @@ from ..kernel_backends.cpu import CPUBackend, isa
 from ..kernel_backends.cpu.cpu_lora_segments import CPULoRASegments
 from ..kernel_backends.cpu.lora_routes import ROUTE_NAMES, _compute_dtype, add_lora, choose_route
 from ..kernel_backends.torch import lora as reference
-from .kernel_fixtures import LoRAPools, make_lora_pools
+from ..tests.kernel_fixtures import LoRAPools, make_lora_pools
 
 LAYERS = {  # name: (in, [out_i per slice])
     "qkv": (576, [576, 192, 192]),

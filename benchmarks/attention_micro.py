@@ -1,6 +1,6 @@
 """The CPU backend's paged attention alone, at step_breakdown's shapes: µs per layer call.
 
-    .venv/bin/python -m loraplex.bench.attention_micro [--dtype float32] [--calls 300]
+    .venv/bin/python -m loraplex.benchmarks.attention_micro [--dtype float32] [--calls 300]
 
 SmolLM2-135M's attention (30 layers, 9 query / 3 KV heads, head_dim 64, KV blocks of 16) in
 the lora_overhead workload: a decode call of 32 sequences x ``--context`` positions and a

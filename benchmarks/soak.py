@@ -1,7 +1,7 @@
 """Churn soak: many clients on many adapters against a real ``loraplex serve`` process, with
 cancellations, deadlines and a load / unload / replace every second.
 
-    python -m loraplex.bench.soak [--duration 210] [--clients 64] [--adapters 32]
+    python -m loraplex.benchmarks.soak [--duration 210] [--clients 64] [--adapters 32]
 
 It fails (exit 1) unless every request ends with a valid response or a documented status,
 every completed greedy request equals the offline engine's output with the same adapter
@@ -31,7 +31,12 @@ from pathlib import Path
 import grpc
 
 from ..client import AsyncClient
+from ..config import ServeConfig
+from ..config_flags import add_flags
+from ..engine.engine_config import EngineConfig
+from ..server.server_options import ServerOptions
 from .rss import rss_by_minute, rss_growth, rss_sampler
+from .server_process import serve_command
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 VOCAB = 512
@@ -41,6 +46,7 @@ PROMPTS = [[(7 * i + 13 * j) % 400 + 50 for j in range(3 + i % 11)] for i in ran
 # adapter unloaded under it, and a full queue.
 DOCUMENTED = {"CANCELLED", "DEADLINE_EXCEEDED", "NOT_FOUND", "RESOURCE_EXHAUSTED"}
 RSS_GROWTH_LIMIT = 0.10
+ENGINE_FLAGS = ("max_loras", "max_cpu_loras")  # the engine's flags the soak takes
 
 
 # ---- the model and adapters --------------------------------------------------------------
@@ -94,13 +100,22 @@ def make_adapter(base: Path, out: Path, seed: int) -> Path:
 
 
 # ---- the server --------------------------------------------------------------------------
+def engine_settings(model: Path, args: argparse.Namespace) -> dict:
+    """The engine's settings, the server's and the reference's (EngineConfig's fields; every
+    other one is the engine's default), each where the soak's point differs from it."""
+    return {"model": str(model), **{n: getattr(args, n) for n in ENGINE_FLAGS},
+            "device": "cpu", "dtype": "float32",  # the tiny model's greedy outputs, exact
+            "max_model_len": 128,  # the tiny model's positions
+            "max_lora_rank": 16}  # the soak's adapters' rank
+
+
 def start_server(model: Path, root: Path, names: dict[str, Path], args: argparse.Namespace,
                  log_path: Path) -> tuple[subprocess.Popen, int]:
-    modules = [f"{n}={p}" for n, p in names.items()]
-    cmd = [sys.executable, "-m", "loraplex.cli", "serve", "--model", str(model), "--port", "0",
-           "--device", "cpu", "--dtype", "float32", "--max-model-len", "128",
-           "--max-loras", str(args.max_loras), "--max-cpu-loras", str(args.max_cpu_loras),
-           "--max-lora-rank", "16", "--adapter-root", str(root), "--lora-modules", *modules]
+    modules = {n: str(p) for n, p in names.items()}
+    config = ServeConfig(
+        engine=EngineConfig(**engine_settings(model, args), lora_modules=modules),
+        server=ServerOptions(port=0, adapter_roots=(root,)))  # the port: read from the log
+    cmd = serve_command(config)
     with log_path.open("w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                                 env={**os.environ, "PYTHONUNBUFFERED": "1"})
@@ -235,14 +250,17 @@ async def drive(port: int, pid: int, root: Path, names: list[str], args: argpars
 
 
 # ---- the reference -----------------------------------------------------------------------
-def check_greedy(model: Path, root: Path, tally: Tally) -> int:
+def check_greedy(model: Path, root: Path, tally: Tally, args: argparse.Namespace) -> int:
     """Compare every completed greedy request with the offline engine; mismatches counted."""
     from ..engine.llm_engine import LLMEngine
     from ..engine.sampling_params import SamplingParams
 
     wanted = sorted({(a or "", p) for a, p, _ in tally.greedy})
-    engine = LLMEngine(model, dtype="float32", device="cpu", max_model_len=128,
-                       max_num_seqs=64, max_loras=8, max_lora_rank=16)
+    engine = LLMEngine.from_config(EngineConfig(**{
+        **engine_settings(model, args),
+        # the reference only has to be right: every wanted request in one batch, adapters
+        # on the device with the host tier's default size
+        "max_num_seqs": 64, "max_loras": 8, "max_cpu_loras": None}))
     for name in sorted({a for a, _ in wanted if a}):
         engine.add_adapter(name, root / name)
     params = SamplingParams(temperature=0.0, max_new_tokens=MAX_NEW, ignore_eos=True)
@@ -262,8 +280,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--duration", type=float, default=210.0, help="seconds of load (setup and checks add ~1.5 min)")
     ap.add_argument("--clients", type=int, default=64)
     ap.add_argument("--adapters", type=int, default=32)
-    ap.add_argument("--max-loras", type=int, default=4)
-    ap.add_argument("--max-cpu-loras", type=int, default=8)
+    # the engine's flags; the soak's point is churn: 32 adapters through 4 device slots
+    # and 8 host copies, so every few requests load and evict
+    add_flags(ap, EngineConfig, only=ENGINE_FLAGS)
+    ap.set_defaults(max_loras=4, max_cpu_loras=8)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="loraplex-soak-"))
@@ -289,7 +309,7 @@ def run(args: argparse.Namespace, work: Path) -> int:
         code = proc.wait(60)
     if code != 0:
         tally.failures.append(f"server exit code {code}")
-    mismatches = check_greedy(model, root, tally)
+    mismatches = check_greedy(model, root, tally, args)
     first, last, growth = rss_growth(samples, args.duration)
     leaks = [f"{k}={getattr(stats, k)}" for k in ("kv_blocks_used", "lora_slots_in_use",
                                                   "num_in_flight", "num_running",

@@ -1,4 +1,4 @@
-"""The scale benchmark's targets and tables (bench/scale.py): the largest-n / smallest-n
+"""The scale benchmark's targets and tables (benchmarks/scale.py): the largest-n / smallest-n
 ratios per (max-loras, α) against their targets, and one row per run with the adapter
 cache's figures."""
 
@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from ..bench.report import fmt, table
 from .cache_metrics import LOAD_TIERS, LOOKUP_TIERS
-from .report import fmt, table
 
 TARGETS = {"output_throughput": (">=", 0.95), "ttft_p50": ("<=", 1.5), "ttft_p99": ("<=", 1.5)}
 METRIC_NAMES = {"output_throughput": "throughput", "ttft_p50": "TTFT p50",

@@ -8,9 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-
-from ..kernel_backends.backend import KernelBackend
-from ..kernel_backends.lora_segments import LoRASegments
+from loraplex.kernel_backends.backend import KernelBackend
+from loraplex.kernel_backends.lora_segments import LoRASegments
 
 
 @dataclass

@@ -2,7 +2,7 @@
 slot mapping, block tables, LoRA segments) in the engine's own steps, and each backend's
 LoRA segments alone, replayed over the token slots of those steps.
 
-    .venv/bin/python -m loraplex.bench.step_inputs [--dtype bfloat16] [--adapters 32]
+    .venv/bin/python -m loraplex.benchmarks.step_inputs [--dtype bfloat16] [--adapters 32]
 
 SmolLM2-135M, 32 requests x 64 prompt x 32 new tokens (the lora_overhead workload), greedy,
 on the backend the engine picks; one warm-up generate, then ``--rounds`` timed. Prints the

@@ -1,7 +1,7 @@
 """The server against its own engine: does serving over gRPC keep the engine's speed, and
 the CPU busy?
 
-    .venv/bin/python -m loraplex.bench.server_vs_engine [--dtype auto] [--adapters 0,8]
+    .venv/bin/python -m loraplex.benchmarks.server_vs_engine [--dtype auto] [--adapters 0,8]
 
 For each adapter count n (0: the base model; n > 0: request i uses adapter i mod n, random
 rank-8 adapters on all seven targets), 32 requests x 64 prompt x 32 new tokens (EOS
@@ -28,8 +28,14 @@ import tempfile
 import time
 from pathlib import Path
 
-from .common import default_model_dir, machine_line, make_random_adapters, random_prompts
-from .server_process import served
+from .common import (
+    add_engine_flags,
+    default_model_dir,
+    machine_line,
+    make_random_adapters,
+    random_prompts,
+)
+from .server_process import serve_config, served
 
 REQUESTS, PROMPT_LEN, NEW_TOKENS = 32, 64, 32
 
@@ -47,11 +53,21 @@ def names_for(adapters: dict[str, Path]) -> list[str | None]:
     return [names[i % len(names)] if names else None for i in range(REQUESTS)]
 
 
+# The engine's settings, offline and in the server alike (EngineConfig's fields; every other
+# one is the engine's default), each where the benchmark's point differs from the default:
+ENGINE = {
+    "max_num_seqs": REQUESTS,  # every request of a round in one batch
+    "max_lora_rank": 8,  # the random adapters' rank: the pool holds no unused rank rows
+}
+
+
 def offline_tps(dtype: str, adapters: dict[str, Path], rounds: int) -> list[float]:
     from .. import LLMEngine, SamplingParams
+    from ..engine.engine_config import EngineConfig
 
-    engine = LLMEngine(model=default_model_dir(), dtype=dtype, max_num_seqs=REQUESTS,
-                       max_lora_rank=8, lora_modules={k: str(p) for k, p in adapters.items()})
+    engine = LLMEngine.from_config(EngineConfig(
+        model=str(default_model_dir()), dtype=dtype, **ENGINE,
+        lora_modules={k: str(p) for k, p in adapters.items()}))
     params = SamplingParams(temperature=0.0, max_new_tokens=NEW_TOKENS, ignore_eos=True)
     names = names_for(adapters)
     engine.generate(round_prompts(0), params, adapters=names)  # warm-up
@@ -93,9 +109,9 @@ async def _server_round(target: str, names: list[str | None], r: int) -> tuple[f
 
 def server_tps(dtype: str, adapters: dict[str, Path], rounds: int,
                log: Path) -> tuple[list[float], list[float]]:
-    flags = ["--dtype", dtype, "--max-num-seqs", str(REQUESTS), "--max-lora-rank", "8"]
     names = names_for(adapters)
-    with served(default_model_dir(), adapters, log, flags) as target:
+    config = serve_config(default_model_dir(), adapters, dtype=dtype, **ENGINE)
+    with served(config, log) as target:
         asyncio.run(_server_round(target, names, 0))  # warm-up
         results = [asyncio.run(_server_round(target, names, r)) for r in range(1, rounds + 1)]
     return [r[0] for r in results], [r[1] for r in results]
@@ -103,7 +119,7 @@ def server_tps(dtype: str, adapters: dict[str, Path], rounds: int,
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    add_engine_flags(ap, "dtype")
     ap.add_argument("--adapters", default="0,8", help="adapter counts, comma-separated")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--adapter-dir", type=Path, default=Path(tempfile.gettempdir()) /
@@ -123,7 +139,7 @@ def main() -> None:
           f"{NEW_TOKENS} new tokens, median of {args.rounds}")
     for n in (int(v) for v in args.adapters.split(",")):
         adapters = make_random_adapters(model_dir, n, args.adapter_dir) if n else {}
-        run = subprocess.run([sys.executable, "-m", "loraplex.bench.server_vs_engine",
+        run = subprocess.run([sys.executable, "-m", "loraplex.benchmarks.server_vs_engine",
                               "--offline-child", str(n), "--dtype", dtype, "--rounds",
                               str(args.rounds), "--adapter-dir", str(args.adapter_dir)],
                              capture_output=True, text=True, check=True)

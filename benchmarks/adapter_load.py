@@ -1,6 +1,6 @@
 """The cost of loading one adapter from disk into host memory, against the cost of its bytes.
 
-    python -m loraplex.bench.adapter_load [--n 8] [--rounds 5] [--threads 1] [--profile]
+    python -m loraplex.benchmarks.adapter_load [--n 8] [--rounds 5] [--threads 1] [--profile]
 
 Writes ``--n`` random PEFT adapters (rank 8; q/k/v/o, and all seven targets) for the
 embedded SmolLM2-135M's shapes (taken from its config.json when the model is converted,

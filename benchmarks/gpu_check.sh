@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # GPU check of the Triton backend, one verdict: the kernel tests compiled for the GPU, then
-# bench/kernels.py (every benchmarked shape checked against its torch twin, then timed
+# benchmarks/kernels.py (every benchmarked shape checked against its torch twin, then timed
 # against the HBM roofline; FAIL on a mismatch, a NaN or a register spill).
 # For the GPU machine (torch + triton preinstalled, no package registry); < 5 minutes.
 #
-#   bash bench/gpu_check.sh            # on the GPU machine
-#   bash bench/gpu_check.sh --dry-run  # on CPU: interpreter, tiny shapes (make test runs it)
+#   bash benchmarks/gpu_check.sh            # on the GPU machine
+#   bash benchmarks/gpu_check.sh --dry-run  # on CPU: interpreter, tiny shapes (make test runs it)
 #
 # Logs go to $OUT (or /tmp/loraplex-gpu-check). The last line is the verdict:
 # "gpu_check: PASS | ..." or "gpu_check: FAIL | ..."; the exit status is 0 only on PASS.
@@ -47,7 +47,7 @@ timeout 150 "$PY" -m pytest -q -p no:cacheprovider "${TESTS[@]}" > "$LOG/tests.l
 tests_status=$?
 tail -3 "$LOG/tests.log"
 
-timeout 120 "$PY" -m loraplex.bench.kernels "${BENCH[@]}" > "$LOG/bench.log" 2>&1
+timeout 120 "$PY" -m loraplex.benchmarks.kernels "${BENCH[@]}" > "$LOG/bench.log" 2>&1
 bench_status=$?
 cat "$LOG/bench.log"
 verdict=$(tail -1 "$LOG/bench.log")

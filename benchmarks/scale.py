@@ -1,6 +1,6 @@
 """``make bench-scale``: does serving hold up as the registered adapters grow?
 
-    python -m loraplex.bench.scale [--ns 8,64,256,1000] [--alphas 1,0.3]
+    python -m loraplex.benchmarks.scale [--ns 8,64,256,1000] [--alphas 1,0.3]
         [--max-loras auto,16] [--num-prompts 160] [--rate REQ_PER_S] [--name STEM]
 
 For every max-loras setting, α and n, a fresh ``loraplex serve`` (embedded SmolLM2,
@@ -13,7 +13,7 @@ n (all requests at once, on the first α and max-loras setting, measured first),
 ``--rate``. Warm-up requests go to the base model, so no adapter is touched before the run.
 
 Reports throughput and TTFT / TPOT / E2E at p50 and p99 (bench/metrics.py), the adapter
-cache's loads, load time and hit rate per tier (bench/cache_metrics.py, from /metrics),
+cache's loads, load time and hit rate per tier (benchmarks/cache_metrics.py, from /metrics),
 and, per α and max-loras, the ratios largest n / smallest n against the targets
 (throughput >= 0.95, TTFT p50 and p99 <= 1.5). Writes ``<out-dir>/<date>-scale.{json,md}``
 and plots (throughput and p99 TTFT against n).
@@ -34,10 +34,16 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..bench import report
+from ..bench.flags import int_list, length_range, positive_float_list, str_list
+from ..bench.serving import RunOptions, RunSpec, measure, warm_up
+from ..bench.workload import WorkloadSpec, synthetic, warmup_requests
 from ..client import AsyncClient
-from . import report
+from ..config import ServeConfig
+from ..config_flags import max_loras_arg, to_argv
+from ..engine.engine_config import EngineConfig
 from .cache_metrics import cache_stats, scrape
-from .flags import int_list, length_range, positive_float_list, str_list
+from .common import add_engine_flags
 from .rss import rss_bytes
 from .scale_report import (
     headline,
@@ -47,9 +53,7 @@ from .scale_report import (
     target_rows,
     targets_table,
 )
-from .server_process import free_port, served_process
-from .serving import RunOptions, RunSpec, measure, warm_up
-from .workload import WorkloadSpec, synthetic, warmup_requests
+from .server_process import free_port, serve_config, served_process
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 NS = (8, 64, 256, 1000)
@@ -89,21 +93,23 @@ def derive_rate(saturated_req_s: float, load: float = LOAD) -> float:
     return load * saturated_req_s
 
 
-def server_flags(max_loras: str, dtype: str, http_port: int | str, extra: Sequence[str] = ()
-                 ) -> list[str]:
-    return ["--device", "cpu", "--dtype", dtype, "--max-loras", max_loras,
-            "--max-cpu-loras", "128", "--max-lora-rank", "8", "--max-num-seqs", "32",
-            "--max-model-len", "512", "--http-port", str(http_port), *extra]
+# The server's settings (EngineConfig's fields; every other one is the engine's default),
+# each where the benchmark's point differs from the default:
+SERVER = {
+    "device": "cpu",  # the figures are the CPU's: 8 to 1,000 adapters through host memory
+    "max_cpu_loras": 128,  # the host tier holds n <= 64 whole; n >= 256 reads from disk
+    "max_lora_rank": 8,  # the random adapters' rank: the pool holds no unused rank rows
+    "max_model_len": 512,  # prompts and answers are 96 tokens by default: a small KV cache
+}
 
 
-def default_dtype() -> str:
-    """bf16 where the CPU has native bf16, else float32 (``--dtype auto`` serves the embedded
-    model, stored in float32, in float32 everywhere)."""
-    try:
-        from ..kernel_backends.cpu import isa
-    except ImportError:  # kernel_backends/cpu absent
-        return "float32"
-    return "bfloat16" if isa.HALF_NATIVE else "float32"
+def server_config(model_dir: Path, adapters: Mapping[str, Path], max_loras: str, dtype: str,
+                  http_port: int, flags: Sequence[str] = ()) -> ServeConfig:
+    """One run's server: ``max_loras`` as given ("auto", "16"), /metrics on ``http_port``,
+    then ``flags`` (--server-args) over the rest."""
+    return serve_config(model_dir, adapters, **SERVER, dtype=dtype,
+                        max_loras=max_loras_arg(max_loras), server={"http_port": http_port},
+                        flags=flags)
 
 
 # ---- one server, one run ------------------------------------------------------------------
@@ -155,11 +161,11 @@ async def _measure(target: str, pid: int, http: str, b: Bench, run: ScaleRun,
 def measure_run(b: Bench, run: ScaleRun, rate: float) -> dict:
     """A fresh server with the run's n adapters; the measured run with its cache deltas."""
     http_port = free_port()
-    flags = server_flags(run.max_loras, b.args.dtype, http_port,
-                         shlex.split(b.args.server_args))
     adapters = dict(list(b.adapters.items())[:run.n])
+    config = server_config(b.model_dir, adapters, run.max_loras, b.args.dtype, http_port,
+                           shlex.split(b.args.server_args))
     started = time.perf_counter()
-    with served_process(b.model_dir, adapters, b.log, flags) as (target, pid):
+    with served_process(config, b.log) as (target, pid):
         start_s = time.perf_counter() - started
         measured = asyncio.run(_measure(target, pid, f"127.0.0.1:{http_port}", b, run, rate))
     measured["server"]["start_s"] = round(start_s, 1)
@@ -180,8 +186,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--rate", type=float, help="requests/s for every run (default: --load "
                     "× the smallest n's saturated throughput, measured first)")
     ap.add_argument("--load", type=float, default=LOAD)
-    ap.add_argument("--dtype", default=default_dtype(),
-                    choices=["auto", "float32", "bfloat16", "float16"])
+    add_engine_flags(ap, "dtype")
     ap.add_argument("--server-args", default="", help="more `loraplex serve` flags, quoted")
     ap.add_argument("--num-warmups", type=int, default=4, help="base-model requests first")
     ap.add_argument("--seed", type=int, default=0)
@@ -226,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     args.out_dir.mkdir(parents=True, exist_ok=True)
     stem = args.name or f"{dt.date.today().isoformat()}-scale"
-    command = " ".join(["python -m loraplex.bench.scale",
+    command = " ".join(["python -m loraplex.benchmarks.scale",
                         *(sys.argv[1:] if argv is None else argv)])
     b = Bench(model_dir, adapters, args, vocab, stem, command)
     print(f"{len(runs)} runs ({len(adapters)} adapters on disk under {args.adapter_dir})",
@@ -289,8 +294,9 @@ def _result(b: Bench, measured: list[dict], saturation: dict | None, rate: float
             "machine": _machine(",".join(dtypes)),
             "model": str(b.model_dir), "adapters": "random rank 8 on q/k/v/o, float32 files, "
             "all registered at start with --lora-modules",
-            "server": " ".join(server_flags("<max-loras>", args.dtype, "<port>",
-                                            shlex.split(args.server_args))),
+            "server": " ".join([*to_argv(EngineConfig(**SERVER, dtype=args.dtype)),
+                                "--max-loras", "<max-loras>", "--http-port", "<port>",
+                                *shlex.split(args.server_args)]),
             "sizes": sizes, "rate_req_s": rate,
             "rate_from": "given" if saturation is None else
             f"{args.load:g} x saturated ({saturation['label']})",

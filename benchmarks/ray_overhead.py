@@ -1,4 +1,4 @@
-"""Ray Serve's cost and its adapter affinity, measured: ``python -m loraplex.bench.ray_overhead``.
+"""Ray Serve's cost and its adapter affinity, measured: ``python -m loraplex.benchmarks.ray_overhead``.
 
 Starts the servers itself, one after the other (never two at once: 2 cores), each a
 subprocess of ``loraplex serve`` on a port of its own, on the embedded default model with
@@ -16,7 +16,7 @@ random rank-8 adapters (bench/common.make_random_adapters):
    first request ("first"), or any replica that had served the adapter before ("held");
    each adapter's first request is not counted.
 
-Prints a table and the machine line, and writes ``bench/results/<date>-ray-overhead.md``.
+Prints a table and the machine line, and writes ``benchmarks/results/<date>-ray-overhead.md``.
 """
 
 from __future__ import annotations
@@ -39,11 +39,12 @@ from pathlib import Path
 import grpc
 import httpx
 
+from ..bench.serving import SweepPlan, plan_runs, run_all, warmups_for
 from ..client import MULTIPLEXED_MODEL_ID, AsyncClient, Client, generate_request
 from ..proto import loraplex_pb2_grpc as pb_grpc
+from ..server.ray.ray_options import RayOptions
 from .common import default_model_dir, machine_line, make_random_adapters
-from .server_process import free_port
-from .serving import SweepPlan, plan_runs, run_all, warmups_for
+from .server_process import free_port, serve_command, serve_config
 
 TRAILER = "loraplex-replica"
 RESULTS = Path(__file__).parent / "results"
@@ -58,6 +59,8 @@ class Workload:
     affinity_counts: tuple[int, ...] = (1, 8, 32)
     affinity_output_len: int = 8
     affinity_concurrency: int = 4
+    # fewer device slots and host copies than the affinity runs' 32 adapters: the point is
+    # which replica holds an adapter, so adapters must come and go
     max_loras: int = 4
     max_cpu_loras: int = 16
 
@@ -71,14 +74,15 @@ class Server:
     http_url: str
 
 
-def start_server(label: str, flags: list[str], adapters: dict[str, Path], wl: Workload,
+def start_server(label: str, ray: RayOptions | None, adapters: dict[str, Path], wl: Workload,
                  threads: int, log_dir: Path) -> Server:
-    """``loraplex serve`` with ``flags``, every adapter registered; returns once SERVING."""
+    """``loraplex serve`` (on Ray Serve with ``ray``), the embedded model, every adapter
+    registered; returns once SERVING."""
     port, http_port = free_port(), free_port()
-    cmd = [sys.executable, "-m", "loraplex.cli", "serve", "--port", str(port),
-           "--http-port", str(http_port),
-           "--max-loras", str(wl.max_loras), "--max-cpu-loras", str(wl.max_cpu_loras),
-           "--lora-modules", *(f"{n}={p}" for n, p in adapters.items()), *flags]
+    config = serve_config(None, adapters, max_loras=wl.max_loras,
+                          max_cpu_loras=wl.max_cpu_loras, ray=ray, log_level="INFO",
+                          server={"port": port, "http_port": http_port})
+    cmd = serve_command(config)
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}  # Ray keeps a value already set
     log = log_dir / f"{label.replace(' ', '_')}.log"
     with log.open("w") as out:
@@ -270,11 +274,10 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict] = []
     http_rows: dict[str, dict[str, float]] = {}
     dtype = "?"
-    servers = [("single", [], cores),
-               ("ray 1 replica", ["--ray", "--num-replicas", "1", "--replica-cpus",
-                                  str(cores)], cores)]
-    for label, flags, threads in [] if args.skip_overhead else servers:
-        server = start_server(label, flags, adapters, wl, threads, log_dir)
+    servers = [("single", None, cores),
+               ("ray 1 replica", RayOptions(num_replicas=1, replica_cpus=cores), cores)]
+    for label, ray, threads in [] if args.skip_overhead else servers:
+        server = start_server(label, ray, adapters, wl, threads, log_dir)
         try:
             with Client(server.target) as c:
                 dtype = c.server_info().dtype
@@ -286,8 +289,8 @@ def main(argv: list[str] | None = None) -> int:
         rows += [overhead_row(label, r) for r in runs]
     affinity: list[tuple] = []
     if not args.skip_affinity:
-        server = start_server("ray 2 replicas", ["--ray", "--num-replicas", "2",
-                                                 "--replica-cpus", str(max(cores // 2, 1))],
+        server = start_server("ray 2 replicas",
+                              RayOptions(num_replicas=2, replica_cpus=max(cores // 2, 1)),
                               adapters, wl, max(cores // 2, 1), log_dir)
         try:
             for i, n in enumerate(wl.affinity_counts):
@@ -300,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
     from ..kernel_backends import backend_name
 
     machine = machine_line(backend_name(torch.device("cpu")), dtype)
-    text = markdown(machine, "python -m loraplex.bench.ray_overhead", rows, affinity, wl,
+    text = markdown(machine, "python -m loraplex.benchmarks.ray_overhead", rows, affinity, wl,
                     http_rows)
     print(text)
     args.out.parent.mkdir(parents=True, exist_ok=True)

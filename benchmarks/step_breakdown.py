@@ -1,7 +1,7 @@
 """Where a step's time goes: GEMMs, LoRA, attention, the other layer ops, the logits head,
 the sampler, the step's inputs, and the rest (Python: scheduling, bookkeeping, outputs).
 
-    .venv/bin/python -m loraplex.bench.step_breakdown [--dtype bfloat16] [--adapters 32]
+    .venv/bin/python -m loraplex.benchmarks.step_breakdown [--dtype bfloat16] [--adapters 32]
 
 SmolLM2-135M, 32 requests x 64 prompt x 32 new tokens (the lora_overhead workload), greedy;
 ``--adapters 0`` serves the base model, N > 0 gives every request one of N random rank-8

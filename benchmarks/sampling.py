@@ -1,7 +1,7 @@
 """What the sampling outputs cost: logprobs and penalties in a 32-sequence decode, n = 8
-against n = 1 on a 512-token prompt, and the sampler step against the one it replaced.
+against n = 1 on a 512-token prompt, and the sampler step alone.
 
-    .venv/bin/python -m loraplex.bench.sampling [--dtype bfloat16] [--rounds 2]
+    .venv/bin/python -m loraplex.benchmarks.sampling [--dtype auto] [--rounds 2]
 
 SmolLM2-135M (the embedded model), base model, no prefix caching. Every configuration is
 measured in both orders (A B ... B A) in one process and the median reported:
@@ -11,9 +11,9 @@ measured in both orders (A B ... B A) in one process and the median reported:
   (targets: each within 5 % of plain);
 - n: time to the first token of one 512-token prompt with n = 8 and with n = 1 (target:
   <= 1.2x), and the prompt tokens the forward pass computed for each (n = 8: 512, once);
-- sampler: one call on [32, vocab] float32 logits, the batched sampler against the old
-  per-row one (bench/legacy_sampler.py), greedy / top-k 50 + top-p 0.9 seeded / top-5
-  logprobs + penalties (new only).
+- sampler: one call of the batched sampler on [32, vocab] float32 logits, greedy / top-k 50
+  + top-p 0.9 seeded / temperature 1 unseeded / top-5 logprobs + penalties (the per-row
+  sampler it replaced, and its figures, are in git history and results/).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from collections.abc import Callable
 
 import torch
 
-from .common import default_model_dir, machine_line, random_prompts
+from .common import add_engine_flags, default_model_dir, machine_line, random_prompts
 
 VOCAB = 49152
 
@@ -119,7 +119,6 @@ def bench_n(engine, args, SamplingParams) -> list[str]:
 def bench_sampler(engine, SamplingParams) -> list[str]:
     from ..engine.sampler import Sampler
     from ..engine.sequence import Sequence
-    from .legacy_sampler import Sampler as OldSampler
 
     kernels = engine.base.kernels
     logits = torch.randn(32, VOCAB, generator=torch.Generator().manual_seed(0)) * 4
@@ -140,31 +139,31 @@ def bench_sampler(engine, SamplingParams) -> list[str]:
     }
     lines = [("sampler step, [32, 49152] float32 logits (ms a call, median of 10, both "
              "orders):")]
+    cases["+ top-5 logprobs + penalties"] = seqs(
+        temperature=1.0, seed=lambda i: i, logprobs=5, presence_penalty=0.5,
+        frequency_penalty=0.5, repetition_penalty=1.1)
     for name, batch in cases.items():
-        new, old = Sampler(0, kernels), OldSampler(0, kernels)
-        ms = both_orders({"old": lambda o=old, b=batch: sampler_call(o, b, logits),
-                          "new": lambda n=new, b=batch: sampler_call(n, b, logits)}, 2)
-        lines.append(f"  {name:30s} old {ms['old']:7.2f}  new {ms['new']:7.2f}  "
-                     f"new/old {ms['new'] / ms['old']:.2f}")
-    extra = seqs(temperature=1.0, seed=lambda i: i, logprobs=5, presence_penalty=0.5,
-                 frequency_penalty=0.5, repetition_penalty=1.1)
-    lines.append(f"  {'+ top-5 logprobs + penalties':30s} new "
-                 f"{sampler_call(Sampler(0, kernels), extra, logits):7.2f}")
+        sampler = Sampler(0, kernels)
+        ms = both_orders({name: lambda s=sampler, b=batch: sampler_call(s, b, logits)}, 2)
+        lines.append(f"  {name:30s} {ms[name]:7.2f}")
     return lines
 
 
 def main() -> None:
     from .. import LLMEngine, SamplingParams
+    from ..engine.engine_config import EngineConfig
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    add_engine_flags(ap, "dtype")
     ap.add_argument("--rounds", type=int, default=2, help="pairs of both-order rounds")
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--only", choices=["decode", "n", "sampler"], default=None)
     args = ap.parse_args()
-    engine = LLMEngine(model=default_model_dir(), dtype=args.dtype, max_num_seqs=32,
-                       max_num_batched_tokens=512, max_model_len=1024,
-                       enable_prefix_caching=False)
+    # the 32 decode requests in one batch (the default), a 512-token prompt well inside
+    # 1,024 positions, no prefix cache (the n = 8 prompt must be computed every round)
+    engine = LLMEngine.from_config(EngineConfig(
+        model=str(default_model_dir()), dtype=args.dtype, max_model_len=1024,
+        enable_prefix_caching=False))
     print(machine_line(engine.base.kernels.name, str(engine.base.dtype).removeprefix("torch.")))
     print("SmolLM2-135M, base model, no prefix caching")
     parts = {"decode": lambda: bench_decode(engine, args, SamplingParams),

@@ -1,7 +1,7 @@
 """In-place adapter swaps as a training loop drives them, against a ``loraplex serve``
 subprocess on the embedded SmolLM2-135M:
 
-    python -m loraplex.bench.adapter_swap [--swaps 20] [--uploads 10] [--seconds 10]
+    python -m loraplex.benchmarks.adapter_swap [--swaps 20] [--uploads 10] [--seconds 10]
                                           [--blocks 2]
 
 - **swap**: ``LoadAdapter(replace=True)`` of a rank-16 all-linear adapter (float32 file)
@@ -33,8 +33,14 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ..client import Client
-from .common import default_model_dir, machine_line, make_random_adapters, random_prompts
-from .server_process import served
+from .common import (
+    add_engine_flags,
+    default_model_dir,
+    machine_line,
+    make_random_adapters,
+    random_prompts,
+)
+from .server_process import serve_config, served
 
 RANK = 16
 CLIENTS = 8
@@ -112,17 +118,17 @@ def main() -> None:
     ap.add_argument("--uploads", type=int, default=10)
     ap.add_argument("--seconds", type=float, default=10.0, help="per throughput phase")
     ap.add_argument("--blocks", type=int, default=2, help="none/swaps/swaps/none blocks")
-    ap.add_argument("--dtype", default="auto")
+    add_engine_flags(ap, "dtype")
     args = ap.parse_args()
     model = default_model_dir()
     root = Path(tempfile.mkdtemp(prefix="loraplex-adapter-swap-"))
     versions = list(make_random_adapters(model, 3, root, rank=RANK).values())
     upload = bf16_copy(versions[0], root / "bf16")
     mb = (upload / "adapter_model.safetensors").stat().st_size / 1e6
-    flags = ["--dtype", args.dtype, "--max-num-seqs", str(CLIENTS), "--max-lora-rank",
-             str(RANK)]
-    with served(model, {"policy": versions[0]}, root / "serve.log", flags) as target, \
-            Client(target) as c:
+    config = serve_config(model, {"policy": versions[0]}, dtype=args.dtype,
+                          max_num_seqs=CLIENTS,  # every client's request in one batch
+                          max_lora_rank=RANK)  # the adapters': no unused rank rows
+    with served(config, root / "serve.log") as target, Client(target) as c:
         info = c.server_info()
         print(machine_line("cpu (server)", f"server dtype {info.dtype}"))
         print(f"load average at start: {_load()}")

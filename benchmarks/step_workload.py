@@ -12,11 +12,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .common import default_model_dir, make_random_adapters, random_prompts
+from .common import add_engine_flags, default_model_dir, make_random_adapters, random_prompts
 
 
 def add_workload_args(ap: argparse.ArgumentParser, adapters: int) -> None:
-    ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    add_engine_flags(ap, "dtype")
     ap.add_argument("--adapters", type=int, default=adapters)
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--prompt-len", type=int, default=64)
@@ -40,17 +40,21 @@ class StepWorkload:
 def step_workload(args: argparse.Namespace) -> StepWorkload:
     """The engine and requests of ``add_workload_args``' flags, after one untimed round."""
     from .. import LLMEngine, SamplingParams
+    from ..engine.engine_config import EngineConfig
 
     model_dir = default_model_dir()
     n = args.requests
     adapters = (make_random_adapters(model_dir, args.adapters, args.adapter_dir)
                 if args.adapters else {})
     names = [list(adapters)[i % len(adapters)] for i in range(n)] if adapters else [None] * n
-    engine = LLMEngine(model=model_dir, dtype=args.dtype, max_num_seqs=n,
-                       max_num_batched_tokens=512, max_model_len=1024, max_lora_rank=8,
-                       max_loras=max(1, len(adapters)), max_cpu_loras=max(1, len(adapters)),
-                       enable_prefix_caching=False,
-                       lora_modules={k: str(p) for k, p in adapters.items()})
+    # the engine's defaults but where the workload's point differs: every request in one
+    # batch, every adapter on the device (no swaps inside a timed step), the random
+    # adapters' rank, prompts and answers well inside 1,024 positions, and no prefix cache
+    # (rounds repeat their prompts: each must compute them)
+    engine = LLMEngine.from_config(EngineConfig(
+        model=str(model_dir), dtype=args.dtype, max_num_seqs=n, max_model_len=1024,
+        max_lora_rank=8, max_loras=max(1, len(adapters)), max_cpu_loras=max(1, len(adapters)),
+        enable_prefix_caching=False, lora_modules={k: str(p) for k, p in adapters.items()}))
     prompts = random_prompts(n, args.prompt_len, vocab=49152, seed=2)
     params = SamplingParams(temperature=0.0, max_new_tokens=args.new_tokens, ignore_eos=True)
     workload = StepWorkload(engine, prompts, params, names)

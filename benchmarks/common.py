@@ -2,16 +2,34 @@
 
 from __future__ import annotations
 
+import argparse
 import random
 import shutil
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
+from ..config_flags import add_flags
+from ..engine.engine_config import EngineConfig
+
 MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
 ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def add_engine_flags(parser: argparse.ArgumentParser, *names: str, **defaults: Any) -> None:
+    """EngineConfig's flags ``names`` on a benchmark's parser, as ``loraplex serve`` has them
+    (option, type, choices, default). ``defaults``: where the benchmark's point is another
+    value than the engine's default (the caller says why)."""
+    add_flags(parser, EngineConfig, only=names)
+    parser.set_defaults(**defaults)
+
+
+def engine_config(args: argparse.Namespace, *names: str, **fields: Any) -> EngineConfig:
+    """An EngineConfig of the parsed flags ``names`` (add_engine_flags') and ``fields``."""
+    return EngineConfig(**{n: getattr(args, n) for n in names}, **fields)
 
 
 def default_model_dir() -> Path:

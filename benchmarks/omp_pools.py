@@ -1,6 +1,6 @@
 """The mechanism behind the slowdown that serving adapters left behind, in plain torch.
 
-    .venv/bin/python -m loraplex.bench.omp_pools [--serial]
+    .venv/bin/python -m loraplex.benchmarks.omp_pools [--serial]
 
 Times a decode-like loop of small parallel torch ops (30 linears of a batch of 32 rows,
 each followed by an elementwise op), then runs one large op on each of two helper threads

@@ -1,4 +1,4 @@
-"""``python -m loraplex.bench.memory``: the resident memory of ``loraplex serve`` as
+"""``python -m loraplex.benchmarks.memory``: the resident memory of ``loraplex serve`` as
 ``make serve`` runs it (the embedded model and the demo adapters), after answering the
 README's four requests, and of ``serve --ray --num-replicas 2`` with Ray included.
 
@@ -15,6 +15,7 @@ Prints the machine, the figures and GetServerInfo's reserved / committed pool me
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import platform
 import signal
@@ -28,6 +29,9 @@ from typing import Any
 import torch
 
 from ..client import Client
+from ..config import ServeConfig
+from ..config_flags import to_argv
+from ..server.ray.ray_options import RayOptions
 from .server_process import free_port
 
 QUESTION = "What is the capital of France?"
@@ -92,16 +96,18 @@ def _mib(n: float) -> str:
     return f"{n / 2**20:.1f} MiB"
 
 
-def measure(name: str, flags: list[str], log_path: Path, python: str) -> list[str]:
-    """Start ``loraplex serve`` with ``flags`` (under ``python``), read its memory once
-    SERVING, ask the four questions, read it again; the report's lines."""
+def measure(name: str, config: ServeConfig, log_path: Path, python: str) -> list[str]:
+    """Start ``loraplex serve`` with ``config`` (under ``python``; its ports: free ones),
+    read its memory once SERVING, ask the four questions, read it again; the report's
+    lines."""
     port = free_port()
-    cmd = [python, "-m", "loraplex.cli", "serve", "--host", "127.0.0.1",
-           "--port", str(port), "--http-port", str(free_port()), *flags]
+    served = dataclasses.replace(config, server=dataclasses.replace(
+        config.server, host="127.0.0.1", port=port, http_port=free_port()))
+    cmd = [python, "-m", "loraplex.cli", "serve", *to_argv(served)]
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)
-    lines = [f"### `loraplex {' '.join(['serve', *flags])}`"
+    lines = [f"### `loraplex {' '.join(['serve', *to_argv(config)])}`"
              + ("" if python == sys.executable else f" ({python})"), ""]
     try:
         with Client(f"127.0.0.1:{port}") as client:
@@ -169,14 +175,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--log", type=Path, default=Path("bench-memory-server.log"),
                    help="the servers' output")
     args = p.parse_args(argv)
-    runs = [("serve", [])]
+    runs = [("serve", ServeConfig())]  # the command's defaults: the embedded model, demos
     if not args.skip_ray:
-        runs.append(("serve --ray --num-replicas 2", ["--ray", "--num-replicas", "2"]))
-    lines = ["# Memory of `loraplex serve` (python -m loraplex.bench.memory)", "",
+        runs.append(("serve --ray --num-replicas 2",
+                     ServeConfig(ray=RayOptions(num_replicas=2))))
+    lines = ["# Memory of `loraplex serve` (python -m loraplex.benchmarks.memory)", "",
              f"Machine: {machine()}.", ""]
     print("\n".join(lines), flush=True)
-    for name, flags in runs:
-        run = measure(name, flags, args.log, args.server_python)
+    for name, config in runs:
+        run = measure(name, config, args.log, args.server_python)
         print("\n".join(run), flush=True)
         lines += run
     if args.out:

@@ -1,10 +1,10 @@
 """llguidance against xgrammar on our tokenizers: how the grammar library was chosen.
 
     .venv/bin/pip install llguidance  # the library not chosen is no dependency
-    .venv/bin/python -m loraplex.bench.grammar_libs [--out FILE.md]
+    .venv/bin/python -m loraplex.benchmarks.grammar_libs [--out FILE.md]
 
 For each library and tokenizer (the embedded SmolLM2's, 49,152 tokens, and the tests' tiny
-byte-level BPE) and each constraint of the checks (bench/structured_fixtures.py: eight JSON
+byte-level BPE) and each constraint of the checks (tests/structured_fixtures.py: eight JSON
 schemas, a regex, a choice, a small grammar), in compact JSON and in bounded whitespace
 (at most 4 whitespace characters per gap, the engine's default): the compile time of the
 constraint (no cache), then a valid answer walked token by token, timing the fill of the
@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import structured_fixtures as cases
+from ..tests import structured_fixtures as cases
 from .common import default_model_dir, machine_line
 
 WS_BOUND = 4
