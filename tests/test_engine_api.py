@@ -166,13 +166,18 @@ def test_async_engine_streams_and_cancels(engine):
                 streamed += out.new_token_ids
             assert len(streamed) == 12
 
+            started = asyncio.Event()
+
             async def slow() -> None:
                 async for _ in ae.generate([5, 6, 7], SamplingParams(
                         temperature=0, max_new_tokens=100, ignore_eos=True)):
-                    await asyncio.sleep(0)
+                    started.set()
+                    await asyncio.sleep(0)  # one output per turn of the loop
 
+            # Cancelled once its first output arrived: 99 tokens are still to come, however
+            # fast or loaded the machine (a fixed sleep let a fast run finish first).
             task = asyncio.create_task(slow())
-            await asyncio.sleep(0.05)
+            await started.wait()
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task
