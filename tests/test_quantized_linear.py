@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType as T
+from loraplex.kernel_backends import backend_class
 from loraplex.kernel_backends.quantized_weight import (
     GGUF_FORMATS,
     QuantizedWeight,
@@ -215,3 +216,13 @@ def test_weight_checks_name_what_is_wrong() -> None:
                         scales=torch.ones(2, 1), zeros=torch.zeros(2, 2, dtype=torch.uint8))
     weight = as_weight("Q4_1", gguf_quantized("Q4_1", 8, 64), 8, 64)
     assert weight.nbytes == 8 * 2 * 20 and weight.bits_per_weight == 5.0
+
+
+@pytest.mark.parametrize("name", ["torch", "cpu", "triton"])
+def test_every_backend_has_the_quantized_linear(name: str) -> None:
+    """A capability of the KernelBackend interface; every backend runs the torch twin
+    until it has a kernel of its own."""
+    backend = backend_class(name)(torch.device("cpu"), torch.bfloat16)
+    weight = quantize_weight(torch.randn(64, 576), "int4")
+    x = torch.randn(3, 576, dtype=torch.bfloat16)
+    assert torch.equal(backend.quantized_linear(x, weight), quantized_linear(x, weight))
