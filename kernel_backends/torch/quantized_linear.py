@@ -1,5 +1,7 @@
 """The torch twin of the quantized linears: dequantize, then ``F.linear``. Naive on purpose
 (correctness first): the oracle the per-ISA and Triton kernels will be tested against.
+Products and sums run in place on the one float32 copy (fewer large allocations; the
+same operations, so the same bits).
 
 Every format dequantizes vectorised over all its blocks at once (no Python loop over
 blocks). The GGUF formats follow gguf-py's ``quants.py`` operation by operation in float32
@@ -34,20 +36,19 @@ def _nibbles(qs: torch.Tensor, width: int) -> torch.Tensor:
 
 def _q8_0(blocks: torch.Tensor) -> torch.Tensor:  # [n, 34] -> [n, 32]
     d = _f16(blocks, 0)
-    x = blocks[:, 2:].contiguous().view(torch.int8).float()
-    return x * d
+    return blocks[:, 2:].contiguous().view(torch.int8).float().mul_(d)
 
 
 def _q4_0(blocks: torch.Tensor) -> torch.Tensor:  # [n, 18] -> [n, 32]
     d = _f16(blocks, 0)
     qs = _nibbles(blocks[:, 2:], 16).reshape(blocks.shape[0], 32)
-    return d * (qs.to(torch.int8) - 8).float()
+    return (qs.to(torch.int8) - 8).float().mul_(d)
 
 
 def _q4_1(blocks: torch.Tensor) -> torch.Tensor:  # [n, 20] -> [n, 32]
     d, m = _f16(blocks, 0), _f16(blocks, 2)
-    qs = _nibbles(blocks[:, 4:], 16).reshape(blocks.shape[0], 32).float()
-    return d * qs + m
+    qs = _nibbles(blocks[:, 4:], 16).reshape(blocks.shape[0], 32)
+    return qs.float().mul_(d).add_(m)
 
 
 def _k_scale_min(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -68,7 +69,7 @@ def _k_affine(blocks: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     sc, mn = _k_scale_min(blocks[:, 4:16])
     d = (d * sc).reshape(n, 8, 1)
     dm = (dmin * mn).reshape(n, 8, 1)
-    return (d * q.float() - dm).reshape(n, QK_K)
+    return q.float().mul_(d).sub_(dm).reshape(n, QK_K)
 
 
 def _q4_k(blocks: torch.Tensor) -> torch.Tensor:  # [n, 144] -> [n, 256]
@@ -93,7 +94,7 @@ def _q6_k(blocks: torch.Tensor) -> torch.Tensor:  # [n, 210] -> [n, 256]
     shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=blocks.device)
     high = ((qh.reshape(n, 2, 1, 32) >> shifts.reshape(1, 1, 4, 1)) & 0x03).reshape(n, 8, 32)
     q = (low | (high << 4)).to(torch.int8) - 32
-    return (d * q.reshape(n, QK_K // 16, 16).float()).reshape(n, QK_K)
+    return q.reshape(n, QK_K // 16, 16).float().mul_(d).reshape(n, QK_K)
 
 
 GGUF_DEQUANTIZE = {"Q8_0": _q8_0, "Q4_0": _q4_0, "Q4_1": _q4_1, "Q4_K": _q4_k,
@@ -102,14 +103,14 @@ GGUF_DEQUANTIZE = {"Q8_0": _q8_0, "Q4_0": _q4_0, "Q4_1": _q4_1, "Q4_K": _q4_k,
 
 def _int8(weight: QuantizedWeight, rows: Rows) -> torch.Tensor:
     data, scales = _take(weight.data, rows), _take(weight.scales, rows)
-    return data.float() * scales.float()[:, None]
+    return data.float().mul_(scales.float()[:, None])
 
 
 def _int4(weight: QuantizedWeight, rows: Rows) -> torch.Tensor:
     data, scales, zeros = (_take(t, rows) for t in (weight.data, weight.scales, weight.zeros))
     out, group = data.shape[0], weight.format.block
     q = torch.stack([data & 0x0F, data >> 4], dim=-1).reshape(out, -1, group)
-    w = (q.float() - zeros.float()[..., None]) * scales.float()[..., None]
+    w = q.float().sub_(zeros.float()[..., None]).mul_(scales.float()[..., None])
     return w.reshape(out, weight.in_features)
 
 
