@@ -21,6 +21,7 @@ from torch import nn
 
 from . import host_pages
 from .lora_segments import LoRASegments
+from .quantized_weight import QuantizedWeight
 
 
 class KernelBackend(ABC):
@@ -126,6 +127,14 @@ class KernelBackend(ABC):
         q [T, Hq, D] -> [T, Hq, D]; query_start_loc [S + 1] int32; context_lens [S] int32.
         ``max_q_len``: the most new tokens of one sequence, as the host knows it (0:
         unknown)."""
+
+    # ---- quantized weights ----------------------------------------------------------------
+    @abstractmethod
+    def quantized_linear(self, x: torch.Tensor, weight: QuantizedWeight,
+                         bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x @ Wᵀ + bias with W stored quantized (kernel_backends/quantized_weight.py),
+        activations and result in x's dtype: x [..., in] -> [..., out]
+        (kernel_backends/torch/quantized_linear.py)."""
 
     # ---- decoder-layer elementwise ops --------------------------------------------------
     @abstractmethod

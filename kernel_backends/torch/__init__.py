@@ -8,7 +8,8 @@ import torch
 
 from ..backend import KernelBackend
 from ..lora_segments import LoRASegments
-from . import attention, layer_ops, lora
+from ..quantized_weight import QuantizedWeight
+from . import attention, layer_ops, lora, quantized_linear
 from .logprob_rows import logprob_rows
 
 
@@ -38,6 +39,10 @@ class TorchBackend(KernelBackend):
         return attention.paged_attention_prefill(q, k_cache, v_cache, block_tables,
                                                  query_start_loc, context_lens, scale,
                                                  softcap, window)
+
+    def quantized_linear(self, x: torch.Tensor, weight: QuantizedWeight,
+                         bias: torch.Tensor | None = None) -> torch.Tensor:
+        return quantized_linear.quantized_linear(x, weight, bias)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return layer_ops.rms_norm(x, weight, eps)
