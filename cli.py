@@ -17,7 +17,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from .client_options import ServerConnection
+from .client.connection import ServerConnection
 from .config import GenerateConfig
 from .config_flags import add_flags, from_args
 from .engine.config import EngineConfig
@@ -164,7 +164,7 @@ def run_adapters(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
     import grpc
     from google.protobuf.json_format import MessageToDict
 
-    from .client_upload import AdapterDirError
+    from .client.upload_messages import AdapterDirError
 
     with _client(args) as client:
         try:

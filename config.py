@@ -4,7 +4,7 @@
                                      server: ServerOptions (server/options.py)
                                      ray: RayOptions (server/ray/options.py), None without --ray
     GenerateConfig    generate       engine: EngineConfig (in-process, without --server)
-                                     connection: ServerConnection (client_options.py)
+                                     connection: ServerConnection (client/connection.py)
     ServerConnection  adapters, bench
 
 Every flag of these commands that is a setting is a field of the tree and declares itself
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .client_options import ServerConnection
+from .client.connection import ServerConnection
 from .engine.config import EngineConfig
 from .flag import flag
 from .server.options import ServerOptions

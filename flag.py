@@ -1,7 +1,7 @@
 """Flag: the command-line form of one config field, kept on the field as dataclass metadata.
 
 The config tree (engine/config.py's EngineConfig, server/options.py's ServerOptions,
-server/ray/options.py's RayOptions, client_options.py's ServerConnection, config.py's
+server/ray/options.py's RayOptions, client/connection.py's ServerConnection, config.py's
 ServeConfig and GenerateConfig) declares every flag where its field is: name, default
 (the field's), help, group, choices. config_flags.py (the only place that imports argparse
 besides cli.py) derives the parsers from it, as vLLM's ``EngineArgs.add_cli_args`` and

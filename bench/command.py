@@ -15,7 +15,7 @@ from pathlib import Path
 
 import grpc
 
-from ..client import AsyncClient
+from ..client.grpc_client import AsyncClient
 from . import report
 from .metrics import parse_slos
 from .serving import RunOptions, RunSpec, SweepPlan, plan_runs, run_all, warmups_for

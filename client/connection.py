@@ -7,10 +7,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .flag import flag
+from ..flag import flag
 
 if TYPE_CHECKING:
-    from .client import Client
+    from .grpc_client import Client
 
 CONNECTION = "server connection"
 
@@ -32,7 +32,7 @@ class ServerConnection:
     timeout: float | None = flag(None, group=CONNECTION, help="deadline per call, seconds")
 
     def client(self) -> Client:
-        from .client import Client
+        from .grpc_client import Client
 
         if self.server is None:
             raise ValueError("no server to connect to: give --server HOST:PORT")

@@ -8,7 +8,7 @@
 Every Inference call also sends the adapter name as ``multiplexed_model_id`` metadata, so
 that Ray Serve (``loraplex serve --ray``) routes it to a replica already holding the adapter;
 a single server ignores it. The sampling keywords (``n``, ``logprobs``,
-``prompt_logprobs``, penalties, ``logit_bias``, ``min_p``, ...) are client_requests.py's.
+``prompt_logprobs``, penalties, ``logit_bias``, ``min_p``, ...) are request_messages.py's.
 With ``n`` > 1, ``generate`` returns every choice in ``.choices`` and each stream message
 names the choice it extends (``.index``). Readiness probe: ``python -m loraplex.client
 health --server HOST:PORT`` exits 0 only when the server reports SERVING. Tokens go out as
@@ -32,10 +32,10 @@ from typing import TYPE_CHECKING, Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from .client_requests import generate_request, sampling_params  # noqa: F401  (re-exported)
-from .client_upload import upload_messages
-from .proto import loraplex_pb2 as pb
-from .proto import loraplex_pb2_grpc as pb_grpc
+from ..proto import loraplex_pb2 as pb
+from ..proto import loraplex_pb2_grpc as pb_grpc
+from .request_messages import generate_request, sampling_params  # noqa: F401  (re-exported)
+from .upload_messages import upload_messages
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -297,6 +297,3 @@ def main(argv: list[str] | None = None) -> int:
     print(status)
     return 0 if status == "SERVING" else 1
 
-
-if __name__ == "__main__":
-    sys.exit(main())

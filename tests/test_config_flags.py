@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 from loraplex.cli import build_parser, main
-from loraplex.client_options import ServerConnection
+from loraplex.client import ServerConnection
 from loraplex.config import GenerateConfig, ServeConfig
 from loraplex.config_flags import from_args
 from loraplex.engine.config import EngineConfig
