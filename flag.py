@@ -28,7 +28,7 @@ class Flag:
     help: str
     group: str
     choices: tuple[str, ...] | None = None
-    kind: str | None = None  # "bytes", "max_loras", "lora_module": parsed by config_flags
+    kind: str | None = None  # "bytes", "max_loras", "lora_module", "path": config_flags.KINDS
     metavar: str | None = None
     env: str | None = None  # the default comes from this environment variable when set
     name: str | None = None  # without the leading "--"; default: the field name, dashed

@@ -294,3 +294,28 @@ def test_the_engine_leaves_its_config_as_given(tiny_llama: Path) -> None:
     assert resolved.max_cpu_loras == 8 == engine.lora.max_cpu_loras  # 2 × max_num_seqs
     assert resolved.lora is engine.lora_capacity and resolved.lora.max_loras == 4
     assert resolved.dtype == engine.base.dtype and resolved.kernels == engine.base.kernels.name
+
+
+def test_one_client_config_for_the_cli_the_python_client_and_the_probe(capsys) -> None:
+    """ServerConnection is the Python clients' config (ChannelOptions is its old name) and
+    the source of every client command's flags, the health probe's included."""
+    from loraplex.client import ChannelOptions, Client
+    from loraplex.client.grpc_client import main as probe
+
+    assert ChannelOptions is ServerConnection
+    argv = ["--server", "h:1", "--api-token", "t", "--ssl-ca-certs", "ca.pem", "--timeout", "3"]
+    for command in (["generate", "hi"], ["adapters", "list"], ["bench"]):
+        built = from_args(ServerConnection, build_parser().parse_args(command + argv))
+        assert built == ServerConnection("h:1", "t", root_certificates=Path("ca.pem"),
+                                         timeout=3.0)
+    plain = ServerConnection("h:1", "t", timeout=3.0)
+    with Client("h:1", api_token="t", timeout=3.0) as by_keywords, \
+            Client.from_config(plain) as by_config:
+        assert by_keywords.options == by_config.options == plain
+    with pytest.raises(ValueError, match="--server"):
+        Client.from_config(ServerConnection())
+    with pytest.raises(SystemExit):
+        probe(["--help"])
+    probe_help = capsys.readouterr().out
+    assert all(o in probe_help for o in options_of(ServerConnection))
+    assert "default here: 5.0" in probe_help  # the probe's deadline, stated
