@@ -110,9 +110,6 @@ class ServerOptions:
         None, group=TOOLS, choices=TOOL_CALL_PARSERS, metavar="NAME",
         help="the model's tool-call format for --enable-auto-tool-choice: hermes "
         "(<tool_call>{json}</tool_call>, Qwen 2.5/3 and Hermes)")
-    # alias of the base model besides "": the engine's --served-model-name (config.py's
-    # ServeConfig passes it on), not a flag of its own
-    served_model_name: str | None = None
     warmup: bool = True  # one tiny generate before SERVING
 
     @property
