@@ -17,7 +17,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from .client_options import ServerConnection
+from .client.connection import ServerConnection
 from .config import GenerateConfig
 from .config_flags import add_flags, from_args
 from .engine.engine_config import EngineConfig
@@ -31,8 +31,10 @@ GENERATE_MAX_NEW_TOKENS = 256
 
 
 # ---- client commands ---------------------------------------------------------------------
-def _client(args: argparse.Namespace) -> Any:
-    return from_args(ServerConnection, args).client()
+def _client(connection: ServerConnection) -> Any:
+    from .client.grpc_client import Client
+
+    return Client.from_config(connection)
 
 
 def add_generate(sub: argparse._SubParsersAction) -> None:
@@ -47,12 +49,16 @@ def add_generate(sub: argparse._SubParsersAction) -> None:
                    help=f"at most this many new tokens (default: the output stops after "
                    f"{GENERATE_MAX_NEW_TOKENS}, so that a model that never stops does not "
                    "stream for minutes); 0: until EOS or the model's max length")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="0 = greedy (default here; the Python client and the servers' APIs "
+                   "leave it unset: the model's default)")
     p.add_argument("--top-p", type=float)
     p.add_argument("--top-k", type=int)
     p.add_argument("--seed", type=int, help="the request's sampling seed")
     p.add_argument("--no-chat-template", action="store_true",
-                   help="send the prompt as is, not as a user message in the chat template")
+                   help="send the prompt as is, not as a user message in the chat template "
+                   "(the template is on by default here; the Python client's "
+                   "apply_chat_template is off by default)")
     add_flags(p, GenerateConfig)
     p.set_defaults(handler=run_generate, command_parser=p)
 
@@ -82,12 +88,12 @@ def run_generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
         config = generate_config(args)
     except ValueError as e:
         parser.error(str(e))
-    if config.connection.server is None:
+    if config.connection.target is None:
         return _generate_local(args, config.engine, parser)
     import grpc
 
     printed, budget = False, _budget(args)
-    with config.connection.client() as client:
+    with _client(config.connection) as client:
         try:
             stream = client.generate_stream(args.prompt, adapter=args.adapter,
                                             apply_chat_template=not args.no_chat_template,
@@ -156,7 +162,7 @@ def add_adapters(sub: argparse._SubParsersAction) -> None:
     unload = verbs.add_parser("unload", help="unload NAME (in-flight requests finish)")
     unload.add_argument("name")
     for verb in (ls, load, upload, unload):
-        add_flags(verb, ServerConnection, required={"server"})
+        add_flags(verb, ServerConnection, required={"target"})
         verb.set_defaults(handler=run_adapters, command_parser=verb)
 
 
@@ -164,9 +170,9 @@ def run_adapters(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
     import grpc
     from google.protobuf.json_format import MessageToDict
 
-    from .client_upload import AdapterDirError
+    from .client.upload_messages import AdapterDirError
 
-    with _client(args) as client:
+    with _client(from_args(ServerConnection, args)) as client:
         try:
             if args.verb == "list":
                 infos = client.list_adapters()
@@ -205,7 +211,7 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="serving benchmark against a running server (vLLM-style "
                        "metrics, S-LoRA workloads)")
     add_bench_arguments(p)
-    add_flags(p, ServerConnection, required={"server"})
+    add_flags(p, ServerConnection, required={"target"})
     p.set_defaults(handler=run_bench, command_parser=p)
 
 

@@ -5,8 +5,10 @@
                                      ray: RayOptions (server/ray/ray_options.py), None without
                                      --ray
     GenerateConfig    generate       engine: EngineConfig (in-process, without --server)
-                                     connection: ServerConnection (client_options.py)
-    ServerConnection  adapters, bench
+                                     connection: ServerConnection (client/connection.py)
+    ServerConnection  adapters, bench, the health probe (and the Python clients' keywords)
+
+Each setting is stored once: --served-model-name is the engine's (the server reads it there).
 
 Every flag of these commands that is a setting is a field of the tree and declares itself
 there (loraplex.flag); config_flags.py derives the parsers and builds these objects from the
@@ -18,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .client_options import ServerConnection
+from .client.connection import ServerConnection
 from .engine.engine_config import EngineConfig
 from .flag import flag
 from .server.ray.ray_options import RAY, RayOptions
@@ -37,14 +39,6 @@ class ServeConfig:
         help="serve engine replicas on Ray Serve behind its gRPC proxy on --port (which "
         "listens on every interface: --host applies to --http-port only; no TLS)")
     log_level: str = flag("INFO", group="logging", help="DEBUG, INFO, WARNING or ERROR")
-
-    def __post_init__(self) -> None:
-        # one alias, seen alike by the engine (is_base_model) and the server (names, info)
-        if self.server.served_model_name != self.engine.served_model_name:
-            raise ValueError(
-                f"server.served_model_name={self.server.served_model_name!r} differs from "
-                f"engine.served_model_name={self.engine.served_model_name!r}; they are one "
-                "setting (--served-model-name)")
 
 
 @dataclass(frozen=True)

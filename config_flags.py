@@ -19,6 +19,7 @@ import types
 import typing
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import MISSING
+from pathlib import Path
 from typing import Any, NamedTuple
 
 from .flag import Flag, flag_of
@@ -74,6 +75,7 @@ KINDS: dict[str, Kind] = {
     "bytes": Kind(byte_size),
     "max_loras": Kind(max_loras_arg),
     "lora_module": Kind(lora_module, lora_modules_dict),  # NAME=PATH ... -> {name: path}
+    "path": Kind(Path),  # a field that also takes other forms in Python (PEM bytes, say)
 }
 
 

@@ -1,8 +1,9 @@
 """Flag: the command-line form of one config field, kept on the field as dataclass metadata.
 
 The config tree (engine/engine_config.py's EngineConfig, server/server_options.py's
-ServerOptions, server/ray/ray_options.py's RayOptions, client_options.py's ServerConnection,
-config.py's ServeConfig and GenerateConfig) declares every flag where its field is: name, default
+ServerOptions, server/ray/ray_options.py's RayOptions, client/connection.py's
+ServerConnection, config.py's ServeConfig and GenerateConfig) declares every flag where its
+field is: name, default
 (the field's), help, group, choices. config_flags.py (the only place that imports argparse
 besides cli.py) derives the parsers from it, as vLLM's ``EngineArgs.add_cli_args`` and
 mini-sglang's ``ServerArgs`` do. A field without a Flag is not a flag (a knob for tests and
@@ -28,7 +29,7 @@ class Flag:
     help: str
     group: str
     choices: tuple[str, ...] | None = None
-    kind: str | None = None  # "bytes", "max_loras", "lora_module": parsed by config_flags
+    kind: str | None = None  # "bytes", "max_loras", "lora_module", "path": config_flags.KINDS
     metavar: str | None = None
     env: str | None = None  # the default comes from this environment variable when set
     name: str | None = None  # without the leading "--"; default: the field name, dashed

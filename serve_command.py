@@ -39,8 +39,7 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
         modules = {**demo_adapters(demo_adapters_dir()), **modules}
     check_model_arg(args.model)
     check_servable(modules)
-    config: ServeConfig = from_args(ServeConfig, args, lora_modules=modules,
-                                    served_model_name=args.served_model_name)
+    config: ServeConfig = from_args(ServeConfig, args, lora_modules=modules)
     if config.ray is not None:
         try:
             from .server.ray import launch  # noqa: F401 - imports ray

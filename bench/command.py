@@ -15,7 +15,9 @@ from pathlib import Path
 
 import grpc
 
-from ..client import AsyncClient
+from ..client.connection import ServerConnection
+from ..client.grpc_client import AsyncClient
+from ..config_flags import from_args
 from . import report
 from .metrics import parse_slos
 from .serving import RunOptions, RunSpec, SweepPlan, plan_runs, run_all, warmups_for
@@ -23,9 +25,7 @@ from .workload import load_jsonl
 
 
 def _async_client(args: argparse.Namespace) -> AsyncClient:
-    return AsyncClient(args.server, api_token=args.api_token, admin_token=args.admin_token,
-                       root_certificates=args.ssl_ca_certs, certificate_chain=args.ssl_certfile,
-                       private_key=args.ssl_keyfile)
+    return AsyncClient.from_config(from_args(ServerConnection, args))
 
 
 async def _adapter_names(client: AsyncClient, args: argparse.Namespace) -> list[str]:
@@ -64,7 +64,7 @@ async def _bench(args: argparse.Namespace) -> dict:
         warmups = warmups_for(runs, args.num_warmups, info.vocab_size, args.seed)
         measured = await run_all(client, runs, warmups, args.metric_percentiles,
                                  parse_slos(args.goodput))
-    config = {"server": args.server, "model": info.model, "dtype": info.dtype,
+    config = {"server": args.target, "model": info.model, "dtype": info.dtype,
               "device": info.device, "max_num_seqs": info.max_num_seqs,
               "max_loras": info.max_loras, "max_cpu_loras": info.max_cpu_loras,
               "num_prompts": args.num_prompts, "input_len": list(args.input_len),

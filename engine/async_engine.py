@@ -119,7 +119,8 @@ class AsyncEngine:
                        adapter: str | None = None, request_id: str | None = None
                        ) -> AsyncIterator[RequestOutput]:
         """Yield the request's RequestOutputs as tokens arrive (the Python API: ``process``,
-        its grammar compiled, then ``stream``). With ``params.n`` > 1 the outputs of
+        its grammar compiled, then ``stream``; each output holds what is new, the finished
+        one the whole answer: output_processor.py). With ``params.n`` > 1 the outputs of
         choices 0..n-1 interleave (``RequestOutput.index``), each choice ending with its own
         finished output; the stream ends once every choice has finished. Leaving early
         (cancel, deadline, aclose) aborts every choice and frees its blocks."""

@@ -77,6 +77,7 @@ class EngineConfig:
         help='adapters loaded at start: name=path or \'{"name": ..., "path": ..., '
         '"base_model_name": ...}\'')
     adapter_starvation_steps: int = 16  # a passed-over adapter gets the next free slot after this
+    # stored here only: the server reads it from the engine (ServerState.served_model_name)
     served_model_name: str | None = flag(
         None, group=MODEL, help="alias requests may use for the base model")
     max_logprobs: int = flag(  # vLLM's: -1 = no cap (the whole vocabulary)

@@ -49,7 +49,7 @@ async def load_adapter(state: ServerState, name: str, path: str, replace: bool =
     upload's directory (not in a shared ``--upload-dir``) is removed once dropped."""
     engine = state.require_engine()
     options = state.options
-    name = check_adapter_name(name, options.served_model_name)
+    name = check_adapter_name(name, state.served_model_name)
     resolved, confined_to, shown = source_files(state, name, path, source, root)
     # Reading and validating the weights is slow (disk): it happens here, off the engine
     # thread, so running requests keep stepping; registering is quick, between steps.

@@ -27,7 +27,7 @@ def describe(engine: LLMEngine, options: ServerOptions) -> dict[str, Any]:
     tokens = (options.api_token, options.admin_token)
     return {
         "version": version(), "model": str(engine.base.path),
-        "served_model_name": options.served_model_name or "",
+        "served_model_name": cfg.served_model_name or "",
         "dtype": str(engine.base.dtype).removeprefix("torch."), "device": str(engine.base.device),
         "max_model_len": engine.max_model_len, "kv_cache_tokens": engine.kv_cache_tokens,
         "block_size": cfg.block_size, "max_num_seqs": cfg.max_num_seqs, "max_queue": options.max_queue,

@@ -15,7 +15,7 @@ DEFAULT_MAX_QUEUE = 1024
 DEFAULT_GRACE_S = 20.0
 DEFAULT_MAX_UPLOAD_BYTES = 1 << 30
 DEFAULT_MAX_REQUEST_BYTES = 4 << 20  # gRPC's own default message limit, set explicitly
-MIN_REQUEST_BYTES = 2 << 20  # UploadAdapter's client sends 1 MiB chunks (client_upload.py)
+MIN_REQUEST_BYTES = 2 << 20  # UploadAdapter's client sends 1 MiB chunks (client/upload_messages.py)
 DEFAULT_MAX_CONCURRENT_UPLOADS = 2
 DEFAULT_UPLOAD_IDLE_TIMEOUT_S = 30.0
 DEFAULT_UPLOAD_TIMEOUT_S = 600.0
@@ -110,9 +110,6 @@ class ServerOptions:
         None, group=TOOLS, choices=TOOL_CALL_PARSERS, metavar="NAME",
         help="the model's tool-call format for --enable-auto-tool-choice: hermes "
         "(<tool_call>{json}</tool_call>, Qwen 2.5/3 and Hermes)")
-    # alias of the base model besides "": the engine's --served-model-name (config.py's
-    # ServeConfig passes it on), not a flag of its own
-    served_model_name: str | None = None
     warmup: bool = True  # one tiny generate before SERVING
 
     @property

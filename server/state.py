@@ -60,7 +60,7 @@ class ServerState:
         self.loop: asyncio.AbstractEventLoop | None = None
         self.died = asyncio.Event()  # set with phase DEAD: ``serve`` then exits non-zero
         self.metrics = ServerMetrics()  # both fronts record into it
-        self.model_name = options.served_model_name or ""  # the base's id; set by ``attach``
+        self.model_name = ""  # the base's id; set by ``attach``
         # --lora-resolver-dir's AdapterResolver (server/adapter_resolver.py): set by its
         # ``attach``, which runs after this one's
         self.resolver: Any = None
@@ -81,8 +81,8 @@ class ServerState:
         """Serve ``engine``; its loop's death turns health NOT_SERVING (from any thread)."""
         self.engine = engine
         self.loop = asyncio.get_running_loop()
-        # the engine's rule (LLMEngine.model_name); this server's alias first
-        self.model_name = self.options.served_model_name or engine.engine.model_name
+        # the engine's rule (LLMEngine.model_name): its --served-model-name first
+        self.model_name = engine.engine.model_name
         engine.engine.base_model_names = [self.model_name]  # adapter_of's names, in messages
         self.metrics.bind(self.model_name, engine.engine.lora_capacity.max_loras)
         engine.engine.adapter_load_observers.append(self.metrics.adapter_loaded)
@@ -94,12 +94,17 @@ class ServerState:
 
         engine.on_death = on_death
 
+    @property
+    def served_model_name(self) -> str | None:
+        """--served-model-name: held once, by the engine's config (None before ``attach``)."""
+        return None if self.engine is None else self.engine.engine.config.served_model_name
+
     def adapter_of(self, model: str) -> str | None:
         """A request's ``model`` as the engine's adapter: None for the base model (the
         engine's rule, ``names_base_model``), else the adapter name (which the InputProcessor
         looks up, NOT_FOUND if unknown); INVALID_ARGUMENT for a name that is not canonical
         (``x/../good`` would be ``good`` under another name). Any thread (it only reads)."""
-        if names_base_model(model, self.options.served_model_name, self.model_name):
+        if names_base_model(model, self.served_model_name, self.model_name):
             return None
         return check_canonical(model)
 

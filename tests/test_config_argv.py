@@ -26,7 +26,7 @@ def parse(argv: list[str]) -> ServeConfig:
     parser = argparse.ArgumentParser()
     add_flags(parser, ServeConfig)
     args = parser.parse_args(argv)
-    return from_args(ServeConfig, args, served_model_name=args.served_model_name)
+    return from_args(ServeConfig, args)
 
 
 def adapter_dir(parent: Path, name: str) -> Path:
@@ -52,8 +52,7 @@ def test_a_config_round_trips(tmp_path: Path) -> None:
                             lora_modules={"a": str(a), "b": str(b)},
                             served_model_name="base", logprobs_mode="processed_logprobs"),
         server=ServerOptions(port=0, http_port=8123, adapter_roots=(tmp_path, a),
-                             allow_any_adapter_path=True, shutdown_grace_s=1.5,
-                             served_model_name="base"),
+                             allow_any_adapter_path=True, shutdown_grace_s=1.5),
         log_level="WARNING")
     argv = to_argv(config)
     assert parse(argv) == config
@@ -129,8 +128,7 @@ def test_every_flag_round_trips(tmp_path: Path) -> None:
             assert parse(argv) == config, (name, argv)
             seen += 1
     assert seen >= 50
-    named = ServeConfig(engine=EngineConfig(served_model_name="m"),
-                        server=ServerOptions(served_model_name="m"))
+    named = ServeConfig(engine=EngineConfig(served_model_name="m"))  # stored once
     assert to_argv(named) == ["--served-model-name", "m"] and parse(to_argv(named)) == named
 
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 from loraplex.cli import build_parser, main
-from loraplex.client_options import ServerConnection
+from loraplex.client import ServerConnection
 from loraplex.config import GenerateConfig, ServeConfig
 from loraplex.config_flags import from_args
 from loraplex.engine.engine_config import EngineConfig
@@ -166,8 +166,8 @@ def test_every_engine_flag_reaches_the_engine(captured: Captured, tmp_path: Path
     argv = [x for flag, (values, _) in table.items() for x in (flag, *values)]
     fields = {k: v for _, want in table.values() for k, v in want.items()}
     assert run(captured, command, *argv) == EngineConfig(**fields)
-    if command.startswith("serve"):  # one alias for the engine and the server
-        assert captured.server is not None and captured.server.served_model_name == "alias"
+    if command.startswith("serve"):  # one alias, the engine's: the server holds no copy
+        assert captured.server is not None and not hasattr(captured.server, "served_model_name")
 
 
 def test_server_and_ray_flags_reach_their_options(captured: Captured, tmp_path: Path) -> None:
@@ -276,8 +276,12 @@ def test_the_config_tree_is_frozen() -> None:
 
 
 def test_serve_config_holds_one_served_model_name() -> None:
-    with pytest.raises(ValueError, match="one setting"):
-        ServeConfig(engine=EngineConfig(served_model_name="a"))
+    """--served-model-name is stored once, in the engine's config; the server reads it there
+    (nothing to keep equal)."""
+    holders = [cls.__name__ for cls in (EngineConfig, ServerOptions, RayOptions, ServeConfig)
+               if "served_model_name" in {f.name for f in dataclasses.fields(cls)}]
+    assert holders == ["EngineConfig"]
+    assert ServeConfig(engine=EngineConfig(served_model_name="a")).engine.served_model_name == "a"
 
 
 def test_the_engine_leaves_its_config_as_given(tiny_llama: Path) -> None:
@@ -294,3 +298,28 @@ def test_the_engine_leaves_its_config_as_given(tiny_llama: Path) -> None:
     assert resolved.max_cpu_loras == 8 == engine.lora.max_cpu_loras  # 2 × max_num_seqs
     assert resolved.lora is engine.lora_capacity and resolved.lora.max_loras == 4
     assert resolved.dtype == engine.base.dtype and resolved.kernels == engine.base.kernels.name
+
+
+def test_one_client_config_for_the_cli_the_python_client_and_the_probe(capsys) -> None:
+    """ServerConnection is the Python clients' config (ChannelOptions is its old name) and
+    the source of every client command's flags, the health probe's included."""
+    from loraplex.client import ChannelOptions, Client
+    from loraplex.client.grpc_client import main as probe
+
+    assert ChannelOptions is ServerConnection
+    argv = ["--server", "h:1", "--api-token", "t", "--ssl-ca-certs", "ca.pem", "--timeout", "3"]
+    for command in (["generate", "hi"], ["adapters", "list"], ["bench"]):
+        built = from_args(ServerConnection, build_parser().parse_args(command + argv))
+        assert built == ServerConnection("h:1", "t", root_certificates=Path("ca.pem"),
+                                         timeout=3.0)
+    plain = ServerConnection("h:1", "t", timeout=3.0)
+    with Client("h:1", api_token="t", timeout=3.0) as by_keywords, \
+            Client.from_config(plain) as by_config:
+        assert by_keywords.options == by_config.options == plain
+    with pytest.raises(ValueError, match="--server"):
+        Client.from_config(ServerConnection())
+    with pytest.raises(SystemExit):
+        probe(["--help"])
+    probe_help = capsys.readouterr().out
+    assert all(o in probe_help for o in options_of(ServerConnection))
+    assert "default here: 5.0" in probe_help  # the probe's deadline, stated

@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM
 
 ROOT = Path(__file__).resolve().parents[1]  # the repository root is the package `loraplex`
 PACKAGES = ["kernel_backends", "lora", "structured", "engine", "server", "proto", "bench",
-            "benchmarks"]
+            "benchmarks", "client"]
 LAYERS = {"errors": 0, "flag": 0, "kernel_backends": 1, "lora": 2, "structured": 2, "engine": 3,
           "server": 4}
 # The modules that may parse flags: the command line (cli.py and the modules it owns), and
@@ -27,8 +27,8 @@ LAYERS = {"errors": 0, "flag": 0, "kernel_backends": 1, "lora": 2, "structured":
 # health probe, the stubs' generator). The layers and the config tree never do: their
 # settings are dataclass fields, and config_flags.py derives the flags from them.
 FLAG_PARSERS = {"loraplex.cli", "loraplex.config_flags", "loraplex.serve_command",
-                "loraplex.client", "loraplex.proto.generate"}
-CONFIG_TREE = {"loraplex.flag", "loraplex.config", "loraplex.client_options"}
+                "loraplex.client.grpc_client", "loraplex.proto.generate"}
+CONFIG_TREE = {"loraplex.flag", "loraplex.config", "loraplex.client.connection"}
 
 
 def module_files() -> dict[str, Path]:
@@ -236,7 +236,8 @@ def _copy_without_cpu_kernels(dest: Path) -> Path:
     return package
 
 
-@pytest.mark.parametrize("module", ["loraplex.client", "loraplex.server.ray.registry",
+@pytest.mark.parametrize("module", ["loraplex.client", "loraplex.client.grpc_client",
+                                    "loraplex.server.ray.registry",
                                     "loraplex.server.ray.registry_store"])
 def test_light_modules_load_no_torch(module: str) -> None:
     """The client, and the Ray adapter registry's actor (a process of its own, which holds

@@ -61,7 +61,7 @@ async def receive_upload(state: ServerState, adapters: AdapterOps, limits: Uploa
         stream = Messages(requests, state.options.upload_idle_timeout_s,
                           state.options.upload_timeout_s)
         header = await _header(stream)
-        name = check_adapter_name(header.name, state.options.served_model_name)
+        name = check_adapter_name(header.name, state.served_model_name)
         limit = state.options.max_upload_bytes
         if header.size_bytes > limit:  # refused before a byte of the weights is read
             raise ServiceError(ErrorCode.RESOURCE_EXHAUSTED,

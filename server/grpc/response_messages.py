@@ -35,7 +35,7 @@ class Usage:
         self.completion: dict[int, int] = {}  # choice index -> its tokens so far
 
     def add(self, out: RequestOutput) -> pb.Usage:
-        self.completion[out.index] = len(out.token_ids)
+        self.completion[out.index] = out.num_output_tokens
         return pb.Usage(prompt_tokens=len(out.prompt_token_ids),
                         completion_tokens=sum(self.completion.values()),
                         cached_prompt_tokens=out.num_cached_tokens)

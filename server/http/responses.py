@@ -82,7 +82,7 @@ class Reply:
         self._prompt_tokens = len(out.prompt_token_ids)
         # echo with max_tokens 0: the one token the engine drew for the prompt's logprobs
         # is not shown, so not counted either
-        self._tokens[out.index] = 0 if self.view.echo_only else len(out.token_ids)
+        self._tokens[out.index] = 0 if self.view.echo_only else out.num_output_tokens
 
     def usage(self) -> dict[str, int]:
         prompt, completion = self._prompt_tokens, sum(self._tokens.values())
@@ -195,7 +195,7 @@ class Reply:
         """The chat delta of a request with tools: new content and tool-call entries."""
         assert self.view.tools is not None
         stream = self._calls.setdefault(out.index, ToolCallStream(self.view.tools))
-        content, calls = stream.feed(out.text)
+        content, calls = stream.feed(out.new_text)
         delta: dict[str, Any] = {}
         if content:
             delta["content"] = content

@@ -188,6 +188,7 @@ class ToolCallStream:
     sent_content: int = 0
     ids: list[str] = field(default_factory=list)  # per call with its header sent
     sent_arguments: list[int] = field(default_factory=list)
+    text: str = ""  # the choice's text so far: the deltas joined
 
     def __post_init__(self) -> None:
         self.reader = CallReader(self.plan)
@@ -196,10 +197,12 @@ class ToolCallStream:
     def called(self) -> bool:
         return bool(self.ids)
 
-    def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
-        """``text``: the choice's whole text so far; returns the new content and OpenAI's
+    def feed(self, new_text: str) -> tuple[str, list[dict[str, Any]]]:
+        """``new_text``: the choice's text since the previous output (RequestOutput.new_text:
+        the deltas join to the whole answer); returns the new content and OpenAI's
         ``delta.tool_calls`` entries (a call's first carries its id and name)."""
-        content, calls = self.reader.read(text)
+        self.text += new_text
+        content, calls = self.reader.read(self.text)
         new_content = (content or "")[self.sent_content:]
         self.sent_content += len(new_content)
         deltas = []

@@ -71,8 +71,9 @@ def layout(tmp_path_factory: pytest.TempPathFactory, tiny_llama: Path, tiny_adap
 
 @pytest.fixture(scope="module")
 def server(serve, make_engine, tiny_llama: Path, layout: dict[str, Path]) -> Any:
-    return serve(lambda: make_engine(tiny_llama, lora_modules={GOOD: str(layout["ok"])}),
-                 served_model_name=ALIAS, adapter_roots=[layout["root"]], http_port=0)
+    return serve(lambda: make_engine(tiny_llama, lora_modules={GOOD: str(layout["ok"])},
+                                     served_model_name=ALIAS),
+                 adapter_roots=[layout["root"]], http_port=0)
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ from typing import Any
 import grpc
 import httpx
 import pytest
-from loraplex.client_upload import adapter_files
+from loraplex.client import adapter_files
 from loraplex.proto import loraplex_pb2 as pb
 
 from tests.adapter_dirs import edit_config, edit_tensors

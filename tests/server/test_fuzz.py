@@ -108,8 +108,9 @@ def root(tmp_path_factory: pytest.TempPathFactory, tiny_adapters) -> Path:
 @pytest.fixture(scope="module")
 def server(serve, make_engine, tiny_llama: Path, root: Path) -> Any:
     return serve(lambda: make_engine(tiny_llama, max_model_len=MAX_MODEL_LEN,
-                                     max_loras=MAX_LORAS, lora_modules={GOOD: str(root / "ok")}),
-                 served_model_name=ALIAS, adapter_roots=[root])
+                                     max_loras=MAX_LORAS, lora_modules={GOOD: str(root / "ok")},
+                                     served_model_name=ALIAS),
+                 adapter_roots=[root])
 
 
 @pytest.fixture(scope="module")

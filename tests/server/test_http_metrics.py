@@ -40,8 +40,9 @@ OWN_FAMILIES = {
 @pytest.fixture(scope="module")
 def server(serve, make_engine, tiny_llama: Path, tiny_adapters: Callable[[str], Path]) -> Any:
     modules = {"a": str(tiny_adapters("a0")), "b": str(tiny_adapters("a1"))}
-    return serve(lambda: make_engine(tiny_llama, lora_modules=modules, max_loras=2),
-                 http_port=0, served_model_name="tiny")
+    return serve(lambda: make_engine(tiny_llama, lora_modules=modules, max_loras=2,
+                                     served_model_name="tiny"),
+                 http_port=0)
 
 
 @pytest.fixture(scope="module")

@@ -228,7 +228,7 @@ def test_an_unknown_model_names_the_base_model(server: Any, oai: openai.OpenAI) 
 
 def test_the_resolvers_404_names_the_base_model_too(serve, make_engine, tiny_llama: Path,
                                                      tmp_path: Path) -> None:
-    resolving = serve(lambda: make_engine(tiny_llama), http_port=0, served_model_name="base",
+    resolving = serve(lambda: make_engine(tiny_llama, served_model_name="base"), http_port=0,
                       lora_resolver_dir=tmp_path)
     r = httpx.post(f"{resolving.http_url}/v1/completions", timeout=60,
                    json={"model": "nope", "prompt": "the cat", "max_tokens": 2})

@@ -160,8 +160,7 @@ def test_adapters_upload_of_a_bad_directory_names_it(server: Any, tmp_path: Path
 def test_adapters_upload_checks_every_case_before_connecting(capsys, tmp_path: Path,
                                                             tiny_adapters) -> None:
     """Every case, in-process, with no server at all: the check comes before the call."""
-    from loraplex.client import Client
-    from loraplex.client_upload import AdapterDirError
+    from loraplex.client import AdapterDirError, Client
 
     for case, (path, fragment) in upload_cases(tmp_path, tiny_adapters("a0")).items():
         given = _dir_of(case, path)

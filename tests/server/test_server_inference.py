@@ -27,7 +27,7 @@ MAX_NEW = 12
 
 @pytest.fixture(scope="module")
 def server(serve, make_engine, tiny_llama: Path) -> Any:
-    return serve(lambda: make_engine(tiny_llama), served_model_name=ALIAS)
+    return serve(lambda: make_engine(tiny_llama, served_model_name=ALIAS))
 
 
 @pytest.fixture(scope="module")

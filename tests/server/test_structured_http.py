@@ -65,7 +65,7 @@ def server(serve, model_dir) -> Any:
     return serve(lambda: LLMEngine(model=model, dtype="float32", max_num_seqs=32,
                                    max_model_len=512, served_model_name="base",
                                    lora_modules={k: str(v) for k, v in adapters.items()}),
-                 http_port=0, served_model_name="base", enable_auto_tool_choice=True,
+                 http_port=0, enable_auto_tool_choice=True,
                  tool_call_parser="hermes")
 
 

@@ -70,7 +70,7 @@ def server(serve, model_dir: tuple[Path, Path]) -> Any:
     return serve(lambda: LLMEngine(model=model, dtype="float32", max_num_seqs=16,
                                    max_model_len=512, served_model_name="base",
                                    lora_modules={"tools": str(adapter)}),
-                 http_port=0, served_model_name="base", enable_auto_tool_choice=True,
+                 http_port=0, enable_auto_tool_choice=True,
                  tool_call_parser="hermes")
 
 

@@ -16,8 +16,7 @@ from typing import Any
 import grpc
 import httpx
 import pytest
-from loraplex.client import AsyncClient
-from loraplex.client_upload import adapter_files
+from loraplex.client import AsyncClient, adapter_files
 from loraplex.proto import loraplex_pb2 as pb
 
 ADMIN = "adm"

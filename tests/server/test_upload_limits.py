@@ -19,7 +19,7 @@ from typing import Any
 
 import grpc
 import pytest
-from loraplex.client_upload import adapter_files
+from loraplex.client import adapter_files
 from loraplex.proto import loraplex_pb2 as pb
 
 from tests.server.conftest import wait_until

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from .proto import loraplex_pb2 as pb
+from ..proto import loraplex_pb2 as pb
 
 CHUNK_BYTES = 1 << 20  # under gRPC's default 4 MiB message limit
 CONFIG_NAME, WEIGHTS_NAME = "adapter_config.json", "adapter_model.safetensors"

@@ -8,7 +8,7 @@
 Every Inference call also sends the adapter name as ``multiplexed_model_id`` metadata, so
 that Ray Serve (``loraplex serve --ray``) routes it to a replica already holding the adapter;
 a single server ignores it. The sampling keywords (``n``, ``logprobs``,
-``prompt_logprobs``, penalties, ``logit_bias``, ``min_p``, ...) are client_requests.py's.
+``prompt_logprobs``, penalties, ``logit_bias``, ``min_p``, ...) are request_messages.py's.
 With ``n`` > 1, ``generate`` returns every choice in ``.choices`` and each stream message
 names the choice it extends (``.index``). Readiness probe: ``python -m loraplex.client
 health --server HOST:PORT`` exits 0 only when the server reports SERVING. Tokens go out as
@@ -16,6 +16,14 @@ health --server HOST:PORT`` exits 0 only when the server reports SERVING. Tokens
 ``admin_token`` on AdapterAdmin; each falls back to the other when it is not given (the
 server's rule: the admin token is accepted everywhere, and with no ``--admin-token`` the API
 token guards AdapterAdmin).
+
+Where the client and ``loraplex generate`` differ (stated in the CLI's ``--help`` too):
+``temperature`` left unset here is the model's default (its generation_config), where the
+CLI sends 0 (greedy); ``apply_chat_template`` is off here (the prompt goes as is), where
+the CLI applies the chat template unless ``--no-chat-template``; ``max_new_tokens`` unset
+here runs up to max_model_len, where the CLI stops after 256. The connection
+(ServerConnection: address, tokens, TLS, ``timeout``) is the same config with the same
+defaults on both; the health probe alone waits 5 s by default.
 """
 
 from __future__ import annotations
@@ -25,68 +33,33 @@ import re
 import sys
 import time
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from .client_requests import generate_request, sampling_params  # noqa: F401  (re-exported)
-from .client_upload import upload_messages
-from .proto import loraplex_pb2 as pb
-from .proto import loraplex_pb2_grpc as pb_grpc
+from ..proto import loraplex_pb2 as pb
+from ..proto import loraplex_pb2_grpc as pb_grpc
+from .connection import ServerConnection
+from .request_messages import generate_request, sampling_params  # noqa: F401  (re-exported)
+from .upload_messages import upload_messages
 
 if TYPE_CHECKING:
     from typing_extensions import Self
 
 DEFAULT_TARGET = "127.0.0.1:50051"
+HEALTH_TIMEOUT = 5.0  # seconds: the health probe's default deadline (a probe must end)
 MULTIPLEXED_MODEL_ID = "multiplexed_model_id"
 # Names that can be adapters (server/adapter_paths.py: 1 to 128 of these characters) and are
 # valid header values; any other name goes without the metadata, and the server refuses it.
 _ROUTABLE_NAME = re.compile(r"[A-Za-z0-9._:/-]{1,128}")
-Pem = bytes | str | Path | None  # PEM bytes, or the path of a PEM file
-
-
-def _pem(value: Pem) -> bytes | None:
-    if value is None or isinstance(value, bytes):
-        return value
-    return Path(value).read_bytes()
-
-
-@dataclass
-class ChannelOptions:
-    """Where and how to connect. TLS is on when ``tls`` or any certificate is given;
-    ``certificate_chain`` + ``private_key`` are the client's own (mutual TLS)."""
-
-    target: str = DEFAULT_TARGET
-    api_token: str | None = None
-    admin_token: str | None = None
-    tls: bool = False
-    root_certificates: Pem = None
-    certificate_chain: Pem = None
-    private_key: Pem = None
-    server_name: str | None = None  # the name the server certificate must carry
-    timeout: float | None = None  # default deadline per call, seconds
-
-    @property
-    def secure(self) -> bool:
-        return self.tls or any(x is not None for x in (
-            self.root_certificates, self.certificate_chain, self.private_key))
-
-    def credentials(self) -> grpc.ChannelCredentials:
-        return grpc.ssl_channel_credentials(_pem(self.root_certificates), _pem(self.private_key),
-                                            _pem(self.certificate_chain))
-
-    def channel_args(self) -> list[tuple[str, str]]:
-        return [("grpc.ssl_target_name_override", self.server_name)] if self.server_name else []
-
-    def metadata(self, token: str | None) -> tuple[tuple[str, str], ...]:
-        return (("authorization", f"Bearer {token}"),) if token else ()
+# the one client config; ChannelOptions is its former name, kept for callers
+ChannelOptions = ServerConnection
 
 
 class _Stubs:
-    def __init__(self, channel: grpc.Channel | grpc.aio.Channel, options: ChannelOptions):
+    def __init__(self, channel: grpc.Channel | grpc.aio.Channel, options: ServerConnection):
         self.options = options
         self.inference = pb_grpc.InferenceStub(channel)
         self.admin = pb_grpc.AdapterAdminStub(channel)
@@ -120,8 +93,20 @@ class Client:
     """Blocking client. Errors are ``grpc.RpcError`` with ``.code()`` and ``.details()``."""
 
     def __init__(self, target: str = DEFAULT_TARGET, **options: object):
-        self.options = ChannelOptions(target, **options)  # type: ignore[arg-type]
-        o = self.options
+        """``options``: ServerConnection's other fields (tokens, TLS, ``timeout``)."""
+        self._connect(ServerConnection(target, **options))  # type: ignore[arg-type]
+
+    @classmethod
+    def from_config(cls, config: ServerConnection) -> Self:
+        """A client on ``config`` (the CLI's: ValueError when it has no --server)."""
+        client = cls.__new__(cls)
+        client._connect(config)
+        return client
+
+    def _connect(self, o: ServerConnection) -> None:
+        if o.target is None:
+            raise ValueError("no server to connect to: give --server HOST:PORT")
+        self.options = o
         self.channel = (grpc.secure_channel(o.target, o.credentials(), o.channel_args())
                         if o.secure else grpc.insecure_channel(o.target))
         self._s = _Stubs(self.channel, o)
@@ -176,7 +161,7 @@ class Client:
     def stats(self, timeout: float | None = None) -> pb.GetStatsResponse:
         return self._s.info.GetStats(pb.GetStatsRequest(), **self._s.api(timeout))
 
-    def health(self, service: str = "", timeout: float | None = 5.0) -> str:
+    def health(self, service: str = "", timeout: float | None = HEALTH_TIMEOUT) -> str:
         """"SERVING", "NOT_SERVING", ... for ``service`` ("" = the whole server)."""
         reply = self._s.health.Check(health_pb2.HealthCheckRequest(service=service),
                                      timeout=timeout)
@@ -209,8 +194,20 @@ class AsyncClient:
     """asyncio client (grpc.aio); the same methods as Client, awaited."""
 
     def __init__(self, target: str = DEFAULT_TARGET, **options: object):
-        self.options = ChannelOptions(target, **options)  # type: ignore[arg-type]
-        o = self.options
+        """``options``: ServerConnection's other fields (tokens, TLS, ``timeout``)."""
+        self._connect(ServerConnection(target, **options))  # type: ignore[arg-type]
+
+    @classmethod
+    def from_config(cls, config: ServerConnection) -> Self:
+        """A client on ``config`` (the CLI's: ValueError when it has no --server)."""
+        client = cls.__new__(cls)
+        client._connect(config)
+        return client
+
+    def _connect(self, o: ServerConnection) -> None:
+        if o.target is None:
+            raise ValueError("no server to connect to: give --server HOST:PORT")
+        self.options = o
         self.channel = (grpc.aio.secure_channel(o.target, o.credentials(), o.channel_args())
                         if o.secure else grpc.aio.insecure_channel(o.target))
         self._s = _Stubs(self.channel, o)
@@ -262,7 +259,7 @@ class AsyncClient:
     async def stats(self, timeout: float | None = None) -> pb.GetStatsResponse:
         return await self._s.info.GetStats(pb.GetStatsRequest(), **self._s.api(timeout))
 
-    async def health(self, service: str = "", timeout: float | None = 5.0) -> str:
+    async def health(self, service: str = "", timeout: float | None = HEALTH_TIMEOUT) -> str:
         reply = await self._s.health.Check(health_pb2.HealthCheckRequest(service=service),
                                            timeout=timeout)
         return _health_name(reply.status)
@@ -278,25 +275,25 @@ class AsyncClient:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m loraplex.client health``: exit 0 when SERVING (a readiness probe)."""
+    """``python -m loraplex.client health``: exit 0 when SERVING (a readiness probe). Its
+    flags are ServerConnection's, as on the client commands; two defaults differ, as the
+    help says: --server is 127.0.0.1:50051 and --timeout 5 s (a probe must end)."""
+    from ..config_flags import add_flags, from_args
+
     parser = argparse.ArgumentParser(prog="python -m loraplex.client")
     parser.add_argument("command", choices=["health"])
-    parser.add_argument("--server", default=DEFAULT_TARGET, help="HOST:PORT")
-    parser.add_argument("--ssl-ca-certs", help="CA bundle of the server certificate (TLS)")
-    parser.add_argument("--ssl-certfile", help="client certificate (mutual TLS)")
-    parser.add_argument("--ssl-keyfile", help="client key (mutual TLS)")
-    parser.add_argument("--timeout", type=float, default=5.0)
-    args = parser.parse_args(argv)
-    with Client(args.server, root_certificates=args.ssl_ca_certs,
-                certificate_chain=args.ssl_certfile, private_key=args.ssl_keyfile) as client:
+    add_flags(parser, ServerConnection)
+    probe_defaults = {"target": DEFAULT_TARGET, "timeout": HEALTH_TIMEOUT}
+    parser.set_defaults(**probe_defaults)
+    for action in parser._actions:
+        if action.dest in probe_defaults:
+            action.help = f"{action.help.split(' (default')[0]} (default here: %(default)s)"
+    config = from_args(ServerConnection, parser.parse_args(argv))
+    with Client.from_config(config) as client:
         try:
-            status = client.health(timeout=args.timeout)
+            status = client.health(timeout=config.timeout)
         except grpc.RpcError as e:
             print(f"UNREACHABLE: {e.code().name}: {e.details()}", file=sys.stderr)
             return 2
     print(status)
     return 0 if status == "SERVING" else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

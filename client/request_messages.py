@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 from json import dumps
 from typing import Any
 
-from .proto import loraplex_pb2 as pb
+from ..proto import loraplex_pb2 as pb
 
 # optional fields: None leaves them unset, so the server's default applies
 _OPTIONAL = ("temperature", "top_p", "top_k", "seed", "max_new_tokens", "n", "logprobs",
