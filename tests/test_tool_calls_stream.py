@@ -1,9 +1,9 @@
 """The HTTP front's tool-call stream costs what each chunk adds (issue 43, item 6): its
 reader keeps offsets and scans, searches and copies only the new text (plus the few
 characters before it that a tag may start in), so a stream of n characters costs O(n),
-however it is cut. Its deltas are those of the reader it replaced (tests/
-tool_calls_reference.py, which re-read the whole text on every chunk), for any answer and
-any chunking, in the three modes (named, required, auto with hermes); for well-formed
+however it is cut. Its deltas are those of the reader it replaced
+(tests/tool_calls_reference.py, which re-read the whole text on every chunk), for any answer
+and any chunking, in the three modes (named, required, auto with hermes); for well-formed
 answers they join to ``whole_message``'s content and arguments."""
 
 from __future__ import annotations
