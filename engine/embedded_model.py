@@ -55,8 +55,9 @@ def resolve_model(model: str | None) -> Path:
     """Map a ``--model`` value to a local HF directory.
 
     The embedded default's names (or nothing) give the converted default model; an existing
-    directory is taken as is; a ``.gguf`` file is converted once (``ensure_gguf_model``);
-    anything else is an error, since no hub can be reached.
+    directory or ``.gguf`` file is taken as is (a GGUF is served in its own quantization;
+    ``ensure_gguf_model`` still converts one to float32 on request); anything else is an
+    error, since no hub can be reached.
     """
     if model is None or model == "" or model in DEFAULT_MODEL_ALIASES:
         return ensure_default_model()
@@ -64,7 +65,7 @@ def resolve_model(model: str | None) -> Path:
     if path.is_dir():
         return path
     if path.is_file() and path.suffix == ".gguf":
-        return ensure_gguf_model(path)
+        return path  # served as it is (engine/models/gguf_model.py)
     names = ", ".join(repr(a) for a in DEFAULT_MODEL_ALIASES)
     raise ValueError(
         f"model {model!r} is neither an existing local directory nor the embedded default; "

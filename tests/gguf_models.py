@@ -1,0 +1,105 @@
+"""Tiny GGUF models for the quantized-serving tests: a tiny Hugging Face model (conftest's
+``make_tiny_model``) written to GGUF with gguf-py's ``GGUFWriter`` as llama.cpp's
+``convert_hf_to_gguf.py`` writes it (its metadata keys, tensor names and, for llama, its
+Q/K row permutation), the 2-D weights quantized by ``gguf.quants.quantize``. transformers'
+GGUF loader reads these files back (it dequantizes): the oracle."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import gguf
+import numpy as np
+from safetensors.torch import load_file
+from transformers import AutoConfig
+
+LAYER = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight", "self_attn.q_proj.bias": "attn_q.bias",
+    "self_attn.k_proj.bias": "attn_k.bias", "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight":
+          "output_norm.weight", "lm_head.weight": "output.weight"}
+
+# the GGUF name -> its ggml type: Q8_0 embedding (as SmolLM2's file), a mix in the layers
+MIXED: dict[str, str] = {"token_embd": "Q8_0", "attn_q": "Q4_0", "attn_k": "Q8_0",
+                         "attn_v": "Q4_1", "attn_output": "Q4_1", "ffn_gate": "Q4_0",
+                         "ffn_up": "Q4_1", "ffn_down": "Q8_0", "output": "Q8_0"}
+
+
+def gguf_name(hf: str) -> str:
+    if hf in GLOBAL:
+        return GLOBAL[hf]
+    parts = hf.split(".")  # model.layers.N.<module>.<param>
+    return f"blk.{parts[2]}.{LAYER['.'.join(parts[3:])]}"
+
+
+def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """convert_hf_to_gguf's ``LlamaModel.permute`` (n_head: the kv heads for K)."""
+    return (w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+            .swapaxes(1, 2).reshape(w.shape))
+
+
+def write_gguf(model_dir: Path, out: Path, types: Callable[[str], str] | dict[str, str] = MIXED,
+               arch: str | None = None) -> Path:
+    """The tiny model in ``model_dir`` as a GGUF file ``out``; ``types``: the ggml type of
+    each 2-D tensor by its GGUF name's kind (``attn_q``, ``token_embd``, ...; missing: F32)."""
+    config = AutoConfig.from_pretrained(model_dir)
+    arch = arch or config.model_type
+    kind_type = types if callable(types) else (lambda kind: types.get(kind, "F32"))
+    heads, kv = config.num_attention_heads, config.num_key_value_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    w = gguf.GGUFWriter(str(out), arch)
+    w.add_name(f"tiny-{arch}")
+    w.add_context_length(config.max_position_embeddings)
+    w.add_embedding_length(config.hidden_size)
+    w.add_block_count(config.num_hidden_layers)
+    w.add_feed_forward_length(config.intermediate_size)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_layer_norm_rms_eps(config.rms_norm_eps)
+    w.add_rope_freq_base(float(getattr(config, "rope_theta", None)
+                               or config.rope_parameters["rope_theta"]))
+    w.add_rope_dimension_count(head_dim)
+    w.add_vocab_size(config.vocab_size)
+    w.add_bos_token_id(config.bos_token_id)
+    w.add_eos_token_id(config.eos_token_id)
+    state = load_file(str(model_dir / "model.safetensors"))
+    if config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    for hf, tensor in state.items():
+        name = gguf_name(hf)
+        a = tensor.float().numpy()
+        if arch == "llama" and ".attn_q." in name:
+            a = _permute(a, heads)
+        elif arch == "llama" and ".attn_k." in name:
+            a = _permute(a, kv)
+        kind = name.split(".")[-2] if name.startswith("blk.") else name.split(".")[0]
+        qtype = kind_type(kind) if a.ndim == 2 else "F32"
+        if qtype == "F32":
+            w.add_tensor(name, np.ascontiguousarray(a))
+        else:
+            t = gguf.GGMLQuantizationType[qtype]
+            try:
+                q = gguf.quants.quantize(a, t)
+            except (NotImplementedError, gguf.quants.QuantError):  # a type gguf-py cannot
+                # make: zero blocks (the
+                # row rounded up to whole blocks), for the tests of a refused type
+                block, size = gguf.GGML_QUANT_SIZES[t]
+                q = np.zeros((a.shape[0], -(-a.shape[1] // block) * size), np.uint8)
+            w.add_tensor(name, q, raw_shape=q.shape, raw_dtype=t)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
