@@ -13,11 +13,13 @@ transformers' ``LlamaTensorProcessor`` undoes it on the dequantized floats.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
+from gguf import GGUFReader
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig
 
 from ...kernel_backends.backend import KernelBackend
@@ -46,10 +48,23 @@ def is_gguf_file(path: Path) -> bool:
     return path.suffix == ".gguf" and path.is_file()
 
 
+@functools.lru_cache(maxsize=1)
+def _parsed(path: Path, size: int, mtime_ns: int) -> GGUFReader:
+    return open_gguf(path)
+
+
+def gguf_reader(path: Path) -> GGUFReader:
+    """The file parsed once (gguf-py parses every metadata field, the tokenizer's tens of
+    thousands of strings included: seconds): the config, the tokenizer check and the
+    tensors of one load share it (the last file parsed is kept, keyed by size and mtime)."""
+    st = path.stat()
+    return _parsed(path.resolve(), st.st_size, st.st_mtime_ns)
+
+
 def gguf_architecture(path: Path) -> str:
     """The file's ``general.architecture``; GGUFFileError when the file cannot be parsed,
     ValueError naming the architecture when loraplex does not serve it."""
-    reader = open_gguf(path)
+    reader = gguf_reader(path)
     field = reader.fields.get("general.architecture")
     if field is None:
         raise GGUFFileError(f"{path} has no general.architecture: not a model GGUF")
@@ -66,7 +81,7 @@ def load_gguf_config(path: Path) -> PretrainedConfig:
     arch = gguf_architecture(path)
     config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
     config.architectures = config.architectures or [_ARCH_CLASSES[config.model_type]]
-    key_length = open_gguf(path).fields.get(f"{arch}.attention.key_length")
+    key_length = gguf_reader(path).fields.get(f"{arch}.attention.key_length")
     if key_length is not None:
         config.head_dim = int(key_length.parts[key_length.data[0]][0])
     return config
@@ -79,7 +94,7 @@ _ARCH_CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
 def load_gguf_tokenizer(path: Path) -> object | None:
     """The file's tokenizer, as transformers builds it; None (requests then give token
     ids) when the file carries none."""
-    if "tokenizer.ggml.model" not in open_gguf(path).fields:
+    if "tokenizer.ggml.model" not in gguf_reader(path).fields:
         log.warning("%s has no tokenizer: requests must give token ids", path)
         return None
     return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
@@ -126,7 +141,7 @@ def checkpoint_tensors(path: Path, config: PretrainedConfig, arch: str,
     """The file's tensors under their Hugging Face names, Q/K rows in Hugging Face's order,
     on ``device``."""
     out = {}
-    for name, tensor in read_gguf_tensors(path):
+    for name, tensor in read_gguf_tensors(path, gguf_reader(path)):
         key = hf_name(name)
         if key is None:
             continue
