@@ -245,3 +245,14 @@ def test_unsupported_tensor_type_is_named(family, tmp_path):
                       lambda kind: "Q2_K" if kind == "ffn_down" else "Q8_0")
     with pytest.raises(UnsupportedQuantizationError, match="'blk.0.ffn_down.weight'.*Q2_K"):
         engine_for(path)
+
+
+def test_serve_takes_a_gguf_file(family):
+    """``loraplex serve --model FILE.gguf`` passes the command line's model check (the
+    engine then serves it as above); a missing file is refused there."""
+    from loraplex.serve_command import check_model_arg
+
+    _, path, _ = family("llama")
+    check_model_arg(str(path))
+    with pytest.raises(ValueError, match="a .gguf file"):
+        check_model_arg(str(path.with_name("missing.gguf")))
