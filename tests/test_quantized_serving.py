@@ -123,9 +123,9 @@ def gguf_oracle(path: Path, model_dir: Path, adapters: dict[str, Path]) -> Oracl
 
 
 def engine_for(model: Path | str, **kw) -> LLMEngine:
-    return LLMEngine(model=str(model), dtype="float32", max_num_seqs=8,
-                     max_num_batched_tokens=24, max_model_len=112, max_lora_rank=8,
-                     max_loras=4, **kw)
+    return LLMEngine(model=str(model), **{
+        "dtype": "float32", "max_num_seqs": 8, "max_num_batched_tokens": 24,
+        "max_model_len": 112, "max_lora_rank": 8, "max_loras": 4, **kw})
 
 
 @pytest.mark.parametrize("kernels", ["cpu", "torch"])
@@ -205,6 +205,29 @@ def test_quantize_on_load_equals_the_formula(arch, method, tmp_path):
     check_against(engine, adapters, Oracle(lambda: AutoModelForCausalLM.from_pretrained(
         reference, dtype=torch.float32), adapters),
         PHI3_LENGTHS if arch == "phi3" else LENGTHS)
+
+
+@pytest.mark.parametrize("kernels", ["cpu", "torch"])
+def test_bfloat16_activations(kernels, family, monkeypatch):
+    """The GGUF served in bf16 activations (the quantized weights dequantized into bf16):
+    its logprobs within bf16's rounding of the float32 oracle's; and int8 in bf16 keeps its
+    scales in float32 (a QuantizedWeight is no tensor of the model's ``.to(dtype)``)."""
+    monkeypatch.setenv("LORAPLEX_KERNELS", kernels)
+    model_dir, path, adapters = family("qwen2")
+    oracle = gguf_oracle(path, model_dir, adapters)
+    engine = engine_for(path, dtype="bfloat16")
+    for adapter, prompt in workload()[:3]:
+        if adapter is not None:
+            engine.add_adapter(adapter, adapters[adapter])
+        out = engine.generate([prompt], SamplingParams(
+            temperature=0.0, max_new_tokens=NEW, logprobs=0), adapters=[adapter])[0]
+        ref = oracle(adapter, prompt + out.token_ids)
+        for j, (tok, lp) in enumerate(zip(out.token_ids, out.logprobs)):
+            assert lp.logprob == pytest.approx(ref[len(prompt) - 1 + j, tok].item(), abs=0.1)
+    int8 = engine_for(model_dir, quantization="int8", dtype="bfloat16").base.model
+    qkv = int8.model.layers[0].self_attn.qkv_proj.base
+    assert all(w.scales.dtype == torch.float32 for w in qkv.weights)
+    assert qkv.bias.dtype == torch.bfloat16  # qwen2's q/k/v biases: the serving dtype
 
 
 def test_quantization_none_is_the_float_model(family):
