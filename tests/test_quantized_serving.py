@@ -28,7 +28,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from tests.conftest import ALL_TARGETS, make_adapter, make_tiny_model
-from tests.gguf_models import write_gguf
+from tests.gguf_files import write_gguf
 
 NEW = 6
 EOS = 2  # the tiny models' eos_token_id

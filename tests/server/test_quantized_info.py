@@ -10,7 +10,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.gguf_models import write_gguf
+from tests.gguf_files import write_gguf
 
 
 @pytest.fixture(scope="module")
