@@ -35,6 +35,26 @@ MIXED: dict[str, str] = {"token_embd": "Q8_0", "attn_q": "Q4_0", "attn_k": "Q8_0
                          "ffn_up": "Q4_1", "ffn_down": "Q8_0", "output": "Q8_0"}
 
 
+# K-quants (gguf-py dequantizes them but cannot quantize): random blocks, their fp16 scale
+# fields (byte offsets, ggml-common.h) small enough for weights of a model's size
+K_SCALES = {"Q4_K": ([0, 2], 3e-4), "Q5_K": ([0, 2], 1.5e-4), "Q6_K": ([208], 3e-5)}
+# a Q4_K_M-like mix (llama.cpp's: Q4_K, with Q6_K for v and down and the head)
+K_MIX: dict[str, str] = {"token_embd": "Q4_K", "attn_q": "Q4_K", "attn_k": "Q4_K",
+                         "attn_v": "Q6_K", "attn_output": "Q5_K", "ffn_gate": "Q4_K",
+                         "ffn_up": "Q4_K", "ffn_down": "Q6_K", "output": "Q6_K"}
+
+
+def k_quant_blocks(qtype: str, out: int, inp: int, rng: np.random.Generator) -> np.ndarray:
+    block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[qtype]]
+    n = out * inp // block
+    blocks = rng.integers(0, 256, size=(n, size), dtype=np.uint8)
+    offsets, scale = K_SCALES[qtype]
+    for at in offsets:
+        d = np.abs(rng.standard_normal(n) * scale).astype(np.float16)
+        blocks[:, at:at + 2] = d.view(np.uint8).reshape(n, 2)
+    return blocks.reshape(out, inp // block * size)
+
+
 def gguf_name(hf: str) -> str:
     if hf in GLOBAL:
         return GLOBAL[hf]
@@ -74,6 +94,7 @@ def write_gguf(model_dir: Path, out: Path, types: Callable[[str], str] | dict[st
     w.add_vocab_size(config.vocab_size)
     w.add_bos_token_id(config.bos_token_id)
     w.add_eos_token_id(config.eos_token_id)
+    rng = np.random.default_rng(0)
     state = load_file(str(model_dir / "model.safetensors"))
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
@@ -90,13 +111,16 @@ def write_gguf(model_dir: Path, out: Path, types: Callable[[str], str] | dict[st
             w.add_tensor(name, np.ascontiguousarray(a))
         else:
             t = gguf.GGMLQuantizationType[qtype]
-            try:
-                q = gguf.quants.quantize(a, t)
-            except (NotImplementedError, gguf.quants.QuantError):  # a type gguf-py cannot
-                # make: zero blocks (the
-                # row rounded up to whole blocks), for the tests of a refused type
-                block, size = gguf.GGML_QUANT_SIZES[t]
-                q = np.zeros((a.shape[0], -(-a.shape[1] // block) * size), np.uint8)
+            if qtype in K_SCALES:
+                q = k_quant_blocks(qtype, *a.shape, rng)
+            else:
+                try:
+                    q = gguf.quants.quantize(a, t)
+                except (NotImplementedError, gguf.quants.QuantError):  # a type gguf-py
+                    # cannot make: zero blocks (the row rounded up to whole blocks), for
+                    # the tests of a refused type
+                    block, size = gguf.GGML_QUANT_SIZES[t]
+                    q = np.zeros((a.shape[0], -(-a.shape[1] // block) * size), np.uint8)
             w.add_tensor(name, q, raw_shape=q.shape, raw_dtype=t)
     w.write_header_to_file()
     w.write_kv_data_to_file()

@@ -28,7 +28,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from tests.conftest import ALL_TARGETS, make_adapter, make_tiny_model
-from tests.gguf_files import write_gguf
+from tests.gguf_files import K_MIX, write_gguf
 
 NEW = 6
 EOS = 2  # the tiny models' eos_token_id
@@ -144,6 +144,22 @@ def test_gguf_served_as_stored_equals_transformers(arch, kernels, family, monkey
     assert isinstance(model.model.embed_tokens, QuantizedEmbedding)
     assert isinstance(model.logits_head, QuantizedLinear)
     assert engine.base.weights.format == "Q8_0+Q4_1+Q4_0"
+    check_against(engine, adapters, gguf_oracle(path, model_dir, adapters))
+
+
+def test_k_quants_q4_k_m_mix_equals_transformers(tmp_path):
+    """A Q4_K_M-like file (Q4_K, Q5_K o_proj, Q6_K v / down / head; rows of 256 weights):
+    each q/k/v slice keeps its own format (Q4_K, Q4_K, Q6_K in one fused linear); K-quant
+    blocks are random (gguf-py cannot make them), dequantized by transformers as by us."""
+    model_dir = make_tiny_model(tmp_path / "model", "llama", hidden_size=256,
+                                intermediate_size=256)
+    path = write_gguf(model_dir, tmp_path / "k.gguf", K_MIX)
+    adapters = {name: make_adapter(model_dir, tmp_path / name, seed=i, **kw)
+                for i, (name, kw) in enumerate(ADAPTERS.items())}
+    engine = engine_for(path)
+    qkv = engine.base.model.model.layers[0].self_attn.qkv_proj.base
+    assert [w.format.name for w in qkv.weights] == ["Q4_K", "Q4_K", "Q6_K"]
+    assert engine.base.weights.format.startswith("Q4_K+")
     check_against(engine, adapters, gguf_oracle(path, model_dir, adapters))
 
 
