@@ -26,6 +26,9 @@ LAYER = {
     "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
 }
+GEMMA_LAYER = {**LAYER, "post_attention_layernorm.weight": "post_attention_norm.weight",
+               "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+               "post_feedforward_layernorm.weight": "post_ffw_norm.weight"}
 GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight":
           "output_norm.weight", "lm_head.weight": "output.weight"}
 
@@ -55,11 +58,12 @@ def k_quant_blocks(qtype: str, out: int, inp: int, rng: np.random.Generator) -> 
     return blocks.reshape(out, inp // block * size)
 
 
-def gguf_name(hf: str) -> str:
+def gguf_name(hf: str, arch: str = "llama") -> str:
     if hf in GLOBAL:
         return GLOBAL[hf]
     parts = hf.split(".")  # model.layers.N.<module>.<param>
-    return f"blk.{parts[2]}.{LAYER['.'.join(parts[3:])]}"
+    layer = GEMMA_LAYER if arch.startswith("gemma") else LAYER
+    return f"blk.{parts[2]}.{layer['.'.join(parts[3:])]}"
 
 
 def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -73,7 +77,7 @@ def write_gguf(model_dir: Path, out: Path, types: Callable[[str], str] | dict[st
     """The tiny model in ``model_dir`` as a GGUF file ``out``; ``types``: the ggml type of
     each 2-D tensor by its GGUF name's kind (``attn_q``, ``token_embd``, ...; missing: F32)."""
     config = AutoConfig.from_pretrained(model_dir)
-    arch = arch or config.model_type
+    arch = arch or config.model_type.removesuffix("_text")  # gemma3_text: llama.cpp's gemma3
     kind_type = types if callable(types) else (lambda kind: types.get(kind, "F32"))
     heads, kv = config.num_attention_heads, config.num_key_value_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
@@ -88,19 +92,27 @@ def write_gguf(model_dir: Path, out: Path, types: Callable[[str], str] | dict[st
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
     w.add_layer_norm_rms_eps(config.rms_norm_eps)
-    w.add_rope_freq_base(float(getattr(config, "rope_theta", None)
-                               or config.rope_parameters["rope_theta"]))
+    rope = getattr(config, "rope_parameters", None) or {}
+    rope = rope.get("full_attention", rope)  # Gemma 3: the global layers' base
+    w.add_rope_freq_base(float(getattr(config, "rope_theta", None) or rope["rope_theta"]))
     w.add_rope_dimension_count(head_dim)
     w.add_vocab_size(config.vocab_size)
     w.add_bos_token_id(config.bos_token_id)
     w.add_eos_token_id(config.eos_token_id)
+    if arch.startswith("gemma"):  # as convert_hf_to_gguf's Gemma2Model / Gemma3Model
+        w.add_sliding_window(config.sliding_window)
+        if arch == "gemma2":
+            w.add_float32(f"{arch}.attn_logit_softcapping", config.attn_logit_softcapping)
+            w.add_float32(f"{arch}.final_logit_softcapping", config.final_logit_softcapping)
     rng = np.random.default_rng(0)
     state = load_file(str(model_dir / "model.safetensors"))
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     for hf, tensor in state.items():
-        name = gguf_name(hf)
+        name = gguf_name(hf, arch)
         a = tensor.float().numpy()
+        if arch.startswith("gemma") and name.endswith("norm.weight"):
+            a = a + 1  # llama.cpp's norm_shift: Gemma's (1 + w) stored as such
         if arch == "llama" and ".attn_q." in name:
             a = _permute(a, heads)
         elif arch == "llama" and ".attn_k." in name:

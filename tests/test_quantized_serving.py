@@ -36,7 +36,8 @@ ATOL = 5e-3
 K = 3
 ADAPTERS = {"qv": {"r": 4, "target_modules": ["q_proj", "v_proj"]},
             "all": {"r": 8, "target_modules": ALL_TARGETS}}
-MODELS = {"llama": {}, "qwen2": {}, "qwen3": {"hidden_size": 128}}  # qwen3: head_dim 32
+MODELS = {"llama": {}, "qwen2": {}, "qwen3": {"hidden_size": 128},  # qwen3: head_dim 32
+          "gemma2": {}, "gemma3": {}}
 
 
 LENGTHS = (1, 7, 12, 20, 31, 9)
@@ -115,9 +116,14 @@ def gguf_oracle(path: Path, model_dir: Path, adapters: dict[str, Path]) -> Oracl
     """transformers' GGUF loader; its config's head_dim taken from the float model, since
     transformers reads no ``attention.key_length`` from a GGUF (it keeps Qwen3's default)."""
     config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
-    head_dim = getattr(AutoConfig.from_pretrained(model_dir), "head_dim", None)
+    written = AutoConfig.from_pretrained(model_dir)  # what the file was written from
+    head_dim = getattr(written, "head_dim", None)
     if head_dim is not None:
         config.head_dim = head_dim
+    if config.model_type.startswith("gemma"):  # what transformers reads of none of it
+        config.query_pre_attn_scalar = head_dim  # llama.cpp's query scale (but for 27B)
+        for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+            setattr(config, key, getattr(written, key, None))
     return Oracle(lambda: AutoModelForCausalLM.from_pretrained(
         str(path.parent), gguf_file=path.name, config=config, dtype=torch.float32), adapters)
 
@@ -133,7 +139,8 @@ def engine_for(model: Path | str, **kw) -> LLMEngine:
 def test_gguf_served_as_stored_equals_transformers(arch, kernels, family, monkeypatch):
     """Q8_0 embedding, Q4_0/Q8_0/Q4_1 q/k/v in one fused linear, Q4_0/Q4_1 gate/up; llama
     untied (Q8_0 head) with llama.cpp's Q/K permutation, qwen2 tied with q/k/v biases,
-    qwen3 with q/k norms."""
+    qwen3 with q/k norms; gemma2 / gemma3 with their (1 + w) norms stored shifted, scaled
+    embedding, soft-caps (gemma2) and sliding windows."""
     monkeypatch.setenv("LORAPLEX_KERNELS", kernels)
     model_dir, path, adapters = family(arch)
     engine = engine_for(path)

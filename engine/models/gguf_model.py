@@ -5,10 +5,15 @@ QuantizedEmbedding modules (quant_modules.py); F32/F16/BF16 tensors are served i
 dtype. Nothing is dequantized on load, and no converted copy is written.
 
 Served architectures (``general.architecture``): llama (Mistral's files too), qwen2,
-qwen3. llama.cpp's converter permutes the rows of a llama file's Q and K weights (its RoPE
-pairs neighbours, Hugging Face's halves): the permutation is undone by indexing the
-quantized rows (the blocks run along in_features, so a row is whole in its blocks), as
-transformers' ``LlamaTensorProcessor`` undoes it on the dequantized floats.
+qwen3, gemma2, gemma3 (text). llama.cpp's converter permutes the rows of a llama file's Q
+and K weights (its RoPE pairs neighbours, Hugging Face's halves): the permutation is undone
+by indexing the quantized rows (the blocks run along in_features, so a row is whole in its
+blocks), as transformers' ``LlamaTensorProcessor`` undoes it on the dequantized floats.
+Gemma files store every RMSNorm weight as 1 + w (llama.cpp's ``norm_shift``): 1 is taken
+off on load, as transformers' ``Gemma2TensorProcessor`` does (the model folds it back in).
+What transformers' config leaves out of a Gemma file's metadata is read as llama.cpp reads
+it: the soft-caps (``attn_logit_softcapping``, ``final_logit_softcapping``) and the query
+scale (``query_pre_attn_scalar``: the head size, or hidden / heads for the 27B models).
 """
 
 from __future__ import annotations
@@ -30,7 +35,9 @@ from .loader import EMBED, HEAD, _destination, build_model, fill_weights, finish
 
 log = logging.getLogger(__name__)
 
-GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")  # general.architecture values served
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3")  # served
+GEMMA = ("gemma2", "gemma3")
+GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}  # llama.cpp's LLM_TYPE_27B, by block count
 PERMUTED_QK = ("llama",)  # architectures whose converter permuted the Q and K rows
 GLOBAL_TENSORS = {"token_embd.weight": EMBED, "output_norm.weight": "model.norm.weight",
                   "output.weight": HEAD}
@@ -41,6 +48,9 @@ LAYER_TENSORS = {  # blk.N.<name> -> model.layers.N.<module>
     "attn_k_norm": "self_attn.k_norm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+GEMMA_LAYER_TENSORS = {**LAYER_TENSORS, "ffn_norm": "pre_feedforward_layernorm",
+                       "post_attention_norm": "post_attention_layernorm",
+                       "post_ffw_norm": "post_feedforward_layernorm"}
 SKIPPED_TENSORS = ("rope_freqs.weight",)  # llama 3's RoPE factors: the config has them
 
 
@@ -81,14 +91,27 @@ def load_gguf_config(path: Path) -> PretrainedConfig:
     arch = gguf_architecture(path)
     config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
     config.architectures = config.architectures or [_ARCH_CLASSES[config.model_type]]
-    key_length = gguf_reader(path).fields.get(f"{arch}.attention.key_length")
-    if key_length is not None:
-        config.head_dim = int(key_length.parts[key_length.data[0]][0])
+    fields = gguf_reader(path).fields
+
+    def scalar(key: str) -> float | None:
+        field = fields.get(f"{arch}.{key}")
+        return None if field is None else field.parts[field.data[0]][0].item()
+
+    if (key_length := scalar("attention.key_length")) is not None:
+        config.head_dim = int(key_length)
+    if arch in GEMMA:
+        for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+            if (value := scalar(key)) is not None:
+                setattr(config, key, float(value))
+        big = config.num_hidden_layers == GEMMA_27B_LAYERS[arch]
+        config.query_pre_attn_scalar = (config.hidden_size // config.num_attention_heads
+                                        if big else config.head_dim)
     return config
 
 
 _ARCH_CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                 "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
 
 
 def load_gguf_tokenizer(path: Path) -> object | None:
@@ -100,17 +123,18 @@ def load_gguf_tokenizer(path: Path) -> object | None:
     return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
 
 
-def hf_name(name: str) -> str | None:
+def hf_name(name: str, arch: str = "llama") -> str | None:
     """The Hugging Face checkpoint name of GGUF tensor ``name`` (None: not loaded);
     ValueError for a tensor loraplex does not know."""
     if name in SKIPPED_TENSORS:
         return None
     if name in GLOBAL_TENSORS:
         return GLOBAL_TENSORS[name]
+    layer = GEMMA_LAYER_TENSORS if arch in GEMMA else LAYER_TENSORS
     parts = name.split(".")
-    if len(parts) == 4 and parts[0] == "blk" and parts[2] in LAYER_TENSORS:
-        return f"model.layers.{parts[1]}.{LAYER_TENSORS[parts[2]]}.{parts[3]}"
-    raise ValueError(f"GGUF tensor {name!r} is not a tensor of the served architectures")
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in layer:
+        return f"model.layers.{parts[1]}.{layer[parts[2]]}.{parts[3]}"
+    raise ValueError(f"GGUF tensor {name!r} is not a tensor of a {arch} model")
 
 
 def qk_rows(out_features: int, n_head: int) -> torch.Tensor:
@@ -142,9 +166,11 @@ def checkpoint_tensors(path: Path, config: PretrainedConfig, arch: str,
     on ``device``."""
     out = {}
     for name, tensor in read_gguf_tensors(path, gguf_reader(path)):
-        key = hf_name(name)
+        key = hf_name(name, arch)
         if key is None:
             continue
+        if arch in GEMMA and key.endswith("norm.weight"):
+            tensor = tensor.float() - 1  # the file's 1 + w, in float32 as transformers
         if arch in PERMUTED_QK and key.endswith(("q_proj.weight", "q_proj.bias")):
             tensor = _unpermute(tensor, config.num_attention_heads)
         elif arch in PERMUTED_QK and key.endswith(("k_proj.weight", "k_proj.bias")):
