@@ -8,6 +8,12 @@ served dtype); tied embeddings stored under ``model.embed_tokens.weight``,
 ``lm_head.weight`` (safetensors' ``save_model`` keeps that one) or both; tensor names with
 or without the ``model.`` prefix (a bare base model saved); Phi-3's fused ``qkv_proj`` /
 ``gate_up_proj`` as they are. A refused layout names the file and what is missing or extra.
+
+The model is built on meta (``build_model``): modules served quantized are swapped for
+QuantizedLinear / QuantizedEmbedding there (quant_modules.py), before anything is
+allocated; ``fill_weights`` fills floats and quantized weights alike, from a safetensors
+checkpoint (``--quantization int8|int4`` quantizing its decoder linears as they are read)
+or from a GGUF file's tensors (gguf_model.py).
 """
 
 from __future__ import annotations
