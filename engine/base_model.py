@@ -15,6 +15,7 @@ from ..kernel_backends import backend_class, backend_name
 from ..kernel_backends.backend import KernelBackend
 from .engine_config import EngineConfig
 from .models.gguf_model import (
+    forget_parsed,
     is_gguf_file,
     load_gguf_config,
     load_gguf_model,
@@ -92,6 +93,13 @@ def _max_model_len(cfg: EngineConfig, config: PretrainedConfig) -> int:
 
 
 def load_base_model(cfg: EngineConfig, progress: bool = False) -> BaseModel:
+    try:
+        return _load_base_model(cfg, progress)
+    finally:
+        forget_parsed()  # a GGUF file's parse, shared by its config, tokenizer and tensors
+
+
+def _load_base_model(cfg: EngineConfig, progress: bool) -> BaseModel:
     path = resolve_model_dir(cfg.model)
     gguf = is_gguf_file(path)
     if gguf and cfg.quantization != "none":

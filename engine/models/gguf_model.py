@@ -66,9 +66,14 @@ def _parsed(path: Path, size: int, mtime_ns: int) -> GGUFReader:
 def gguf_reader(path: Path) -> GGUFReader:
     """The file parsed once (gguf-py parses every metadata field, the tokenizer's tens of
     thousands of strings included: seconds): the config, the tokenizer check and the
-    tensors of one load share it (the last file parsed is kept, keyed by size and mtime)."""
+    tensors of one load share it (keyed by size and mtime; ``forget_parsed`` drops it once
+    the load is over, the loaded tensors keep their pages of the file)."""
     st = path.stat()
     return _parsed(path.resolve(), st.st_size, st.st_mtime_ns)
+
+
+def forget_parsed() -> None:
+    _parsed.cache_clear()
 
 
 def gguf_architecture(path: Path) -> str:
