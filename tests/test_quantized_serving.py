@@ -28,7 +28,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from tests.conftest import ALL_TARGETS, make_adapter, make_tiny_model
-from tests.gguf_files import K_MIX, write_gguf
+from tests.gguf_files import K_MIX, MIXED, write_gguf
 
 NEW = 6
 EOS = 2  # the tiny models' eos_token_id
@@ -167,6 +167,21 @@ def test_k_quants_q4_k_m_mix_equals_transformers(tmp_path):
     qkv = engine.base.model.model.layers[0].self_attn.qkv_proj.base
     assert [w.format.name for w in qkv.weights] == ["Q4_K", "Q4_K", "Q6_K"]
     assert engine.base.weights.format.startswith("Q4_K+")
+    check_against(engine, adapters, gguf_oracle(path, model_dir, adapters))
+
+
+def test_float_slice_in_a_quantized_fused_linear(tmp_path):
+    """A file keeping v in F32 beside Q4_0 q and Q8_0 k (llama.cpp may keep a tensor
+    unquantized): the fused q/k/v holds two quantized parts and one float part."""
+    model_dir = make_tiny_model(tmp_path / "model", "llama")
+    types = {k: v for k, v in MIXED.items() if k != "attn_v"}  # attn_v: F32
+    path = write_gguf(model_dir, tmp_path / "v32.gguf", types)
+    adapters = {name: make_adapter(model_dir, tmp_path / name, seed=i, **kw)
+                for i, (name, kw) in enumerate(ADAPTERS.items())}
+    engine = engine_for(path)
+    qkv = engine.base.model.model.layers[0].self_attn.qkv_proj.base
+    assert [w.format.name for w in qkv.weights] == ["Q4_0", "Q8_0"]
+    assert qkv.float_bytes == 32 * 64 * 4  # v: [kv heads 2 x head_dim 16, hidden 64] fp32
     check_against(engine, adapters, gguf_oracle(path, model_dir, adapters))
 
 

@@ -214,10 +214,13 @@ def _fill_quantized(module: QuantizedLinear | QuantizedEmbedding, rows: slice | 
                     tensor: CheckpointTensor, key: str, path: Path,
                     quantize: Callable[[torch.Tensor], QuantizedWeight] | None) -> None:
     if not isinstance(tensor, QuantizedWeight):
-        if quantize is None:
-            raise ValueError(f"tensor {key!r} in {path} is {tensor.dtype}; the module it "
-                             f"fills is served quantized")
-        tensor = quantize(tensor)
+        if quantize is not None:
+            tensor = quantize(tensor)
+        elif isinstance(module, QuantizedEmbedding):
+            raise ValueError(f"tensor {key!r} in {path} is {tensor.dtype}; the embedding "
+                             f"is served quantized")
+        # else: a float slice of a linear whose other slices are quantized (set_rows
+        # holds it in the serving dtype)
     try:
         if isinstance(module, QuantizedEmbedding):
             module.set_weight(tensor)

@@ -19,22 +19,27 @@ from collections import Counter
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ...kernel_backends.backend import KernelBackend
 from ...kernel_backends.quantized_weight import QuantizedWeight
 
+Part = QuantizedWeight | torch.Tensor  # a float part: a slice the file stores unquantized
+
 
 class QuantizedLinear(nn.Module):
     """``y = x Wᵀ + b`` with W ``[out_features, in_features]`` stored quantized, in row
-    ranges (``set_rows``) that together cover every output row once."""
+    ranges (``set_rows``) that together cover every output row once. A range may be a float
+    tensor (a GGUF file may keep one slice of a fused linear in F16 / F32): it is held in
+    the serving dtype and multiplied by ``F.linear``."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, ops: KernelBackend):
         super().__init__()
         self.in_features = in_features
         self.out_features = out_features
         self.ops = ops
-        self.parts: list[tuple[int, QuantizedWeight]] = []  # (first row, weight), by row
+        self.parts: list[tuple[int, Part]] = []  # (first row, weight), by row
         if bias:
             self.bias = nn.Parameter(torch.empty(out_features))
         else:
@@ -44,12 +49,14 @@ class QuantizedLinear(nn.Module):
     def like(cls, linear: nn.Linear, ops: KernelBackend) -> QuantizedLinear:
         return cls(linear.in_features, linear.out_features, linear.bias is not None, ops)
 
-    def set_rows(self, rows: slice | None, weight: QuantizedWeight) -> None:
+    def set_rows(self, rows: slice | None, weight: Part) -> None:
         """``weight`` serves output rows ``rows`` (None: all of them)."""
         start, stop = (0, self.out_features) if rows is None else (rows.start, rows.stop)
-        if weight.shape != (stop - start, self.in_features):
-            raise ValueError(f"a quantized weight {weight.shape} for rows [{start}, {stop}) "
+        if tuple(weight.shape) != (stop - start, self.in_features):
+            raise ValueError(f"a weight {tuple(weight.shape)} for rows [{start}, {stop}) "
                              f"of a linear [{self.out_features}, {self.in_features}]")
+        if isinstance(weight, torch.Tensor):
+            weight = weight.to(self.ops.device, self.ops.dtype).contiguous()
         self.parts = sorted([p for p in self.parts if p[0] != start] + [(start, weight)],
                             key=lambda p: p[0])
 
@@ -59,24 +66,38 @@ class QuantizedLinear(nn.Module):
         for start, weight in self.parts:
             if start != row:
                 return False
-            row += weight.out_features
+            row += weight.shape[0]
         return row == self.out_features
+
+    def _run(self, x: torch.Tensor, weight: Part, bias: torch.Tensor | None) -> torch.Tensor:
+        if isinstance(weight, torch.Tensor):
+            return F.linear(x, weight, bias)
+        return self.ops.quantized_linear(x, weight, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if len(self.parts) == 1:
-            return self.ops.quantized_linear(x, self.parts[0][1], self.bias)
+            return self._run(x, self.parts[0][1], self.bias)
         outs = []
         for start, weight in self.parts:
-            bias = None if self.bias is None else self.bias[start:start + weight.out_features]
-            outs.append(self.ops.quantized_linear(x, weight, bias))
+            bias = None if self.bias is None else self.bias[start:start + weight.shape[0]]
+            outs.append(self._run(x, weight, bias))
         return torch.cat(outs, dim=-1)
 
     @property
     def weights(self) -> list[QuantizedWeight]:
-        return [w for _, w in self.parts]
+        """The quantized parts' weights."""
+        return [w for _, w in self.parts if isinstance(w, QuantizedWeight)]
+
+    @property
+    def float_bytes(self) -> int:
+        """The bytes of the float parts."""
+        return sum(w.numel() * w.element_size() for _, w in self.parts
+                   if isinstance(w, torch.Tensor))
 
     def extra_repr(self) -> str:
-        formats = "+".join(dict.fromkeys(w.format.name for w in self.weights))
+        formats = "+".join(dict.fromkeys(
+            w.format.name if isinstance(w, QuantizedWeight) else str(w.dtype)
+            for _, w in self.parts))
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bias={self.bias is not None}, format={formats or 'unset'}")
 
@@ -202,6 +223,8 @@ def weights_info(model: nn.Module, dtype: torch.dtype) -> WeightsInfo:
             qbytes += w.nbytes
             qweights += n
     float_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    float_bytes += sum(m.float_bytes for m in {id(m): m for m in model.modules()
+                                               if isinstance(m, QuantizedLinear)}.values())
     name = "+".join(f for f, _ in formats.most_common()) or "float"
     bits = qbytes * 8 / qweights if qweights else 0.0
     return WeightsInfo(name, str(dtype).removeprefix("torch."), bits, qbytes + float_bytes,
