@@ -51,7 +51,10 @@ LAYER_TENSORS = {  # blk.N.<name> -> model.layers.N.<module>
 GEMMA_LAYER_TENSORS = {**LAYER_TENSORS, "ffn_norm": "pre_feedforward_layernorm",
                        "post_attention_norm": "post_attention_layernorm",
                        "post_ffw_norm": "post_feedforward_layernorm"}
-SKIPPED_TENSORS = ("rope_freqs.weight",)  # llama 3's RoPE factors: the config has them
+# Llama 3's RoPE frequency factors: not applied, as transformers' GGUF loader does not (its
+# config has no llama3 rope scaling either): RoPE is the config's, so served as transformers
+# serves the file; a warning says so
+SKIPPED_TENSORS = ("rope_freqs.weight",)
 
 
 def is_gguf_file(path: Path) -> bool:
@@ -173,6 +176,8 @@ def checkpoint_tensors(path: Path, config: PretrainedConfig, arch: str,
     for name, tensor in read_gguf_tensors(path, gguf_reader(path)):
         key = hf_name(name, arch)
         if key is None:
+            log.warning("%s: %s (llama.cpp's RoPE frequency factors) is not applied: RoPE "
+                        "as transformers' config of the file has it", path, name)
             continue
         if arch in GEMMA and key.endswith("norm.weight"):
             tensor = tensor.float() - 1  # the file's 1 + w, in float32 as transformers
