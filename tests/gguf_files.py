@@ -73,9 +73,10 @@ def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def write_gguf(model_dir: Path, out: Path, types: Callable[[str], str] | dict[str, str] = MIXED,
-               arch: str | None = None) -> Path:
+               arch: str | None = None, extra: dict[str, np.ndarray] | None = None) -> Path:
     """The tiny model in ``model_dir`` as a GGUF file ``out``; ``types``: the ggml type of
-    each 2-D tensor by its GGUF name's kind (``attn_q``, ``token_embd``, ...; missing: F32)."""
+    each 2-D tensor by its GGUF name's kind (``attn_q``, ``token_embd``, ...; missing: F32);
+    ``extra``: more tensors, written as they are."""
     config = AutoConfig.from_pretrained(model_dir)
     arch = arch or config.model_type.removesuffix("_text")  # gemma3_text: llama.cpp's gemma3
     kind_type = types if callable(types) else (lambda kind: types.get(kind, "F32"))
@@ -134,6 +135,8 @@ def write_gguf(model_dir: Path, out: Path, types: Callable[[str], str] | dict[st
                     block, size = gguf.GGML_QUANT_SIZES[t]
                     q = np.zeros((a.shape[0], -(-a.shape[1] // block) * size), np.uint8)
             w.add_tensor(name, q, raw_shape=q.shape, raw_dtype=t)
+    for name, a in (extra or {}).items():
+        w.add_tensor(name, a)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

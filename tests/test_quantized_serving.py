@@ -17,6 +17,7 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from loraplex import LLMEngine, SamplingParams
@@ -287,6 +288,21 @@ def test_unsupported_architecture_is_refused(family, tmp_path):
     path = write_gguf(model_dir, tmp_path / "phi.gguf", arch="phi2")
     with pytest.raises(ValueError, match="GGUF architecture 'phi2' is not supported"):
         engine_for(path)
+
+
+def test_rope_freqs_is_skipped_with_a_warning(family, tmp_path, caplog):
+    """llama.cpp's rope_freqs (Llama 3) is not applied, as transformers does not: the
+    tokens stay transformers' (the same weights as the llama test's file), and a warning
+    names it."""
+    model_dir, plain, _ = family("llama")
+    factors = np.linspace(1.0, 8.0, 8, dtype=np.float32)  # head_dim 16 / 2
+    path = write_gguf(model_dir, tmp_path / "rf.gguf", extra={"rope_freqs.weight": factors})
+    prompt = [5, 17, 33, 99, 200, 7]
+    params = SamplingParams(temperature=0.0, max_new_tokens=NEW)
+    with caplog.at_level("WARNING", logger="loraplex"):
+        got = engine_for(path).generate([prompt], params)[0].token_ids
+    assert got == engine_for(plain).generate([prompt], params)[0].token_ids
+    assert any("rope_freqs.weight" in r.getMessage() for r in caplog.records)
 
 
 def test_truncated_file_is_refused(family, tmp_path):
