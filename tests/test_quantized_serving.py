@@ -135,7 +135,8 @@ def engine_for(model: Path | str, **kw) -> LLMEngine:
         "max_model_len": 112, "max_lora_rank": 8, "max_loras": 4, **kw})
 
 
-@pytest.mark.parametrize("kernels", ["cpu", "torch"])
+@pytest.mark.parametrize("kernels", ["cpu", "torch", pytest.param("triton",
+                                                                  marks=pytest.mark.triton)])
 @pytest.mark.parametrize("arch", list(MODELS))
 def test_gguf_served_as_stored_equals_transformers(arch, kernels, family, monkeypatch):
     """Q8_0 embedding, Q4_0/Q8_0/Q4_1 q/k/v in one fused linear, Q4_0/Q4_1 gate/up; llama
