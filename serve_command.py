@@ -118,9 +118,10 @@ def _start_failed(command: str, e: Exception) -> int:
 def check_model_arg(model: str | None) -> None:
     from .engine.embedded_model import DEFAULT_MODEL_ALIASES
 
-    if model is not None and model not in DEFAULT_MODEL_ALIASES and not Path(model).is_dir():
+    if model is not None and model not in DEFAULT_MODEL_ALIASES and not Path(model).is_dir() \
+            and not (Path(model).is_file() and model.endswith(".gguf")):
         raise ValueError(f"--model {model!r} is not a directory; give a local Hugging Face "
-                         f"model dir or one of {', '.join(DEFAULT_MODEL_ALIASES)}")
+                         f"model dir, a .gguf file or one of {', '.join(DEFAULT_MODEL_ALIASES)}")
 
 
 def setup_logging(level: str) -> None:

@@ -14,8 +14,16 @@ from transformers import AutoTokenizer, GenerationConfig, PretrainedConfig
 from ..kernel_backends import backend_class, backend_name
 from ..kernel_backends.backend import KernelBackend
 from .engine_config import EngineConfig
+from .models.gguf_model import (
+    forget_parsed,
+    is_gguf_file,
+    load_gguf_config,
+    load_gguf_model,
+    load_gguf_tokenizer,
+)
 from .models.llama import LlamaForCausalLM
 from .models.loader import load_config, load_model, resolve_dtype
+from .models.quant_modules import WeightsInfo, weights_info
 
 log = logging.getLogger(__name__)
 SAMPLING_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "max_new_tokens")
@@ -23,7 +31,7 @@ SAMPLING_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "max_new_tokens")
 
 @dataclass
 class BaseModel:
-    path: Path
+    path: Path  # the model directory, or the .gguf file served as it is
     hf_config: PretrainedConfig
     model: LlamaForCausalLM
     tokenizer: object | None
@@ -33,6 +41,7 @@ class BaseModel:
     eos_token_ids: frozenset[int]
     sampling_defaults: dict  # fields of generation_config.json that SamplingParams has
     max_model_len: int  # the model's limit, or the smaller max_model_len asked for
+    weights: WeightsInfo  # what the weights are: format, bits, bytes
 
 
 def resolve_model_dir(model: str | None) -> Path:
@@ -84,17 +93,36 @@ def _max_model_len(cfg: EngineConfig, config: PretrainedConfig) -> int:
 
 
 def load_base_model(cfg: EngineConfig, progress: bool = False) -> BaseModel:
+    try:
+        return _load_base_model(cfg, progress)
+    finally:
+        forget_parsed()  # a GGUF file's parse, shared by its config, tokenizer and tensors
+
+
+def _load_base_model(cfg: EngineConfig, progress: bool) -> BaseModel:
     path = resolve_model_dir(cfg.model)
-    config = load_config(path)
+    gguf = is_gguf_file(path)
+    if gguf and cfg.quantization != "none":
+        raise ValueError(f"--quantization {cfg.quantization} quantizes a 16/32-bit "
+                         f"checkpoint; {path.name} is a GGUF file, served in its own "
+                         f"quantization (give --quantization none)")
+    config = load_gguf_config(path) if gguf else load_config(path)
     max_model_len = _max_model_len(cfg, config)
     device = resolve_device(cfg.device)
     backend_cls = backend_class(backend_name(device))  # the one choice of kernels
     dtype = resolve_dtype(config, cfg.dtype, device, backend_cls)
     kernels = backend_cls(device, dtype)
-    model = load_model(path, config, kernels, max_model_len, progress)
-    tokenizer = _load_tokenizer(path)
-    defaults, eos = _generation_defaults(path)
+    if gguf:
+        model = load_gguf_model(path, config, kernels, max_model_len)
+        tokenizer = load_gguf_tokenizer(path)
+        defaults, eos = {}, set()
+    else:
+        model = load_model(path, config, kernels, max_model_len, progress, cfg.quantization)
+        tokenizer = _load_tokenizer(path)
+        defaults, eos = _generation_defaults(path)
     for source in (config.eos_token_id, getattr(tokenizer, "eos_token_id", None)):
         eos |= set(source if isinstance(source, list) else [source] if source is not None else [])
+    weights = weights_info(model, dtype)
+    log.info("weights of %s: %s", path, weights.describe())
     return BaseModel(path, config, model, tokenizer, dtype, device, kernels, frozenset(eos),
-                     defaults, max_model_len)
+                     defaults, max_model_len, weights)

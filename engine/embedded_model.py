@@ -46,6 +46,36 @@ def loraplex_home() -> Path:
     return Path(env).expanduser() if env else Path.home() / ".cache" / "loraplex"
 
 
+# Serve the embedded default from its own GGUF file (Q4_1 layers, Q8_0 embedding: 98 MB,
+# engine/models/gguf_model.py) instead of the float32 conversion (538 MB). Off until the
+# backends' quantized_linear is fast: on the torch twin a decode step of this model is ~25x
+# slower than the float32 one (issue 44). Flipping it is the whole switch.
+SERVE_DEFAULT_QUANTIZED = False
+
+
+def default_gguf_path() -> Path:
+    """Where the embedded default's GGUF file is kept when it is served as it is."""
+    return loraplex_home() / "models" / f"{DEFAULT_MODEL_NAME}.Q4_1.gguf"
+
+
+def ensure_default_gguf(progress: bool = True) -> Path:
+    """The embedded default's GGUF file, fetched once (``fetch_default_gguf``) and renamed
+    into place under a file lock: complete or absent."""
+    final = default_gguf_path()
+    if final.is_file():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(final.parent / f".{final.name}.lock")):
+        if final.is_file():
+            return final
+        work = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+        try:
+            os.replace(fetch_default_gguf(work, progress), final)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+    return final
+
+
 def default_model_dir() -> Path:
     """Where the converted default model lives (it may not exist yet)."""
     return loraplex_home() / "models" / DEFAULT_MODEL_NAME
@@ -55,16 +85,17 @@ def resolve_model(model: str | None) -> Path:
     """Map a ``--model`` value to a local HF directory.
 
     The embedded default's names (or nothing) give the converted default model; an existing
-    directory is taken as is; a ``.gguf`` file is converted once (``ensure_gguf_model``);
-    anything else is an error, since no hub can be reached.
+    directory or ``.gguf`` file is taken as is (a GGUF is served in its own quantization;
+    ``ensure_gguf_model`` still converts one to float32 on request); anything else is an
+    error, since no hub can be reached.
     """
     if model is None or model == "" or model in DEFAULT_MODEL_ALIASES:
-        return ensure_default_model()
+        return ensure_default_gguf() if SERVE_DEFAULT_QUANTIZED else ensure_default_model()
     path = Path(model).expanduser()
     if path.is_dir():
         return path
     if path.is_file() and path.suffix == ".gguf":
-        return ensure_gguf_model(path)
+        return path  # served as it is (engine/models/gguf_model.py)
     names = ", ".join(repr(a) for a in DEFAULT_MODEL_ALIASES)
     raise ValueError(
         f"model {model!r} is neither an existing local directory nor the embedded default; "

@@ -17,6 +17,7 @@ from .logprobs import LOGPROBS_MODES
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
+QUANTIZATIONS = ("none", "int8", "int4")  # vLLM's --quantization flag, these values
 DEFAULT_CPU_KV_BYTES = 1 << 30  # 1 GiB, further capped by what max_num_seqs × max_model_len needs
 MODEL = "model"
 CAPACITY = "capacity"
@@ -34,16 +35,21 @@ def _check_range(name: str, value: float, low: float, high: float | None = None)
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Engine settings. ``model`` is a local Hugging Face directory, or None for the embedded
-    default model. Field names follow vLLM's so users' habits carry over."""
+    """Engine settings. ``model`` is a local Hugging Face directory, a .gguf file, or None
+    for the embedded default model. Field names follow vLLM's so users' habits carry over."""
 
     model: str | None = flag(
-        None, group=MODEL, help="local Hugging Face model dir (default: the embedded "
-        "SmolLM2-135M-Instruct; `serve` then also loads the demo adapters)")
+        None, group=MODEL, help="local Hugging Face model dir or .gguf file (default: the "
+        "embedded SmolLM2-135M-Instruct; `serve` then also loads the demo adapters)")
     dtype: str = flag("auto", group=MODEL, choices=DTYPES,
                       help="auto: the kernels' choice for the checkpoint's dtype")
     device: str = flag("auto", group=MODEL, choices=DEVICES,
                        help="auto: cuda when there is one, else cpu")
+    quantization: str = flag(
+        "none", group=MODEL, choices=QUANTIZATIONS,
+        help="int8 / int4: quantize a 16/32-bit checkpoint's linears on load (weight-only; "
+        "int8 per output channel, int4 in groups with zero points); none: serve the "
+        "checkpoint as stored (a .gguf file is always served in its own quantization)")
     max_num_seqs: int = flag(32, group=CAPACITY, help="requests running in a step")
     max_num_batched_tokens: int = flag(512, group=CAPACITY, help="token budget per step")
     max_model_len: int | None = flag(None, group=CAPACITY,  # None: max_position_embeddings
@@ -138,6 +144,9 @@ class EngineConfig:
             raise ValueError(f"dtype={self.dtype!r} is not supported: choose one of {DTYPES}")
         if self.device not in DEVICES:
             raise ValueError(f"device={self.device!r} is not supported: choose one of {DEVICES}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization={self.quantization!r} is not supported: choose "
+                             f"one of {QUANTIZATIONS}")
         _check_range("max_num_seqs", self.max_num_seqs, 1)
         _check_range("max_num_batched_tokens", self.max_num_batched_tokens, 1)
         _check_range("block_size", self.block_size, 1)

@@ -48,11 +48,13 @@ def open_gguf(path: str | Path) -> GGUFReader:
                             f"{e})") from e
 
 
-def read_gguf_tensors(path: str | Path) -> Iterator[tuple[str, GGUFTensor]]:
-    """``(name, QuantizedWeight | tensor)`` for every tensor of the GGUF file at ``path``,
-    in the file's order. Raises before yielding anything when a tensor's type is not
-    served (UnsupportedQuantizationError) or the file cannot be read (GGUFFileError)."""
-    tensors = open_gguf(path).tensors
+def read_gguf_tensors(path: str | Path,
+                      reader: GGUFReader | None = None) -> Iterator[tuple[str, GGUFTensor]]:
+    """``(name, QuantizedWeight | tensor)`` for every tensor of the GGUF file at ``path``
+    (or of ``reader``, the file already parsed), in the file's order. Raises before
+    yielding anything when a tensor's type is not served (UnsupportedQuantizationError) or
+    the file cannot be read (GGUFFileError)."""
+    tensors = (reader or open_gguf(path)).tensors
     for t in tensors:
         check_tensor_type(t)
     return (_convert(t) for t in tensors)

@@ -25,6 +25,7 @@ from .input_processor import EngineRequest, InputProcessor, Prompt, RequestInput
 from .lora_capacity import LoRACapacity
 from .memory_use import MemoryUse, memory_use
 from .model_runner import ModelRunner, num_kv_blocks
+from .models.quant_modules import has_quantized_head
 from .output_processor import OutputProcessor, RequestOutput
 from .resolved_config import resolve_config
 from .sampling_params import SamplingParams
@@ -81,7 +82,9 @@ class LLMEngine(EngineAdapters):
                                self.max_model_len)
         self.block_manager = BlockManager(blocks, cfg.block_size, cfg.enable_prefix_caching)
         self.runner = ModelRunner(self.base.model, cfg, blocks, kernels, self.max_model_len)
-        kernels.prepare_model(self.base.model, cfg.max_num_batched_tokens, cfg.max_num_seqs)
+        if not has_quantized_head(self.base.model):  # prepare_model packs a float head;
+            # the quantized linears run as they are (kernels.quantized_linear)
+            kernels.prepare_model(self.base.model, cfg.max_num_batched_tokens, cfg.max_num_seqs)
         self.base_shapes = BaseShapes.from_hf_config(self.base.hf_config, str(self.base.path))
         self.lora_dtype = kernels.dtype  # the pools'; host copies are read in it on loader
         # threads, so the copy onto the device only moves bytes
@@ -111,9 +114,10 @@ class LLMEngine(EngineAdapters):
         for name, path in cfg.lora_modules.items():
             self.add_adapter(name, path, preloaded=True)
         log.info("engine ready: %s, %s on %s, %s kernels, %d KV blocks of %d tokens, "
-                 "max_model_len %d; LoRA: %s; memory: %s", self.base.path, self.base.dtype,
-                 self.base.device, kernels.name, blocks, cfg.block_size, self.max_model_len,
-                 self.lora_capacity.reason, self.memory_use().describe())
+                 "max_model_len %d; weights: %s; LoRA: %s; memory: %s", self.base.path,
+                 self.base.dtype, self.base.device, kernels.name, blocks, cfg.block_size,
+                 self.max_model_len, self.base.weights.describe(), self.lora_capacity.reason,
+                 self.memory_use().describe())
 
     @classmethod
     def from_config(cls, config: EngineConfig, progress: bool = False) -> LLMEngine:

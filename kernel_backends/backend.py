@@ -136,6 +136,11 @@ class KernelBackend(ABC):
         activations and result in x's dtype: x [..., in] -> [..., out]
         (kernel_backends/torch/quantized_linear.py)."""
 
+    @abstractmethod
+    def quantized_embedding(self, ids: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
+        """The rows ``ids`` of an embedding table stored quantized, dequantized into the
+        backend's dtype: ids [...] -> [..., embedding_dim]."""
+
     # ---- decoder-layer elementwise ops --------------------------------------------------
     @abstractmethod
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

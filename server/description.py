@@ -41,6 +41,9 @@ def describe(engine: LLMEngine, options: ServerOptions) -> dict[str, Any]:
         "kv_cache_memory": cfg.kv_cache_memory or 0,
         "gpu_memory_utilization": cfg.gpu_memory_utilization,
         "vocab_size": engine.base.hf_config.vocab_size,
+        "weights_format": engine.base.weights.format,
+        "weights_bits": engine.base.weights.bits,
+        "weights_bytes": engine.base.weights.bytes,
         # does an API / admin route need a bearer token (server/auth.py's one rule)
         "api_token_required": required_tokens(Scope.API, *tokens) is not None,
         "admin_token_required": required_tokens(Scope.ADMIN, *tokens) is not None,

@@ -181,6 +181,7 @@ def _log_capacity(engine: LLMEngine, options: ServerOptions) -> None:
              "max_loras", "max_lora_rank", "max_cpu_loras")
     log.info("serving %s (%s on %s%s)", info["model"], info["dtype"], info["device"],
              f", alias {info['served_model_name']!r}" if info["served_model_name"] else "")
+    log.info("weights: %s", engine.base.weights.describe())
     log.info("capacity: %s", " ".join(f"{k}={info[k]}" for k in knobs))
     log.info("LoRA capacity: %s", info["lora_capacity"])
     log.info("memory: %s (on the CPU the pools commit pages as they are first written)",

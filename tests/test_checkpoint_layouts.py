@@ -107,8 +107,10 @@ def test_no_safetensors_names_the_pickles(tiny_llama: Path, tmp_path: Path):
 
 
 def test_model_gguf_file_is_converted_once(tiny_llama: Path, tmp_path: Path, monkeypatch):
-    """--model x.gguf: converted once (here by a stand-in for transformers' GGUF
-    dequantization, which the embedded model's tests run for real) and served."""
+    """ensure_gguf_model(x.gguf): converted once (here by a stand-in for transformers' GGUF
+    dequantization, which the embedded model's tests run for real) and served. (``--model
+    x.gguf`` no longer converts: the file is served in its own quantization,
+    tests/test_quantized_serving.py.)"""
     from loraplex.engine import embedded_model as embedded
 
     monkeypatch.setenv("LORAPLEX_HOME", str(tmp_path / "home"))
@@ -121,8 +123,9 @@ def test_model_gguf_file_is_converted_once(tiny_llama: Path, tmp_path: Path, mon
         shutil.copytree(tiny_llama, out, dirs_exist_ok=True)
 
     monkeypatch.setattr(embedded, "_convert_gguf", convert)
-    first = embedded.resolve_model(str(gguf))
-    assert embedded.resolve_model(str(gguf)) == first and len(calls) == 1
+    assert embedded.resolve_model(str(gguf)) == gguf and not calls  # served as it is
+    first = embedded.ensure_gguf_model(gguf, progress=False)
+    assert embedded.ensure_gguf_model(gguf, progress=False) == first and len(calls) == 1
     assert calls[0] == (gguf, {"require_chat_template": False})
     assert first.parent == tmp_path / "home" / "models"
     greedy_equal(first)

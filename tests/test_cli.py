@@ -93,6 +93,8 @@ def test_unservable_adapter_config_is_usage_error_before_loading(capsys, tmp_pat
     (["--port", "70000"], "port=70000"),
     (["--kv-cache-memory", "4XB"], "'4XB' is not a size"),
     (["--dtype", "int4"], "invalid choice: 'int4'"),
+    (["--quantization", "int3"], "invalid choice: 'int3'"),
+    (["--model", "/no/such/model.gguf"], "a .gguf file"),
     (["--ssl-certfile", "/etc/hostname"], "ssl_certfile and ssl_keyfile must be given together"),
     (["--adapter-root", "/no/such/root"], "adapter root /no/such/root is not a directory"),
     (["--admin-token", ""], "admin_token is empty"),

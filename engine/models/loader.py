@@ -8,11 +8,19 @@ served dtype); tied embeddings stored under ``model.embed_tokens.weight``,
 ``lm_head.weight`` (safetensors' ``save_model`` keeps that one) or both; tensor names with
 or without the ``model.`` prefix (a bare base model saved); Phi-3's fused ``qkv_proj`` /
 ``gate_up_proj`` as they are. A refused layout names the file and what is missing or extra.
+
+The model is built on meta (``build_model``): modules served quantized are swapped for
+QuantizedLinear / QuantizedEmbedding there (quant_modules.py), before anything is
+allocated; ``fill_weights`` fills floats and quantized weights alike, from a safetensors
+checkpoint (``--quantization int8|int4`` quantizing its decoder linears as they are read)
+or from a GGUF file's tensors (gguf_model.py).
 """
 
 from __future__ import annotations
 
+import functools
 import json
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -22,9 +30,18 @@ from tqdm import tqdm
 from transformers import AutoConfig, PretrainedConfig
 
 from ...kernel_backends.backend import KernelBackend
+from ...kernel_backends.quantized_weight import QuantizedWeight
+from ...kernel_backends.weight_quantization import quantize_weight
 from .gemma import GemmaForCausalLM
 from .llama import LlamaForCausalLM
 from .phi3 import Phi3ForCausalLM
+from .quant_modules import (
+    QuantizedEmbedding,
+    QuantizedLinear,
+    attach_quantized_head,
+    check_complete,
+    swap_quantized,
+)
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -124,35 +141,93 @@ def _destination(model: LlamaForCausalLM, key: str,
     return key, None
 
 
-def load_weights(model: LlamaForCausalLM, files: list[Path], progress: bool = False) -> None:
-    """Fill every parameter of ``model`` from ``files``; ValueError names the file and the
-    tensor that is unexpected or misshapen, or the tensors no file holds."""
+def load_weights(model: LlamaForCausalLM, files: list[Path], progress: bool = False,
+                 quantization: str = "none") -> None:
+    """Fill every parameter of ``model`` from ``files`` (and its QuantizedLinears with their
+    tensors quantized by ``quantization``); ValueError names the file and the tensor that is
+    unexpected or misshapen, or the tensors no file holds."""
+
+    def tensors() -> Iterator[tuple[str, Path, Callable[[], CheckpointTensor]]]:
+        for path in tqdm(files, desc="loading weights", disable=not progress, unit="file"):
+            with safe_open(str(path), framework="pt") as f:
+                for key in f.keys():  # noqa: SIM118 - safe_open is not a dict
+                    yield key, path, functools.partial(f.get_tensor, key)
+
+    names = ", ".join(f.name for f in files)
+    quantize = None
+    if quantization != "none":
+        quantize = functools.partial(_quantize_on_load, method=quantization,
+                                     device=next(model.parameters()).device)
+    fill_weights(model, tensors(), f"the checkpoint in {files[0].parent} ({names})", quantize)
+
+
+CheckpointTensor = torch.Tensor | QuantizedWeight
+
+
+def _quantize_on_load(tensor: torch.Tensor, method: str, device: torch.device) -> QuantizedWeight:
+    return quantize_weight(tensor.to(device), method)
+
+
+def fill_weights(model: LlamaForCausalLM,
+                 tensors: Iterable[tuple[str, Path, Callable[[], CheckpointTensor]]],
+                 where: str,
+                 quantize: Callable[[torch.Tensor], QuantizedWeight] | None = None) -> None:
+    """Fill ``model`` from ``(checkpoint name, file, read the tensor)`` triples: float
+    tensors into the parameters (converted to their dtype), QuantizedWeights into the
+    quantized modules (kernel_backends/quantized_weight.py; a float tensor for one is
+    quantized by ``quantize``). ValueError names the tensor that is unexpected, misshapen
+    or of the wrong kind, or the weights none filled (``where``: the checkpoint)."""
     params = dict(model.named_parameters())
+    quantized = {f"{n}.weight": m for n, m in model.named_modules()
+                 if isinstance(m, (QuantizedLinear, QuantizedEmbedding))}
     filled: dict[str, str] = {}  # parameter -> the checkpoint tensor that filled it
-    for path in tqdm(files, desc="loading weights", disable=not progress, unit="file"):
-        with safe_open(str(path), framework="pt") as f:
-            for key in f.keys():  # noqa: SIM118 - safe_open is not a dict
-                if "rotary_emb" in key:
-                    continue
-                name, rows = _destination(model, key, params)
-                if name not in params:
-                    raise ValueError(f"unexpected tensor {key!r} in {path}: not a weight of "
-                                     f"{type(model).__name__} ({model.config.model_type})")
-                if key == HEAD and filled.get(name) == EMBED:
-                    continue  # tied, stored under both names: the embedding is kept
-                target = params[name].data if rows is None else params[name].data[rows]
-                tensor = f.get_tensor(key)
-                if tuple(tensor.shape) != tuple(target.shape):
-                    raise ValueError(f"tensor {key!r} in {path} has shape "
-                                     f"{tuple(tensor.shape)}, expected {tuple(target.shape)}")
-                target.copy_(tensor)
-                filled[name] = key
+    for key, path, read in tensors:
+        if "rotary_emb" in key:
+            continue
+        name, rows = _destination(model, key, params)
+        if name not in params and name not in quantized:
+            raise ValueError(f"unexpected tensor {key!r} in {path}: not a weight of "
+                             f"{type(model).__name__} ({model.config.model_type})")
+        if key == HEAD and filled.get(name) == EMBED:
+            continue  # tied, stored under both names: the embedding is kept
+        tensor = read()
+        if name in quantized:
+            _fill_quantized(quantized[name], rows, tensor, key, path, quantize)
+        else:
+            if isinstance(tensor, QuantizedWeight):
+                raise ValueError(f"tensor {key!r} in {path} is stored as "
+                                 f"{tensor.format.name}; {name} is served in floats only")
+            target = params[name].data if rows is None else params[name].data[rows]
+            if tuple(tensor.shape) != tuple(target.shape):
+                raise ValueError(f"tensor {key!r} in {path} has shape "
+                                 f"{tuple(tensor.shape)}, expected {tuple(target.shape)}")
+            target.copy_(tensor)
+        filled[name] = key
     missing = sorted(set(params) - set(filled))
     if missing:
-        names = ", ".join(f.name for f in files)
         more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
-        raise ValueError(f"weights missing from the checkpoint in {files[0].parent} ({names}): "
-                         f"{missing[:5]}{more}")
+        raise ValueError(f"weights missing from {where}: {missing[:5]}{more}")
+    check_complete(model, where)
+
+
+def _fill_quantized(module: QuantizedLinear | QuantizedEmbedding, rows: slice | None,
+                    tensor: CheckpointTensor, key: str, path: Path,
+                    quantize: Callable[[torch.Tensor], QuantizedWeight] | None) -> None:
+    if not isinstance(tensor, QuantizedWeight):
+        if quantize is not None:
+            tensor = quantize(tensor)
+        elif isinstance(module, QuantizedEmbedding):
+            raise ValueError(f"tensor {key!r} in {path} is {tensor.dtype}; the embedding "
+                             f"is served quantized")
+        # else: a float slice of a linear whose other slices are quantized (set_rows
+        # holds it in the serving dtype)
+    try:
+        if isinstance(module, QuantizedEmbedding):
+            module.set_weight(tensor)
+        else:
+            module.set_rows(rows, tensor)
+    except ValueError as e:
+        raise ValueError(f"tensor {key!r} in {path}: {e}") from e
 
 
 def resolve_dtype(config: PretrainedConfig, dtype: str, device: torch.device,
@@ -171,15 +246,42 @@ def resolve_dtype(config: PretrainedConfig, dtype: str, device: torch.device,
 
 def load_model(
     model_dir: Path, config: PretrainedConfig, backend: KernelBackend, max_positions: int,
-    progress: bool = False,
+    progress: bool = False, quantization: str = "none",
 ) -> LlamaForCausalLM:
-    """The model on the backend's device and dtype, its kernels run by ``backend``."""
+    """The model on the backend's device and dtype, its kernels run by ``backend``;
+    ``quantization`` "int8" / "int4" quantizes its decoder linears on load
+    (kernel_backends/weight_quantization.py), "none" serves the checkpoint's floats."""
     files = weight_files(model_dir)
+    model = build_model(config, backend, max_positions,
+                        lambda m: decoder_linears(m) if quantization != "none" else set())
+    load_weights(model, files, progress, quantization)
+    return finish_model(model)
+
+
+def build_model(config: PretrainedConfig, backend: KernelBackend, max_positions: int,
+                quantized: Callable[[LlamaForCausalLM], set[str]]) -> LlamaForCausalLM:
+    """The model of ``config``'s family on the backend's device and dtype, weights not yet
+    loaded; the modules ``quantized(model)`` names (on meta) are swapped for quantized ones
+    before anything is allocated."""
     device, dtype = backend.device, backend.dtype
     with torch.device("meta"):
         model = MODEL_CLASSES[config.model_type](config, max_positions, backend)
-    model = model.to_empty(device=device).to(dtype)
+        swap_quantized(model, quantized(model), backend)
+    model = model.to_empty(device=device).to(dtype)  # QuantizedWeights are not tensors of it
     model.build_rotary(device)
-    load_weights(model, files, progress)
+    return model
+
+
+def finish_model(model: LlamaForCausalLM) -> LlamaForCausalLM:
+    """The loaded model made ready: the family's last changes, a quantized head attached."""
     model.finish_loading()
+    attach_quantized_head(model)
     return model.eval().requires_grad_(False)
+
+
+def decoder_linears(model: LlamaForCausalLM) -> set[str]:
+    """The module names of the decoder's linears (those adapters may target): what
+    ``--quantization int8|int4`` quantizes (the embedding and the head stay float, as
+    vLLM's weight-only methods keep them)."""
+    names = {id(m): n for n, m in model.named_modules()}
+    return {f"{names[id(parent)]}.{attr}" for _, parent, attr, _, _ in model.lora_targets()}

@@ -44,6 +44,10 @@ class TorchBackend(KernelBackend):
                          bias: torch.Tensor | None = None) -> torch.Tensor:
         return quantized_linear.quantized_linear(x, weight, bias)
 
+    def quantized_embedding(self, ids: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
+        rows = quantized_linear.dequantize(weight, self.dtype, ids.reshape(-1))
+        return rows.reshape(*ids.shape, weight.in_features)
+
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return layer_ops.rms_norm(x, weight, eps)
 

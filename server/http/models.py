@@ -47,7 +47,10 @@ def model_cards(state: ServerState, adapters: list[AdapterInfo]) -> list[dict[st
     """The base model first (parent null), then each adapter (parent = the base's id)."""
     created = int(time.time())
     base_root = str(state.require_engine(while_draining=True).engine.base.path)
-    cards = [_card(state, state.model_name, base_root, None, created)]
+    base = _card(state, state.model_name, base_root, None, created)
+    # loraplex's: what the base weights are (format, bits, bytes; quant_modules.WeightsInfo)
+    base["weights"] = state.require_engine(while_draining=True).engine.base.weights.as_dict()
+    cards = [base]
     cards += [_adapter_card(state, a, created) for a in adapters]
     return cards
 

@@ -96,6 +96,9 @@ def test_server_info_reports_capacity(client: Client, server: Any) -> None:
     assert info.lora_memory_committed <= memory.lora_reserved
     assert info.kv_cache_bytes == memory.kv_reserved
     assert 0 < info.kv_cache_committed <= info.kv_cache_bytes  # the warm-up wrote a block
+    # what the weights are (issue 44): a float32 checkpoint, nothing quantized
+    assert (info.weights_format, info.weights_bits) == ("float", 0.0)
+    assert info.weights_bytes == engine.base.weights.bytes > 0
 
 
 # ---- outputs -----------------------------------------------------------------------------

@@ -1,0 +1,336 @@
+"""Quantized bases with LoRA on top, exact against oracles nobody here wrote:
+
+- GGUF files (written by gguf-py's GGUFWriter, quantized by ``gguf.quants.quantize`` to
+  Q8_0 / Q4_0 / Q4_1, mixed in one file) served as they are, against transformers' own GGUF
+  loader (it dequantizes) with PEFT adapters;
+- ``--quantization int8|int4`` on a float32 checkpoint, against transformers + PEFT on the
+  weights the published formulas give (written out again here: symmetric per-channel int8,
+  AWQ's asymmetric int4 groups);
+
+greedy tokens equal and logprobs within 5e-3 in float32 activations, the base and adapters
+mixed in one batch (chunked prefill included). And the bad inputs: an unsupported
+architecture or tensor type, a truncated file, --quantization on a GGUF.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from loraplex import LLMEngine, SamplingParams
+from loraplex.engine.gguf_tensors import GGUFFileError
+from loraplex.engine.models.quant_modules import QuantizedEmbedding, QuantizedLinear
+from loraplex.kernel_backends.quantized_weight import UnsupportedQuantizationError
+from peft import PeftModel
+from safetensors.torch import load_file, save_file
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from tests.conftest import ALL_TARGETS, make_adapter, make_tiny_model
+from tests.gguf_files import K_MIX, MIXED, write_gguf
+
+NEW = 6
+EOS = 2  # the tiny models' eos_token_id
+ATOL = 5e-3
+K = 3
+ADAPTERS = {"qv": {"r": 4, "target_modules": ["q_proj", "v_proj"]},
+            "all": {"r": 8, "target_modules": ALL_TARGETS}}
+MODELS = {"llama": {}, "qwen2": {}, "qwen3": {"hidden_size": 128},  # qwen3: head_dim 32
+          "gemma2": {}, "gemma3": {}}
+
+
+LENGTHS = (1, 7, 12, 20, 31, 9)
+# Phi-3's longrope switches past 32 tokens (original_max_position_embeddings), where
+# loraplex and transformers part by design (engine/models/rope.py): its sequences stay short
+PHI3_LENGTHS = (1, 7, 12, 20, 26, 9)
+
+
+def workload(seed: int = 0, lengths: tuple[int, ...] = LENGTHS
+             ) -> list[tuple[str | None, list[int]]]:
+    rng = random.Random(seed)
+    names = [None, *ADAPTERS]
+    items = [(names[i % 3], [rng.randrange(4, 384) for _ in range(n)])
+             for i, n in enumerate(lengths)]
+    rng.shuffle(items)
+    return items
+
+
+class Oracle:
+    """(adapter, token ids) -> [len, vocab] float32 log_softmax of ``load()`` (+ PEFT)."""
+
+    def __init__(self, load, adapters: dict[str, Path]):
+        self.load, self.adapters, self.models = load, adapters, {}
+
+    def __call__(self, adapter: str | None, ids: list[int]) -> torch.Tensor:
+        if adapter not in self.models:
+            model = self.load()
+            if adapter is not None:
+                model = PeftModel.from_pretrained(model, self.adapters[adapter])
+            self.models[adapter] = model.eval()
+        with torch.no_grad():
+            logits = self.models[adapter](torch.tensor([ids])).logits[0].float()
+        return torch.log_softmax(logits, dim=-1)
+
+
+def check_against(engine: LLMEngine, adapters: dict[str, Path], oracle: Oracle,
+                  lengths: tuple[int, ...] = LENGTHS) -> None:
+    for name, path in adapters.items():
+        engine.add_adapter(name, path, weights=engine.read_adapter(str(path), name))
+    items = workload(lengths=lengths)
+    outs = engine.generate([p for _, p in items], SamplingParams(
+        temperature=0.0, max_new_tokens=NEW, min_new_tokens=NEW, logprobs=K),
+        adapters=[a for a, _ in items])
+    for (adapter, prompt), out in zip(items, outs):
+        ref = oracle(adapter, prompt + out.token_ids)  # row j predicts token j + 1
+        assert len(out.token_ids) == NEW
+        for j, (tok, lp) in enumerate(zip(out.token_ids, out.logprobs)):
+            row = ref[len(prompt) - 1 + j]
+            allowed = row.clone()
+            allowed[EOS] = -torch.inf  # min_new_tokens holds EOS back
+            assert tok == int(allowed.argmax()), (adapter, len(prompt), j)  # greedy tokens
+            assert lp.logprob == pytest.approx(row[tok].item(), abs=ATOL)
+            vals, top = row.topk(K)
+            assert [t for t, _ in lp.top] == top.tolist()
+            assert [v for _, v in lp.top] == pytest.approx(vals.tolist(), abs=ATOL)
+
+
+@pytest.fixture(scope="module")
+def family(tmp_path_factory: pytest.TempPathFactory):
+    """arch -> (float model dir, its GGUF file, {adapter: PEFT dir})."""
+    made: dict[str, tuple[Path, Path, dict[str, Path]]] = {}
+
+    def get(arch: str):
+        if arch not in made:
+            root = tmp_path_factory.mktemp(f"q_{arch}")
+            model = make_tiny_model(root / "model", arch, **MODELS[arch])
+            adapters = {name: make_adapter(model, root / name, seed=i, **kw)
+                        for i, (name, kw) in enumerate(ADAPTERS.items())}
+            made[arch] = (model, write_gguf(model, root / f"{arch}.gguf"), adapters)
+        return made[arch]
+
+    return get
+
+
+def gguf_oracle(path: Path, model_dir: Path, adapters: dict[str, Path]) -> Oracle:
+    """transformers' GGUF loader; its config's head_dim taken from the float model, since
+    transformers reads no ``attention.key_length`` from a GGUF (it keeps Qwen3's default)."""
+    config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+    written = AutoConfig.from_pretrained(model_dir)  # what the file was written from
+    head_dim = getattr(written, "head_dim", None)
+    if head_dim is not None:
+        config.head_dim = head_dim
+    if config.model_type.startswith("gemma"):  # what transformers reads of none of it
+        config.query_pre_attn_scalar = head_dim  # llama.cpp's query scale (but for 27B)
+        for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+            setattr(config, key, getattr(written, key, None))
+    return Oracle(lambda: AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, config=config, dtype=torch.float32), adapters)
+
+
+def engine_for(model: Path | str, **kw) -> LLMEngine:
+    return LLMEngine(model=str(model), **{
+        "dtype": "float32", "max_num_seqs": 8, "max_num_batched_tokens": 24,
+        "max_model_len": 112, "max_lora_rank": 8, "max_loras": 4, **kw})
+
+
+@pytest.mark.parametrize("kernels", ["cpu", "torch", pytest.param("triton",
+                                                                  marks=pytest.mark.triton)])
+@pytest.mark.parametrize("arch", list(MODELS))
+def test_gguf_served_as_stored_equals_transformers(arch, kernels, family, monkeypatch):
+    """Q8_0 embedding, Q4_0/Q8_0/Q4_1 q/k/v in one fused linear, Q4_0/Q4_1 gate/up; llama
+    untied (Q8_0 head) with llama.cpp's Q/K permutation, qwen2 tied with q/k/v biases,
+    qwen3 with q/k norms; gemma2 / gemma3 with their (1 + w) norms stored shifted, scaled
+    embedding, soft-caps (gemma2) and sliding windows."""
+    monkeypatch.setenv("LORAPLEX_KERNELS", kernels)
+    model_dir, path, adapters = family(arch)
+    engine = engine_for(path)
+    assert engine.base.kernels.name == kernels
+    model = engine.base.model
+    qkv = model.model.layers[0].self_attn.qkv_proj.base  # LoRA wraps the quantized linear
+    assert [w.format.name for w in qkv.weights] == ["Q4_0", "Q8_0", "Q4_1"]
+    assert isinstance(model.model.embed_tokens, QuantizedEmbedding)
+    assert isinstance(model.logits_head, QuantizedLinear)
+    assert engine.base.weights.format == "Q8_0+Q4_1+Q4_0"
+    check_against(engine, adapters, gguf_oracle(path, model_dir, adapters))
+
+
+def test_k_quants_q4_k_m_mix_equals_transformers(tmp_path):
+    """A Q4_K_M-like file (Q4_K, Q5_K o_proj, Q6_K v / down / head; rows of 256 weights):
+    each q/k/v slice keeps its own format (Q4_K, Q4_K, Q6_K in one fused linear); K-quant
+    blocks are random (gguf-py cannot make them), dequantized by transformers as by us."""
+    model_dir = make_tiny_model(tmp_path / "model", "llama", hidden_size=256,
+                                intermediate_size=256)
+    path = write_gguf(model_dir, tmp_path / "k.gguf", K_MIX)
+    adapters = {name: make_adapter(model_dir, tmp_path / name, seed=i, **kw)
+                for i, (name, kw) in enumerate(ADAPTERS.items())}
+    engine = engine_for(path)
+    qkv = engine.base.model.model.layers[0].self_attn.qkv_proj.base
+    assert [w.format.name for w in qkv.weights] == ["Q4_K", "Q4_K", "Q6_K"]
+    assert engine.base.weights.format.startswith("Q4_K+")
+    check_against(engine, adapters, gguf_oracle(path, model_dir, adapters))
+
+
+def test_float_slice_in_a_quantized_fused_linear(tmp_path):
+    """A file keeping v in F32 beside Q4_0 q and Q8_0 k (llama.cpp may keep a tensor
+    unquantized): the fused q/k/v holds two quantized parts and one float part."""
+    model_dir = make_tiny_model(tmp_path / "model", "llama")
+    types = {k: v for k, v in MIXED.items() if k != "attn_v"}  # attn_v: F32
+    path = write_gguf(model_dir, tmp_path / "v32.gguf", types)
+    adapters = {name: make_adapter(model_dir, tmp_path / name, seed=i, **kw)
+                for i, (name, kw) in enumerate(ADAPTERS.items())}
+    engine = engine_for(path)
+    qkv = engine.base.model.model.layers[0].self_attn.qkv_proj.base
+    assert [w.format.name for w in qkv.weights] == ["Q4_0", "Q8_0"]
+    assert qkv.float_bytes == 32 * 64 * 4  # v: [kv heads 2 x head_dim 16, hidden 64] fp32
+    check_against(engine, adapters, gguf_oracle(path, model_dir, adapters))
+
+
+def test_no_float_copy_of_a_quantized_weight(family):
+    """Every linear of the decoder and the embedding hold QuantizedWeights only: the model's
+    float parameters are the norms (and biases), and the tied head shares the embedding's
+    weight."""
+    _, path, _ = family("qwen2")
+    model = engine_for(path).base.model
+    floats = {n for n, _ in model.named_parameters()}
+    assert all("norm" in n or n.endswith(".bias") for n in floats), floats
+    assert model.logits_head.weights[0] is model.model.embed_tokens.qweight
+
+
+def dequantized_checkpoint(model_dir: Path, out: Path, method: str) -> Path:
+    """``model_dir`` with its decoder linears replaced by the published formulas' weights:
+    int8 symmetric per output channel (absmax / 127), int4 AWQ pseudo-quantization
+    (min/max groups of 64, or 32 where in_features is 96, with zero points)."""
+    state = load_file(str(model_dir / "model.safetensors"))
+    for name, w in state.items():
+        if not name.endswith("proj.weight"):
+            continue
+        w = w.float()
+        if method == "int8":
+            scale = w.abs().amax(1, keepdim=True) / 127
+            state[name] = torch.clamp(torch.round(w / scale), -127, 127) * scale
+            continue
+        group = 64 if w.shape[1] % 64 == 0 else 32
+        g = w.reshape(w.shape[0], -1, group)
+        mx, mn = g.amax(2, keepdim=True), g.amin(2, keepdim=True)
+        scale = (mx - mn).clamp(min=1e-5) / 15
+        zero = (-torch.round(mn / scale)).clamp(0, 15)
+        q = torch.clamp(torch.round(g / scale) + zero, 0, 15)
+        state[name] = ((q - zero) * scale).reshape(w.shape).float()
+    out.mkdir(parents=True, exist_ok=True)
+    for f in model_dir.iterdir():
+        if f.suffix != ".safetensors":
+            (out / f.name).write_bytes(f.read_bytes())
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+@pytest.mark.parametrize(("arch", "method"), [("llama", "int8"), ("llama", "int4"),
+                                              ("gemma2", "int4"), ("phi3", "int8")])
+def test_quantize_on_load_equals_the_formula(arch, method, tmp_path):
+    """Gemma 2: the decoder linears quantized, its scaled embedding and tied head float;
+    Phi-3: its fused qkv_proj / gate_up_proj checkpoint tensors quantized whole."""
+    model_dir = make_tiny_model(tmp_path / "model", arch)
+    targets = {"phi3": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]}.get(arch)
+    adapters = {"qv": make_adapter(model_dir, tmp_path / "qv", r=4,
+                                   target_modules=targets or ["q_proj", "v_proj"]),
+                "all": make_adapter(model_dir, tmp_path / "all", r=8, seed=1,
+                                    target_modules=targets or ALL_TARGETS)}
+    engine = engine_for(model_dir, quantization=method)
+    qkv = engine.base.model.model.layers[0].self_attn.qkv_proj.base
+    assert {w.format.name for w in qkv.weights} == {method}
+    assert engine.base.weights.format == method
+    reference = dequantized_checkpoint(model_dir, tmp_path / "ref", method)
+    check_against(engine, adapters, Oracle(lambda: AutoModelForCausalLM.from_pretrained(
+        reference, dtype=torch.float32), adapters),
+        PHI3_LENGTHS if arch == "phi3" else LENGTHS)
+
+
+@pytest.mark.parametrize("kernels", ["cpu", "torch"])
+def test_bfloat16_activations(kernels, family, monkeypatch):
+    """The GGUF served in bf16 activations (the quantized weights dequantized into bf16):
+    its logprobs within bf16's rounding of the float32 oracle's; and int8 in bf16 keeps its
+    scales in float32 (a QuantizedWeight is no tensor of the model's ``.to(dtype)``)."""
+    monkeypatch.setenv("LORAPLEX_KERNELS", kernels)
+    model_dir, path, adapters = family("qwen2")
+    oracle = gguf_oracle(path, model_dir, adapters)
+    engine = engine_for(path, dtype="bfloat16")
+    for adapter, prompt in workload()[:3]:
+        if adapter is not None:
+            engine.add_adapter(adapter, adapters[adapter])
+        out = engine.generate([prompt], SamplingParams(
+            temperature=0.0, max_new_tokens=NEW, logprobs=0), adapters=[adapter])[0]
+        ref = oracle(adapter, prompt + out.token_ids)
+        for j, (tok, lp) in enumerate(zip(out.token_ids, out.logprobs)):
+            assert lp.logprob == pytest.approx(ref[len(prompt) - 1 + j, tok].item(), abs=0.1)
+    int8 = engine_for(model_dir, quantization="int8", dtype="bfloat16").base.model
+    qkv = int8.model.layers[0].self_attn.qkv_proj.base
+    assert all(w.scales.dtype == torch.float32 for w in qkv.weights)
+    assert qkv.bias.dtype == torch.bfloat16  # qwen2's q/k/v biases: the serving dtype
+
+
+def test_quantization_none_is_the_float_model(family):
+    model_dir, _, _ = family("llama")
+    engine = engine_for(model_dir)
+    assert engine.config.quantization == "none"
+    assert engine.base.weights.format == "float" and engine.base.weights.bits == 0
+    assert not any(isinstance(m, QuantizedLinear) for m in engine.base.model.modules())
+
+
+def test_quantization_on_a_gguf_is_refused(family):
+    _, path, _ = family("llama")
+    with pytest.raises(ValueError, match="GGUF file, served in its own quantization"):
+        engine_for(path, quantization="int8")
+
+
+def test_unsupported_architecture_is_refused(family, tmp_path):
+    model_dir, _, _ = family("llama")
+    path = write_gguf(model_dir, tmp_path / "phi.gguf", arch="phi2")
+    with pytest.raises(ValueError, match="GGUF architecture 'phi2' is not supported"):
+        engine_for(path)
+
+
+def test_rope_freqs_is_skipped_with_a_warning(family, tmp_path, caplog):
+    """llama.cpp's rope_freqs (Llama 3) is not applied, as transformers does not: the
+    tokens stay transformers' (the same weights as the llama test's file), and a warning
+    names it."""
+    model_dir, plain, _ = family("llama")
+    factors = np.linspace(1.0, 8.0, 8, dtype=np.float32)  # head_dim 16 / 2
+    path = write_gguf(model_dir, tmp_path / "rf.gguf", extra={"rope_freqs.weight": factors})
+    prompt = [5, 17, 33, 99, 200, 7]
+    params = SamplingParams(temperature=0.0, max_new_tokens=NEW)
+    with caplog.at_level("WARNING", logger="loraplex"):
+        got = engine_for(path).generate([prompt], params)[0].token_ids
+    assert got == engine_for(plain).generate([prompt], params)[0].token_ids
+    assert any("rope_freqs.weight" in r.getMessage() for r in caplog.records)
+
+
+def test_truncated_file_is_refused(family, tmp_path):
+    _, path, _ = family("llama")
+    cut = tmp_path / "cut.gguf"
+    data = path.read_bytes()
+    cut.write_bytes(data[:len(data) // 2])
+    with pytest.raises(GGUFFileError, match="not a readable GGUF file"):
+        engine_for(cut)
+
+
+def test_unsupported_tensor_type_is_named(family, tmp_path):
+    """A Q2_K tensor (llama.cpp has the type, loraplex does not serve it): refused at load,
+    the tensor and its type named, nothing dequantized."""
+    model_dir, _, _ = family("llama")
+    path = write_gguf(model_dir, tmp_path / "q2k.gguf",
+                      lambda kind: "Q2_K" if kind == "ffn_down" else "Q8_0")
+    with pytest.raises(UnsupportedQuantizationError, match="'blk.0.ffn_down.weight'.*Q2_K"):
+        engine_for(path)
+
+
+def test_serve_takes_a_gguf_file(family):
+    """``loraplex serve --model FILE.gguf`` passes the command line's model check (the
+    engine then serves it as above); a missing file is refused there."""
+    from loraplex.serve_command import check_model_arg
+
+    _, path, _ = family("llama")
+    check_model_arg(str(path))
+    with pytest.raises(ValueError, match="a .gguf file"):
+        check_model_arg(str(path.with_name("missing.gguf")))
