@@ -31,7 +31,8 @@ def adapters(tiny_llama: Path, tmp_path_factory) -> dict[str, Path]:
             for i, (name, kw) in enumerate(SPECS.items())}
 
 
-def peft_greedy(base: Path, adapter: Path | None, scale: float, prompt: list[int]) -> list[int]:
+def peft_greedy(base: Path, adapter: Path | None, scale: float, prompt: list[int],
+                new: int = NEW) -> list[int]:
     """PEFT's greedy tokens with every LoRA layer's scaling multiplied by ``scale``."""
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     if adapter is not None:
@@ -39,8 +40,8 @@ def peft_greedy(base: Path, adapter: Path | None, scale: float, prompt: list[int
         for module in model.modules():
             if isinstance(module, LoraLayer):
                 module.scale_layer(scale)
-    ids = model.eval().generate(torch.tensor([prompt]), max_new_tokens=NEW,
-                                min_new_tokens=NEW, do_sample=False, pad_token_id=0)
+    ids = model.eval().generate(torch.tensor([prompt]), max_new_tokens=new,
+                                min_new_tokens=new, do_sample=False, pad_token_id=0)
     return ids[0, len(prompt):].tolist()
 
 
