@@ -179,3 +179,22 @@ def test_lora_linear_scales_each_row_on_every_backend(name: str, dtype: torch.dt
                                                                        "atol": 3e-2}
     torch.testing.assert_close(got, want, **tol)
     assert torch.equal(got[[1, 6]], base_out[[1, 6]])  # base rows: the base's bits
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "gemma2"])
+def test_scales_on_other_families_equal_peft(arch, tiny_models, tmp_path):
+    """Qwen and Gemma (the CPU kernels): scales 0.5 and 2 beside 1 and the base in one
+    batch equal PEFT; scale 0 is the base's tokens and logprobs."""
+    model = tiny_models(arch)
+    adapter = make_adapter(model, tmp_path / "all", r=8, target_modules="all-linear", seed=7,
+                           scale=0.3)
+    engine = LLMEngine(model=model, dtype="float32", max_lora_rank=8, max_model_len=128,
+                       lora_modules={"all": str(adapter)})
+    prompt = PROMPTS[2]
+    items = [("all", 0.5), ("all", 2.0), ("all", 1.0), (None, 1.0), ("all", 0.0)]
+    outs = engine.generate([prompt] * len(items), [greedy(s, 2) for _, s in items],
+                           adapters=[a for a, _ in items])
+    for (name, scale), out in zip(items[:4], outs):
+        assert out.token_ids == peft_greedy(model, adapter if name else None, scale, prompt), \
+            (name, scale)
+    assert outs[4].token_ids == outs[3].token_ids and outs[4].logprobs == outs[3].logprobs
