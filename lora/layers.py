@@ -50,7 +50,7 @@ class LoRALinear(nn.Module, StepReader):
         if step is not None and step.lora.active:
             scales = step.lora.row_scales
             if scales is not None:  # per-request lora_scale: the delta is linear in x
-                x = (x.float() * scales.unsqueeze(1)).to(x.dtype)
+                x = (x * scales.unsqueeze(1)).to(x.dtype)  # in float32, rounded once
             self.backend.add_lora(out, x, self.lora_a, self.lora_b, self.ranks, step.lora)
         return out
 
