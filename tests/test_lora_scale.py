@@ -198,3 +198,13 @@ def test_scales_on_other_families_equal_peft(arch, tiny_models, tmp_path):
         assert out.token_ids == peft_greedy(model, adapter if name else None, scale, prompt), \
             (name, scale)
     assert outs[4].token_ids == outs[3].token_ids and outs[4].logprobs == outs[3].logprobs
+
+
+def test_unset_proto_scale_is_one():
+    """gRPC: an unset lora_scale is 1, not proto3's 0 (which would be the base model)."""
+    from loraplex.client.request_messages import sampling_params as message
+    from loraplex.server.grpc.proto_convert import sampling_params
+
+    assert sampling_params(message()).lora_scale == 1.0
+    assert sampling_params(message(lora_scale=0.0)).lora_scale == 0.0
+    assert sampling_params(message(lora_scale=2.5)).lora_scale == 2.5
