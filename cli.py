@@ -55,6 +55,9 @@ def add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--top-p", type=float)
     p.add_argument("--top-k", type=int)
     p.add_argument("--seed", type=int, help="the request's sampling seed")
+    p.add_argument("--lora-scale", type=float, default=1.0,
+                   help="multiplies --adapter's delta for this request, in [0, 4] (1 = as "
+                   "trained, 0 = the base model; docs/adapters.md)")
     p.add_argument("--no-chat-template", action="store_true",
                    help="send the prompt as is, not as a user message in the chat template "
                    "(the template is on by default here; the Python client's "
@@ -65,7 +68,8 @@ def add_generate(sub: argparse._SubParsersAction) -> None:
 
 def _sampling(args: argparse.Namespace) -> dict[str, Any]:
     return {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
-            "seed": args.seed, "max_new_tokens": args.max_new_tokens or None}
+            "seed": args.seed, "max_new_tokens": args.max_new_tokens or None,
+            "lora_scale": args.lora_scale}
 
 
 def _budget(args: argparse.Namespace) -> int | None:

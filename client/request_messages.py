@@ -12,7 +12,7 @@ from ..proto import loraplex_pb2 as pb
 # optional fields: None leaves them unset, so the server's default applies
 _OPTIONAL = ("temperature", "top_p", "top_k", "seed", "max_new_tokens", "n", "logprobs",
              "prompt_logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty",
-             "min_p")
+             "min_p", "lora_scale")
 
 
 def sampling_params(temperature: float | None = None, top_p: float | None = None,
@@ -26,13 +26,16 @@ def sampling_params(temperature: float | None = None, top_p: float | None = None
                     repetition_penalty: float | None = None,
                     logit_bias: Mapping[int, float] | None = None, min_p: float | None = None,
                     allowed_token_ids: Sequence[int] | None = None,
-                    bad_words: Sequence[str] | None = None) -> pb.SamplingParams:
+                    bad_words: Sequence[str] | None = None,
+                    lora_scale: float | None = None) -> pb.SamplingParams:
     """A SamplingParams message; None leaves a field unset (the model's default; for
     ``max_new_tokens``: up to max_model_len, unlike ``loraplex generate``'s 256). The
     fields after ``ignore_eos`` are vLLM's (docs/sampling-api.md): ``n`` choices,
     ``logprobs`` / ``prompt_logprobs`` top-k (0 = the token's own logprob only, -1 = the
     whole vocabulary within the server's --max-logprobs), the penalties, ``logit_bias``
-    (token id -> bias), ``min_p``, ``allowed_token_ids``, ``bad_words``."""
+    (token id -> bias), ``min_p``, ``allowed_token_ids``, ``bad_words``; ``lora_scale``
+    multiplies the adapter's delta for this request ([0, 4], 1 = as trained, 0 = the base
+    model exactly; docs/adapters.md)."""
     msg = pb.SamplingParams(min_new_tokens=min_new_tokens, stop=list(stop),
                             stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos,
                             logit_bias=dict(logit_bias or {}),

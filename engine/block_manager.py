@@ -4,22 +4,29 @@ A block is *used* while its ref count is > 0. A free block may still hold the KV
 full, hashed block: it stays findable by its hash (prefix cache) until it is handed out
 again (free_blocks.py: plain blocks first, most recently freed first; then cached ones,
 least recently freed first). The hash chain of a sequence is seeded with its adapter
-id, so two adapters (or two loads of one adapter) never share KV.
+id, so two adapters (or two loads of one adapter) never share KV, and with its
+``lora_scale`` when not 1, so two scales of one adapter never share KV either (a scale of 0
+runs the base model exactly, so it is keyed as the base model's and shares its KV).
 """
 
 from __future__ import annotations
 
 import hashlib
+import struct
 from array import array
 
 from .free_blocks import FreeBlocks
 from .sequence import Sequence
 
 
-def block_hash(parent: bytes, adapter_id: int, tokens: list[int]) -> bytes:
-    """Collision-resistant hash of a full block given its parent's hash."""
+def block_hash(parent: bytes, adapter_id: int, tokens: list[int],
+               lora_scale: float = 1.0) -> bytes:
+    """Collision-resistant hash of a full block given its parent's hash (a scale of 1 hashes
+    as before the scale existed)."""
     h = hashlib.blake2b(parent, digest_size=16)
     h.update(adapter_id.to_bytes(8, "little", signed=True))
+    if lora_scale != 1.0:
+        h.update(struct.pack("<d", lora_scale))
     h.update(array("q", tokens).tobytes())
     return h.digest()
 
@@ -53,10 +60,13 @@ class BlockManager:
     def _chain(self, seq: Sequence, num_full_blocks: int) -> list[bytes]:
         hashes = self.seq_hashes.setdefault(seq.seq_id, [])
         bs = self.block_size
+        scale = seq.params.lora_scale if seq.adapter_id else 1.0
+        adapter_id = seq.adapter_id if scale else 0  # scale 0: the base model's KV
         while len(hashes) < num_full_blocks:
             i = len(hashes)
             parent = hashes[-1] if hashes else b""
-            hashes.append(block_hash(parent, seq.adapter_id, seq.token_slice(i * bs, (i + 1) * bs)))
+            hashes.append(block_hash(parent, adapter_id, seq.token_slice(i * bs, (i + 1) * bs),
+                                     scale if adapter_id else 1.0))
         return hashes[:num_full_blocks]
 
     def match_prefix(self, seq: Sequence) -> None:

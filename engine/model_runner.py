@@ -141,6 +141,7 @@ class ModelRunner:
         positions: list[int] = []
         slots: list[int] = []
         token_slots: list[int] = []  # [T], LoRA slot of every token, -1 = base
+        token_scales: list[float] = []  # [T], its request's lora_scale
         sample_rows: list[int] = []
         sample_seqs: list[Sequence] = []
         prompt_lp: list[tuple[Sequence, int, int, int]] = []
@@ -156,7 +157,10 @@ class ModelRunner:
             positions += range(c, c + n)
             bt, bs = seq.block_table, self.block_size
             slots += [bt[p // bs] * bs + p % bs for p in range(c, c + n)]
-            token_slots += [adapter_slots[seq.adapter_id] if seq.adapter_id else -1] * n
+            scale = seq.params.lora_scale
+            # scale 0 takes the base path: exactly the base model's output
+            token_slots += [adapter_slots[seq.adapter_id] if seq.adapter_id and scale else -1] * n
+            token_scales += [scale] * n
             if c + n == seq.num_tokens:  # all its tokens computed: the last one samples
                 sample_rows.append(len(ids) - 1)
                 sample_seqs.append(seq)
@@ -166,7 +170,7 @@ class ModelRunner:
         meta.fill_tokens(ids, positions)
         meta.attn.fill(slots, [s.block_table for s, _ in entries],
                        [s.num_computed_tokens + n for s, n in entries], starts, len(prefills))
-        meta.lora.fill(token_slots)
+        meta.lora.fill(token_slots, token_scales)
         return StepInputs(sample_rows=sample_rows, sample_seqs=sample_seqs, prompt_lp=prompt_lp)
 
     @torch.inference_mode()

@@ -20,6 +20,7 @@ from ..structured.constraint import StructuredOutputs
 PENALTY_RANGE = 2.0  # presence / frequency penalties lie in [-2, 2] (OpenAI's range)
 LOGIT_BIAS_RANGE = 100.0  # logit_bias values lie in [-100, 100] (OpenAI's range)
 ALL_LOGPROBS = -1  # logprobs / prompt_logprobs: the whole vocabulary (vLLM's meaning)
+MAX_LORA_SCALE = 4.0  # lora_scale lies in [0, 4] (docs/adapters.md)
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,10 @@ class SamplingParams:
     # what the answer must match: a JSON schema, regex, choice or grammar (structured/);
     # a dict is taken as StructuredOutputs' fields
     structured_outputs: StructuredOutputs | dict[str, Any] | None = None
+    # multiplies the adapter's delta for this request only (vLLM's LoRARequest.lora_scale,
+    # vllm#52733): 1 = the adapter as trained, 0 = exactly the base model; no effect on the
+    # base model
+    lora_scale: float = 1.0
 
     def __post_init__(self) -> None:
         """The given values in the fields' one form (lists, int keys, StructuredOutputs);
@@ -114,6 +119,10 @@ class SamplingParams:
             raise ValueError(f"repetition_penalty={r} must be a finite number > 0 (1 = off)")
         if not (math.isfinite(self.min_p) and 0.0 <= self.min_p <= 1.0):
             raise ValueError(f"min_p={self.min_p} must be in [0, 1]")
+        ls = self.lora_scale
+        if not (math.isfinite(ls) and 0.0 <= ls <= MAX_LORA_SCALE):
+            raise ValueError(f"lora_scale={ls} must be in [0, 4] (1 = the adapter as "
+                             "trained, 0 = the base model)")
         for token, bias in (self.logit_bias or {}).items():
             if token < 0:
                 raise ValueError(f"logit_bias key {token} must be a token id >= 0")

@@ -59,6 +59,9 @@ class LoRASegments:
     seg_slots: torch.Tensor  # [S] int32, slot of each segment (-1 segments may be present)
     seg_starts_host: list[int]
     seg_slots_host: list[int]
+    # [T] float32 in token order: each token's per-request adapter scale (SamplingParams.
+    # lora_scale), read by LoRALinear; None when every token with an adapter has scale 1
+    row_scales: torch.Tensor | None
     max_seg_len: int  # longest segment with slot >= 0 (0 when no token has an adapter)
     num_tokens: int  # 0 when inactive
     active: bool  # some token of the step has an adapter (else the layers skip the delta)
@@ -68,20 +71,26 @@ class LoRASegments:
         self._token_indices = StagedBuffer((max_tokens,), torch.int64, device)
         self._seg_starts = StagedBuffer((max_segments + 1,), torch.int32, device)
         self._seg_slots = StagedBuffer((max_segments,), torch.int32, device)
+        self._row_scales = StagedBuffer((max_tokens,), torch.float32, device)
+        self.row_scales = None
         self._set(EMPTY)
 
     @classmethod
-    def from_token_slots(cls, token_slots: list[int], device: torch.device) -> LoRASegments:
+    def from_token_slots(cls, token_slots: list[int], device: torch.device,
+                         token_scales: list[float] | None = None) -> LoRASegments:
         """One step's segments in buffers of its own size (tests, benchmarks)."""
         size = max(len(token_slots), 1)
         segments = cls(size, size, device)
-        segments.fill(token_slots)
+        segments.fill(token_slots, token_scales)
         return segments
 
-    def fill(self, token_slots: list[int]) -> None:
+    def fill(self, token_slots: list[int], token_scales: list[float] | None = None) -> None:
         """Group this step's tokens by slot, in place; ``token_slots[t]`` is token t's slot
-        or -1. A step where no token has an adapter leaves the segments empty and inactive
-        (and costs nothing when the previous step's were already)."""
+        or -1, ``token_scales[t]`` (None: all 1) the multiplier of its adapter's delta (a
+        request's ``lora_scale``; a token of scale 0 is given slot -1 by the ModelRunner, so
+        it takes the base path). A step where no token has an adapter leaves the segments
+        empty and inactive (and costs nothing when the previous step's were already)."""
+        self._set_scales(token_slots, token_scales)
         if max(token_slots, default=-1) < 0:
             if self.active or self.num_segments:
                 self._set(EMPTY)
@@ -92,6 +101,17 @@ class LoRASegments:
                              f"the step's LoRA segments hold {self.max_tokens} tokens and "
                              f"{self.max_segments} segments")
         self._set(host)
+
+    def _set_scales(self, token_slots: list[int], token_scales: list[float] | None) -> None:
+        """``row_scales``: uploaded only when a token with an adapter has a scale other
+        than 1 (else None: the layers add the delta as it is, at no cost)."""
+        if token_scales is None or all(
+                scale == 1.0 for slot, scale in zip(token_slots, token_scales) if slot >= 0):
+            self.row_scales = None
+            return
+        t = len(token_scales)
+        self._row_scales.np[:t] = token_scales
+        self.row_scales = self._row_scales.upload(t)
 
     def _set(self, host: SegmentsHost) -> None:
         """Write the shared fields; a subclass writes its own after calling this."""

@@ -18,8 +18,10 @@ LoRATarget = tuple[int, nn.Module, str, tuple[str, ...], list[int]]
 
 
 class LoRALinear(nn.Module, StepReader):
-    """``base(x) + Σ_slices expand(shrink(x, A[slot]), B[slot])`` per token, the slots read
-    from the step metadata bound to it (``kernel_backends.step_metadata.bind_step``; unbound: the
+    """``base(x) + Σ_slices expand(shrink(s·x, A[slot]), B[slot])`` per token (``s``: the
+    token's request's ``lora_scale``, 1 unless given: ``LoRASegments.row_scales``; the
+    delta is linear in x, so scaling the rows the kernels read scales it on every backend),
+    the slots read from the step metadata bound to it (``kernel_backends.step_metadata.bind_step``; unbound: the
     base linear alone).
 
     Holds the device weights of one fused linear: per output slice (q/k/v: 3, gate/up: 2,
@@ -46,6 +48,9 @@ class LoRALinear(nn.Module, StepReader):
         out = self.base(x)
         step = self.step
         if step is not None and step.lora.active:
+            scales = step.lora.row_scales
+            if scales is not None:  # per-request lora_scale: the delta is linear in x
+                x = (x * scales.unsqueeze(1)).to(x.dtype)  # in float32, rounded once
             self.backend.add_lora(out, x, self.lora_a, self.lora_b, self.ranks, step.lora)
         return out
 

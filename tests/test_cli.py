@@ -180,6 +180,23 @@ def test_generate_in_process_unknown_adapter(capsys, tiny_llama: Path) -> None:
     assert "nope" in err
 
 
+def test_generate_in_process_lora_scale(capsys, tiny_llama: Path, good: Path) -> None:
+    """--lora-scale reaches the request: 0 prints the base model's answer, 2 what the
+    engine gives at that scale; out of range is a usage error naming lora_scale."""
+    engine = LLMEngine(tiny_llama, device="cpu", dtype="float32", lora_modules={"g": str(good)})
+    base_out, doubled = engine.generate(
+        ["the cat"] * 2, [SamplingParams(temperature=0.0, max_new_tokens=8, lora_scale=s)
+                          for s in (1.0, 2.0)], adapters=[None, "g"])
+    cmd = ["generate", "the cat", "--model", str(tiny_llama), "--device", "cpu", "--dtype",
+           "float32", "--max-new-tokens", "8", "--no-chat-template", "--lora-modules",
+           f"g={good}", "--adapter", "g"]
+    assert main([*cmd, "--lora-scale", "0"]) == 0
+    assert capsys.readouterr().out == base_out.text + "\n"
+    assert main([*cmd, "--lora-scale", "2"]) == 0
+    assert capsys.readouterr().out == doubled.text + "\n"
+    assert "lora_scale" in usage_error(capsys, *cmd, "--lora-scale", "5")
+
+
 def test_serve_start_failure_is_one_line_and_exit_1(caplog, tmp_path: Path) -> None:
     """A model dir without config.json passes the flag checks but fails to load."""
     caplog.set_level("ERROR", logger="loraplex")

@@ -72,6 +72,8 @@ def test_contract_names() -> None:
     # sampling fields with a model default have presence: unset != 0
     for name in ("temperature", "top_p", "top_k", "seed", "max_new_tokens"):
         assert pb.SamplingParams.DESCRIPTOR.fields_by_name[name].has_presence
+    # unset lora_scale is 1 (the adapter as trained), not 0 (the base model)
+    assert pb.SamplingParams.DESCRIPTOR.fields_by_name["lora_scale"].has_presence
 
 
 def test_messages_pickle_under_their_module_name() -> None:

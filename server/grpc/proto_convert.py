@@ -15,9 +15,9 @@ from ..prompt import Prompt, resolve_prompt
 
 _OPTIONAL_PARAMS = ("temperature", "top_p", "top_k", "seed", "max_new_tokens")
 # set only when given: unset, the engine's SamplingParams defaults apply (n 1, no logprobs,
-# penalties off, min_p 0)
+# penalties off, min_p 0, lora_scale 1)
 _GIVEN_PARAMS = ("n", "logprobs", "prompt_logprobs", "presence_penalty", "frequency_penalty",
-                 "repetition_penalty", "min_p")
+                 "repetition_penalty", "min_p", "lora_scale")
 MAX_REQUEST_ID_LEN = 256
 
 

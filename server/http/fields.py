@@ -39,6 +39,9 @@ SHARED_REFUSED: dict[str, tuple[Any, ...]] = {
     "vllm_xargs": ({},),
     "return_token_ids": (False,),
     "prompt_embeds": (),
+    # llama.cpp's per-request adapters and scales: one adapter per request here (``model``),
+    # its scale ``lora_scale`` (vLLM's name)
+    "lora": ([],),
 }
 COMPLETION_REFUSED: dict[str, tuple[Any, ...]] = {
     **SHARED_REFUSED,
@@ -90,7 +93,8 @@ REPLACED = {"guided_json": "structured_outputs.json", "guided_regex": "structure
             "guided_choice": "structured_outputs.choice",
             "guided_grammar": "structured_outputs.grammar",
             "guided_whitespace_pattern": "structured_outputs.max_whitespace",
-            "functions": "tools", "function_call": "tool_choice"}
+            "functions": "tools", "function_call": "tool_choice",
+            "lora": "model (the adapter) and lora_scale"}
 
 
 def _hint(name: str, neutral: tuple[Any, ...]) -> str:

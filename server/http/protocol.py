@@ -56,6 +56,8 @@ class SamplingFields(RequestBody):
     bad_words: list[str] | None = None
     prompt_logprobs: int | None = None
     return_tokens_as_token_ids: bool | None = None
+    # loraplex's: multiplies the adapter's delta (vLLM's LoRARequest.lora_scale), [0, 4]
+    lora_scale: float | None = None
     # what the answer must match (response_format.py): OpenAI's and vLLM's forms
     response_format: ResponseFormat | None = None
     structured_outputs: dict[str, Any] | None = None

@@ -27,7 +27,8 @@ from .response_format import request_constraint
 from .responses import View
 from .tools import plan_tools
 
-_OPTIONAL = ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p")
+_OPTIONAL = ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p",
+             "lora_scale")
 
 
 def sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: int | None,

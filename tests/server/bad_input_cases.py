@@ -85,6 +85,10 @@ GENERATE_CASES = [
     gen("repetition_penalty-zero", INVALID, "repetition_penalty", repetition_penalty=0.0),
     gen("min_p-negative", INVALID, "min_p", min_p=-0.1),
     gen("min_p-over-one", INVALID, "min_p", min_p=1.5),
+    # the per-request adapter scale (issue 46)
+    gen("lora_scale-negative", INVALID, "lora_scale", lora_scale=-0.5, adapter=GOOD),
+    gen("lora_scale-over-4", INVALID, "lora_scale", lora_scale=4.5, adapter=GOOD),
+    gen("lora_scale-nan", INVALID, "lora_scale", lora_scale=NAN, adapter=GOOD),
     gen("allowed_token_ids-equal-vocab", INVALID, "allowed_token_ids",
         allowed_token_ids=[5, VOCAB]),
     # structured outputs (issue 30)
@@ -343,6 +347,8 @@ HTTP_CASES = [
                repetition_penalty=-1.0),
     completion("min_p-over-one", 400, "min_p", min_p=1.5),
     chat("chat-min_p-negative", 400, "min_p", min_p=-0.5),
+    completion("lora_scale-over-4", 400, "lora_scale", lora_scale=5.0, model=GOOD),
+    chat("chat-lora_scale-negative", 400, "lora_scale", lora_scale=-1.0, model=GOOD),
     completion("best_of-2", 400, "best_of", best_of=2),
     completion("max_tokens-zero-without-echo", 400, "max_tokens", max_tokens=0),
     completion("max_tokens-past-max_model_len", 400, "max_tokens=250 is too large",

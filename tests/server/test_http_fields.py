@@ -35,6 +35,7 @@ CHANGING: dict[str, Any] = {
     "vllm_xargs": {"x": 1},
     "return_token_ids": True,
     "prompt_embeds": "AAAA",
+    "lora": [{"id": 0, "scale": 0.5}],
     "suffix": " end",
     "add_special_tokens": None,  # per route: the other route's default
     "functions": [{"name": "f", "parameters": {}}],

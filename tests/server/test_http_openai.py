@@ -113,6 +113,31 @@ def test_vllm_extras_apply(oai: openai.OpenAI, grpc_client: Any) -> None:
     assert http.usage.completion_tokens == ref.usage.completion_tokens >= 3
 
 
+@pytest.mark.parametrize("scale", [0.5, 2.0, 0.0])
+def test_lora_scale_on_both_fronts_equals_peft(oai: openai.OpenAI, grpc_client: Any,
+                                               tiny_llama: Path,
+                                               tiny_adapters: Callable[[str], Path],
+                                               scale: float) -> None:
+    """``lora_scale`` (an extra body field; a SamplingParams field over gRPC): PEFT's tokens
+    with the adapter's scaling multiplied; 0 gives the base model's."""
+    from tests.test_lora_scale import NEW, peft_greedy
+
+    prompt = [5, 17, 33, 9, 120, 7]
+    want = peft_greedy(tiny_llama, tiny_adapters("a0") if scale else None, scale, prompt)
+    ref = grpc_client.generate(prompt_token_ids=prompt, adapter="a", temperature=0.0,
+                               max_new_tokens=NEW, min_new_tokens=NEW, lora_scale=scale)
+    assert list(ref.token_ids) == want
+    http = oai.completions.create(model="a", prompt=prompt, temperature=0.0, max_tokens=NEW,
+                                  extra_body={"min_tokens": NEW, "lora_scale": scale})
+    assert http.choices[0].text == ref.text
+    chat = oai.chat.completions.create(model="a", messages=CHAT, **GREEDY,
+                                       extra_body={**IGNORE_EOS, "lora_scale": scale})
+    chat_ref = grpc_client.generate(adapter="a" if scale else "", messages=CHAT,
+                                    temperature=0.0, max_new_tokens=8, ignore_eos=True,
+                                    lora_scale=scale if scale else None)
+    assert chat.choices[0].message.content == chat_ref.text
+
+
 @pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
 def test_stream_concatenates_to_the_whole_text(oai: openai.OpenAI, chat: bool) -> None:
     kw = dict(model="a", **GREEDY, extra_body=IGNORE_EOS)
