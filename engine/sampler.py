@@ -8,8 +8,11 @@ distribution (one uniform a row: far cheaper on a CPU than a vocabulary of expon
 Only the chosen ids, the finite flags and the requested logprobs
 go to the host.
 
-A seeded sequence draws its uniform from its own generator, advanced once per token, so
-it gets the same tokens alone or inside any batch; the others share the engine's generator.
+A seeded sequence's uniform for its output token at position p is a counter-based draw,
+``seeded_uniform(seed + choice index, p)``: a function of those two numbers and nothing else
+(no generator state), so the sequence gets the same tokens alone or in any batch, with any
+chunked-prefill split, after a prefix-cache hit and after preemption and recompute. The
+others share the engine's generator.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from .sampling_batch import SamplingBatch, build_batch
 from .sequence import Sequence
 
 NEG_INF = float("-inf")
+_MASK64 = 2**64 - 1
 TOP_K_SHORTCUT = 8  # top-k <= vocab / 8 in every row: top-p sorts only the kept tokens
 
 
@@ -94,13 +98,11 @@ class Sampler:
         self.kernels = kernels  # argmax_rows for greedy rows, logprob_rows
         self.device = kernels.device
         self.generator = torch.Generator(self.device).manual_seed(seed)  # unseeded requests
-        self.seeded: dict[str, torch.Generator] = {}  # seq_id -> its own generator
         self.penalties: PenaltyState | None = None  # made on the first penalised row
         self.processed = logprobs_mode.startswith("processed")
         self.mode_kind = logprobs_mode.rsplit("_", 1)[1]  # "logprobs" | "logits"
 
     def forget(self, seq_id: str) -> None:
-        self.seeded.pop(seq_id, None)
         if self.penalties is not None:
             self.penalties.forget(seq_id)
 
@@ -209,26 +211,45 @@ class Sampler:
 
     def _draw(self, x: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """One token per row from softmax(x) by inverse CDF: one uniform u per row (a
-        seeded row's from its own generator), the first token whose float64 cumulative
-        probability passes u × the total. A token of probability 0 is never drawn."""
+        seeded row's from ``seeded_uniform`` of its seed, choice and output position), the
+        first token whose float64 cumulative probability passes u × the total. A token of
+        probability 0 is never drawn."""
         probs = x.softmax(dim=-1)
-        u = torch.empty(len(seqs), 1, dtype=torch.float64, device=x.device)
         seeded = [i for i, s in enumerate(seqs) if s.params.seed is not None]
-        if len(seeded) < len(seqs):
+        if len(seeded) == len(seqs):
+            u = torch.tensor([_seeded_u(s) for s in seqs], dtype=torch.float64,
+                             device=x.device).unsqueeze(1)
+        else:
+            u = torch.empty(len(seqs), 1, dtype=torch.float64, device=x.device)
             u.uniform_(generator=self.generator)
-        for i in seeded:  # one draw per seeded row from its own generator
-            u[i].uniform_(generator=self._generator(seqs[i]))
+            if seeded:
+                u[torch.tensor(seeded, dtype=torch.int64, device=x.device), 0] = torch.tensor(
+                    [_seeded_u(seqs[i]) for i in seeded], dtype=torch.float64, device=x.device)
         cdf = probs.to(torch.float64).cumsum_(dim=-1)
         idx = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp_(max=x.shape[-1] - 1)
         zero = probs.gather(1, idx) == 0  # u × total rounded up to the total: rare
         return torch.where(zero, probs.argmax(dim=-1, keepdim=True), idx).squeeze(1)
 
-    def _generator(self, seq: Sequence) -> torch.Generator:
-        gen = self.seeded.get(seq.seq_id)
-        if gen is None:
-            seed = (seq.params.seed + seq.index) % 2**63  # choice i: seed + i (vLLM's)
-            gen = self.seeded[seq.seq_id] = torch.Generator(self.device).manual_seed(seed)
-        return gen
+
+def _mix64(z: int) -> int:
+    """SplitMix64's finaliser: a bijection of 64-bit integers that mixes every bit."""
+    z = (z + 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def seeded_uniform(stream: int, position: int) -> float:
+    """The uniform in [0, 1) that stream ``stream`` draws for output position ``position``:
+    a counter-based draw (SplitMix64 of the stream, then of that and the position), 53 bits
+    as torch's float64 ``uniform_``. It depends on these two numbers only."""
+    return (_mix64(_mix64(stream) ^ position) >> 11) * 2.0**-53
+
+
+def _seeded_u(seq: Sequence) -> float:
+    """A seeded row's uniform: stream seed + choice index (choice i of seed s is the single
+    choice of seed s + i, vLLM's rule), at the position of the token it draws now."""
+    return seeded_uniform((seq.params.seed + seq.index) % 2**63, seq.num_output_tokens)
 
 
 def _spread(part: tuple | None, rows: list[int], neutral: float, device: torch.device,

@@ -64,7 +64,8 @@ def test_abort_frees_every_block(tiny_llama):
     assert len(engine.requests[rid]) == 5
     assert engine.abort(rid)
     assert len(engine.block_manager.free) == free and not engine.requests
-    assert not engine.has_unfinished_requests() and not engine.runner.sampler.seeded
+    # seeded draws keep no per-sequence state (a function of seed, choice and position)
+    assert not engine.has_unfinished_requests() and not hasattr(engine.runner.sampler, "seeded")
 
 
 def test_fork_under_block_pressure_recomputes(tiny_llama):
