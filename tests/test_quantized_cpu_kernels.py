@@ -94,7 +94,7 @@ def check(y: torch.Tensor, x: torch.Tensor, weight: QuantizedWeight,
     err = (y.float() - want.float()).abs()
     bound = tolerance(x.reshape(-1, x.shape[-1]), weight).reshape(err.shape)
     if bias is not None:
-        bound = bound + 2 * U * bias.abs() + (2.0 ** -8 * bias.abs()
+        bound = bound + 2 * U * bias.float().abs() + (2.0 ** -8 * bias.float().abs()
                                              if x.dtype == torch.bfloat16 else 0)
     worst = (err / bound).max().item()
     assert worst <= 1.0, f"error {worst:.3g} x the stated bound"
@@ -112,7 +112,7 @@ def test_kernel_equals_twin(ext, isa: str, name: str, rows: int, dtype: torch.dt
     weight = make_weight(name, out, inp, seed=rows)
     gen = torch.Generator().manual_seed(rows + out)
     x = torch.randn(rows, inp, generator=gen).to(dtype)
-    bias = torch.randn(out, generator=gen) if out == 131 else None
+    bias = torch.randn(out, generator=gen).to(dtype) if out == 131 else None
     y = kernels.quantized_linear(ext, x, weight, bias, isa=isa)
     check(y, x, weight, bias)
 

@@ -11,6 +11,7 @@
 // Q8_0 and int8: no offset.)
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <vector>

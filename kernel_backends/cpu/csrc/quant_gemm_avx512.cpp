@@ -115,20 +115,26 @@ inline void rows_of_column_bf16(const Problem& p, int64_t n, int64_t m0) {
   }
 }
 
+// Tiles of columns as columns() (quant_gemm_body.h): a block of x read once a tile.
 template <int F>
 void columns_bf16(const Problem& p, int64_t n0, int64_t n1) {
-  for (int64_t n = n0; n < n1; ++n) {
+  const int64_t tile = std::max<int64_t>(1, kTileBytes / p.row_bytes);
+  for (int64_t t0 = n0; t0 < n1; t0 += tile) {
+    const int64_t t1 = std::min(n1, t0 + tile);
     int64_t m = 0;
-    for (; m + kMbBf16 <= p.M; m += kMbBf16) rows_of_column_bf16<F, kMbBf16>(p, n, m);
-    switch (p.M - m) {
-      case 7: rows_of_column_bf16<F, 7>(p, n, m); break;
-      case 6: rows_of_column_bf16<F, 6>(p, n, m); break;
-      case 5: rows_of_column_bf16<F, 5>(p, n, m); break;
-      case 4: rows_of_column_bf16<F, 4>(p, n, m); break;
-      case 3: rows_of_column_bf16<F, 3>(p, n, m); break;
-      case 2: rows_of_column_bf16<F, 2>(p, n, m); break;
-      case 1: rows_of_column_bf16<F, 1>(p, n, m); break;
-      default: break;
+    for (; m + kMbBf16 <= p.M; m += kMbBf16)
+      for (int64_t n = t0; n < t1; ++n) rows_of_column_bf16<F, kMbBf16>(p, n, m);
+    for (int64_t n = t0; n < t1; ++n) {
+      switch (p.M - m) {
+        case 7: rows_of_column_bf16<F, 7>(p, n, m); break;
+        case 6: rows_of_column_bf16<F, 6>(p, n, m); break;
+        case 5: rows_of_column_bf16<F, 5>(p, n, m); break;
+        case 4: rows_of_column_bf16<F, 4>(p, n, m); break;
+        case 3: rows_of_column_bf16<F, 3>(p, n, m); break;
+        case 2: rows_of_column_bf16<F, 2>(p, n, m); break;
+        case 1: rows_of_column_bf16<F, 1>(p, n, m); break;
+        default: break;
+      }
     }
   }
 }

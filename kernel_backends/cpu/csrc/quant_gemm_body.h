@@ -9,6 +9,7 @@
 // depend on what it is batched with, nor on the threads).
 constexpr int kNv = 32 / V::W;
 constexpr int kMb = 4;  // rows of x a decoded chunk serves before the next is decoded
+constexpr int64_t kTileBytes = 64 * 1024;  // weight bytes a tile of columns holds
 
 template <int F>
 inline void decode(const uint8_t* q, typename V::reg* out) {
@@ -74,18 +75,27 @@ inline void rows_of_column(const Problem& p, int64_t n, int64_t m0, float* offse
   }
 }
 
+// Columns n0 .. n1 in tiles of ~kTileBytes of weight: each tile is read from memory once
+// and serves every block of kMb rows from cache, so a block of x (kMb rows, ≤ 128 KB at
+// K = 8192) is read once a tile, not once a column. Each (row, column) is the same
+// operations whatever the tiling.
 template <int F>
 void columns(const Problem& p, int64_t n0, int64_t n1) {
   std::vector<float> offsets(has_offset(F) ? p.K / 32 : 0);
   float* off = offsets.data();
-  for (int64_t n = n0; n < n1; ++n) {
+  const int64_t tile = std::max<int64_t>(1, kTileBytes / p.row_bytes);
+  for (int64_t t0 = n0; t0 < n1; t0 += tile) {
+    const int64_t t1 = std::min(n1, t0 + tile);
     int64_t m = 0;
-    for (; m + kMb <= p.M; m += kMb) rows_of_column<F, kMb>(p, n, m, off);
-    switch (p.M - m) {
-      case 3: rows_of_column<F, 3>(p, n, m, off); break;
-      case 2: rows_of_column<F, 2>(p, n, m, off); break;
-      case 1: rows_of_column<F, 1>(p, n, m, off); break;
-      default: break;
+    for (; m + kMb <= p.M; m += kMb)
+      for (int64_t n = t0; n < t1; ++n) rows_of_column<F, kMb>(p, n, m, off);
+    for (int64_t n = t0; n < t1; ++n) {
+      switch (p.M - m) {
+        case 3: rows_of_column<F, 3>(p, n, m, off); break;
+        case 2: rows_of_column<F, 2>(p, n, m, off); break;
+        case 1: rows_of_column<F, 1>(p, n, m, off); break;
+        default: break;
+      }
     }
   }
 }
