@@ -5,13 +5,19 @@ intermediate 8192, 32 query and 8 KV heads of 64).
 
     python -m loraplex.benchmarks.quantized_cpu_kernels [--models smollm2 llama1b]
         [--rows 1 32] [--dtype bfloat16 float32] [--formats Q4_0 Q4_1 Q8_0 int8 int4]
-        [--isa avx512] [--rounds 5] [--threads N] [--no-twin]
+        [--isa avx512] [--rounds 5] [--threads N] [--no-twin] [--cold]
 
 Run it in a fresh process: the baseline (F.linear) is timed first, then the kernel, then
 the twin; each round flips the order (baseline, kernel, twin / twin, kernel, baseline), so
 the kernel runs both before and after the baseline. The table gives the best round of
 each and F.linear's time over the kernel's (above 1: the kernel is faster). The first
 lines name the ISA, the kernel path, dtype and threads.
+
+Hot (default): every call reads the same weight, which stays in cache where it fits
+(SmolLM2's linears, Llama-3.2-1B's but gate_up in a 32 MB L3), so the bytes read hardly
+count. ``--cold``: each call reads the next of enough copies of the weight (float and
+quantized alike) to fill ``COLD_BYTES``, as a decode step reads every layer's weights
+once, from memory.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import torch.nn.functional as F
 
 from ..kernel_backends.cpu import extension
 from ..kernel_backends.cpu import quantized_linear as kernels
+from ..kernel_backends.quantized_weight import QuantizedWeight
 from ..kernel_backends.torch.quantized_linear import quantized_linear as twin_linear
 from .common import machine_line
 from .quantized_twin import SHAPES as SMOLLM2_SHAPES
@@ -32,10 +39,23 @@ LLAMA_1B = {"qkv": (2048 + 2 * 512, 2048), "o": (2048, 2048), "gate_up": (2 * 81
             "down": (2048, 8192)}
 MODELS = {"smollm2": SMOLLM2_SHAPES, "llama1b": LLAMA_1B}
 FORMATS = ["Q4_0", "Q4_1", "Q8_0", "int8", "int4"]
+COLD_BYTES = 256 << 20  # --cold: copies of the float weight to fill this (past any L3)
+
+
+class Cycle:
+    """Calls ``fn(copy)`` on the next of ``copies`` in turn."""
+
+    def __init__(self, fn, copies: list) -> None:
+        self.fn, self.copies, self.at = fn, copies, 0
+
+    def __call__(self) -> object:
+        self.at = (self.at + 1) % len(self.copies)
+        return self.fn(self.copies[self.at])
 
 
 def measure(shape: tuple[int, int], fmt: str, rows: int, dtype: torch.dtype, rounds: int,
-            isa: str, twin: bool = True) -> tuple[float, float, float | None] | None:
+            isa: str, twin: bool = True,
+            cold: bool = False) -> tuple[float, float, float | None] | None:
     """Best seconds of F.linear, the kernel and the twin (None: not timed); None where the
     format does not fit the shape."""
     ext = extension.load()
@@ -49,9 +69,15 @@ def measure(shape: tuple[int, int], fmt: str, rows: int, dtype: torch.dtype, rou
     big = shape[0] * shape[1] > 8_000_000
     reps = 3 if big else 10
     times: dict[str, list[float]] = {"base": [], "kernel": [], "twin": []}
-    calls = [("base", lambda: F.linear(x, wd)),
-             ("kernel", lambda: kernels.quantized_linear(ext, x, qw, isa=isa,
-                                                         max_rows=1 << 30))]
+    n = max(1, COLD_BYTES // wd.nbytes) if cold else 1
+    floats = [wd] + [wd.clone() for _ in range(n - 1)]
+    quants = [qw] + [QuantizedWeight(qw.format, qw.shape, qw.data.clone(),
+                                     None if qw.scales is None else qw.scales.clone(),
+                                     None if qw.zeros is None else qw.zeros.clone())
+                     for _ in range(n - 1)]
+    calls = [("base", Cycle(lambda w: F.linear(x, w), floats)),
+             ("kernel", Cycle(lambda w: kernels.quantized_linear(ext, x, w, isa=isa,
+                                                                 max_rows=1 << 30), quants))]
     if twin:
         calls.append(("twin", lambda: twin_linear(x, qw)))
     for r in range(rounds):
@@ -72,13 +98,16 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=0,
                     help="torch's intra-op threads (0: torch's default)")
     ap.add_argument("--no-twin", action="store_true", help="leave the torch twin out")
+    ap.add_argument("--cold", action="store_true",
+                    help="each call reads the next of many copies of the weight (from memory)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     isa = args.isa or kernels.isas(extension.load())[0]
     for dtype_name in args.dtype:
         dtype = getattr(torch, dtype_name)
-        print(machine_line(f"quantized {isa}", dtype_name))
+        print(machine_line(f"quantized {isa}", dtype_name)
+              + (", cold (weights read from memory)" if args.cold else ", hot"))
         print("| model | shape [out, in] | format | rows | F.linear µs | kernel µs | twin µs "
               "| F.linear / kernel | bits / weight |")
         print("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
@@ -87,7 +116,7 @@ def main() -> None:
                 for fmt in args.formats:
                     for rows in args.rows:
                         got = measure(shape, fmt, rows, dtype, args.rounds, isa,
-                                      not args.no_twin)
+                                      not args.no_twin, args.cold)
                         if got is None:
                             continue
                         base, kernel, twin = got

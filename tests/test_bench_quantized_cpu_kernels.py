@@ -14,6 +14,15 @@ def test_measure_every_format(fmt: str) -> None:
     assert base > 0 and kernel > 0 and twin is not None and twin > 0
 
 
+def test_cold_cycles_through_copies(monkeypatch: pytest.MonkeyPatch) -> None:
+    from loraplex.benchmarks import quantized_cpu_kernels
+
+    monkeypatch.setattr(quantized_cpu_kernels, "COLD_BYTES", 4 * 64 * 512 * 2)
+    base, kernel, twin = measure((64, 512), "int4", 1, torch.bfloat16, rounds=1,
+                                 isa="scalar", twin=False, cold=True)
+    assert base > 0 and kernel > 0 and twin is None
+
+
 def test_the_llama_1b_shapes() -> None:
     assert MODELS["llama1b"]["gate_up"] == (16384, 2048)
     assert MODELS["llama1b"]["down"] == (2048, 8192)
