@@ -55,8 +55,9 @@ def quantized_linear(ext: ModuleType, x: torch.Tensor, weight: QuantizedWeight,
     scales = weight.scales
     if scales is not None and scales.dtype != torch.float32:
         scales = scales.float()
-    y = ext.quant_linear(x.reshape(rows, in_features), weight.data,
-                         None if scales is None else scales.contiguous(), weight.zeros,
+    y = ext.quant_linear(x.reshape(rows, in_features), weight.data.contiguous(),
+                         None if scales is None else scales.contiguous(),
+                         None if weight.zeros is None else weight.zeros.contiguous(),
                          None if bias is None else bias.float().contiguous(),
                          FORMAT_CODES[weight.format.name], weight.format.block,
                          isa or isas(ext)[0])
