@@ -1,7 +1,7 @@
 """The CPU backend: the C++ kernels of csrc/ (built by extension.py), the CPU routes of the
 LoRA delta (lora_routes.py) over rank-row pools with r-major B, packed float32 linears
 (packed_linear.py: float32, and bfloat16 where native), the weight-only quantized linears
-(quantized_linear.py: Q8_0, Q4_0, Q4_1, int8, int4 read in their own bytes, one path per
+(quantized_linear.py: Q8_0, Q4_0, Q4_1, Q4_K, int8, int4 read in their own bytes, one path per
 ISA) and the per-ISA dtype rule (isa.py). Everything CPU-specific lives in
 this folder: without it, or without a compiler, the engine serves with the torch backend.
 

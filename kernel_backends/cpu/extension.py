@@ -13,7 +13,7 @@
 - csrc/panel_gemm.cpp: float32 linears over weights packed into 16-column panels (AVX2).
 - csrc/panel_gemm_bf16.cpp: bfloat16 linears over 32-column panels of k pairs (AVX512-BF16).
 - csrc/quant_gemm*.cpp: linears over weight-only quantized weights read in their own bytes
-  (Q8_0, Q4_0, Q4_1, int8, int4), one path per ISA chosen at run time (AVX-512 and
+  (Q8_0, Q4_0, Q4_1, Q4_K, int8, int4), one path per ISA chosen at run time (AVX-512 and
   AVX512-BF16, AVX2, plain C, each built with its own target so that one build tests all
   this CPU runs).
 

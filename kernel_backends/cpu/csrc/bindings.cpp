@@ -95,7 +95,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "the quantized linear's paths this CPU runs, fastest first (avx512, avx2, scalar)");
   m.def("quant_linear", &quant_linear,
         "x · Wᵀ (+ bias) with W in its quantized bytes (0 Q8_0, 1 Q4_0, 2 Q4_1, 3 int8, "
-        "4 int4), x float32 or bfloat16, float32 products and sums, on the `isa` path",
+        "4 int4, 5 Q4_K), x float32 or bfloat16, float32 products and sums, on the `isa` path",
         py::arg("x"), py::arg("data"), py::arg("scales"), py::arg("zeros"), py::arg("bias"),
         py::arg("format"), py::arg("group"), py::arg("isa"),
         py::call_guard<py::gil_scoped_release>());

@@ -8,7 +8,8 @@
 // compute   y[m, n] = Σ_c d_c · (Σ_i q_i x_i) + Σ_c c_c · (Σ_i x_i)
 // with the chunk sums of x (xsum) computed once per call: the offset costs one scalar FMA
 // a chunk instead of one vector op a weight. (Q4_0: c = -8 d; Q4_1: c = m; int4: c = -z s;
-// Q8_0 and int8: no offset.)
+// Q4_K: d = d_sb * scale_j, c = -dmin_sb * min_j of the 32-weight sub-block j of its
+// 256-weight super-block; Q8_0 and int8: no offset.)
 #pragma once
 
 #include <algorithm>
@@ -18,7 +19,7 @@
 
 namespace lp_quant {
 
-enum Format : int { kQ8_0 = 0, kQ4_0 = 1, kQ4_1 = 2, kInt8 = 3, kInt4 = 4 };
+enum Format : int { kQ8_0 = 0, kQ4_0 = 1, kQ4_1 = 2, kInt8 = 3, kInt4 = 4, kQ4_K = 5 };
 enum Isa : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3 };
 
 struct Problem {
@@ -70,6 +71,7 @@ inline float half_to_float(const uint8_t* at) {
 struct Chunk {
   float d, c;
   const uint8_t* q;
+  int shift = 0;  // Q4_K: the chunk's nibbles are the low (0) or high (4) ones of 32 bytes
 };
 
 template <int F>
@@ -86,6 +88,20 @@ inline Chunk chunk(const Problem& p, const uint8_t* row, int64_t n, int64_t c) {
     return {half_to_float(b), half_to_float(b + 2), b + 4};
   } else if constexpr (F == kInt8) {
     return {1.f, 0.f, row + c * 32};  // the row's scale multiplies the sum at the end
+  } else if constexpr (F == kQ4_K) {  // ggml's get_scale_min_k4
+    const uint8_t* b = row + (c >> 3) * 144;
+    const uint8_t* s = b + 4;
+    const int j = int(c & 7);
+    int sc, mn;
+    if (j < 4) {
+      sc = s[j] & 63;
+      mn = s[j + 4] & 63;
+    } else {
+      sc = (s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4);
+      mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+    }
+    return {half_to_float(b) * float(sc), -(half_to_float(b + 2) * float(mn)),
+            b + 16 + 32 * (j >> 1), (j & 1) * 4};
   } else {
     const int64_t at = n * (p.K >> p.group_shift) + (c >> (p.group_shift - 5));
     const float s = p.scales[at];
@@ -93,7 +109,9 @@ inline Chunk chunk(const Problem& p, const uint8_t* row, int64_t n, int64_t c) {
   }
 }
 
-constexpr bool has_offset(int F) { return F == kQ4_0 || F == kQ4_1 || F == kInt4; }
+constexpr bool has_offset(int F) {
+  return F == kQ4_0 || F == kQ4_1 || F == kInt4 || F == kQ4_K;
+}
 constexpr bool nibbles(int F) { return F == kQ4_0 || F == kQ4_1 || F == kInt4; }
 
 }  // namespace lp_quant

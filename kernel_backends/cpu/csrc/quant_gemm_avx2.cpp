@@ -46,6 +46,17 @@ inline void decode_nibbles(const uint8_t* q, __m256* out) {
   out[3] = bytes_to_floats(_mm_srli_si128(hi, 8));
 }
 
+// 32 bytes -> their low (shift 0) or high (shift 4) nibbles: Q4_K's sub-blocks.
+inline void decode_nibbles32(const uint8_t* q, int shift, __m256* out) {
+  const __m256i mask = _mm256_set1_epi32(0x0F);
+  const __m128i count = _mm_cvtsi32_si128(shift);
+  for (int i = 0; i < 4; ++i) {
+    const __m256i v =
+        _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * i)));
+    out[i] = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srl_epi32(v, count), mask));
+  }
+}
+
 inline void decode_int8(const uint8_t* q, __m256* out) {
   for (int i = 0; i < 4; ++i)
     out[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(

@@ -39,6 +39,17 @@ inline void decode_nibbles(const uint8_t* q, __m512* out) {
   out[1] = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
 }
 
+// 32 bytes -> their low (shift 0) or high (shift 4) nibbles: Q4_K's sub-blocks.
+inline void decode_nibbles32(const uint8_t* q, int shift, __m512* out) {
+  const __m512i mask = _mm512_set1_epi32(0x0F);
+  for (int i = 0; i < 2; ++i) {
+    const __m512i v =
+        _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16 * i)));
+    out[i] = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srl_epi32(v, _mm_cvtsi32_si128(shift)),
+                                                 mask));
+  }
+}
+
 inline void decode_int8(const uint8_t* q, __m512* out) {
   out[0] = _mm512_cvtepi32_ps(
       _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q))));
@@ -67,7 +78,7 @@ template <int F>
 inline __m512bh weights_bf16(const Problem& p, const uint8_t* row, int64_t n, int64_t c) {
   const Chunk ch = chunk<F>(p, row, n, c);
   __m512 q[2];
-  decode<F>(ch.q, q);
+  decode<F>(ch, q);
   if constexpr (F == kInt8) return _mm512_cvtne2ps_pbh(q[1], q[0]);
   const __m512 d = _mm512_set1_ps(ch.d), off = _mm512_set1_ps(ch.c);
   return _mm512_cvtne2ps_pbh(_mm512_fmadd_ps(q[1], d, off), _mm512_fmadd_ps(q[0], d, off));
@@ -148,6 +159,7 @@ void run_avx512_bf16(const Problem& p, int64_t n0, int64_t n1) {
     case kQ4_1: columns_bf16<kQ4_1>(p, n0, n1); break;
     case kInt8: columns_bf16<kInt8>(p, n0, n1); break;
     case kInt4: columns_bf16<kInt4>(p, n0, n1); break;
+    case kQ4_K: columns_bf16<kQ4_K>(p, n0, n1); break;
     default: break;
   }
 }

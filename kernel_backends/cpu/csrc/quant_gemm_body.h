@@ -1,7 +1,7 @@
 // The quantized linear's loop, for one ISA: included by quant_gemm_{scalar,avx2,avx512}
 // after that ISA's `V` (a vector of W floats: zero, load, mul, fma, set1, hsum) and its
-// chunk decoders (`decode_nibbles`, `decode_int8`: 32 integers -> NV = 32 / W vectors of
-// floats) are defined, under that ISA's target pragma.
+// chunk decoders (`decode_nibbles`, `decode_int8`, `decode_nibbles32`: 32 integers -> NV =
+// 32 / W vectors of floats) are defined, under that ISA's target pragma.
 //
 // Each output column n (a row of W) is read once per block of up to kMb rows of x, chunk by
 // chunk: the chunk is decoded into registers once and multiplied with each row's x
@@ -12,11 +12,13 @@ constexpr int kMb = 4;  // rows of x a decoded chunk serves before the next is d
 constexpr int64_t kTileBytes = 64 * 1024;  // weight bytes a tile of columns holds
 
 template <int F>
-inline void decode(const uint8_t* q, typename V::reg* out) {
-  if constexpr (nibbles(F)) {
-    decode_nibbles(q, out);
+inline void decode(const Chunk& ch, typename V::reg* out) {
+  if constexpr (F == kQ4_K) {
+    decode_nibbles32(ch.q, ch.shift, out);
+  } else if constexpr (nibbles(F)) {
+    decode_nibbles(ch.q, out);
   } else {
-    decode_int8(q, out);
+    decode_int8(ch.q, out);
   }
 }
 
@@ -34,7 +36,7 @@ inline void rows_of_column(const Problem& p, int64_t n, int64_t m0, float* offse
     const Chunk ch = chunk<F>(p, row, n, c);
     if constexpr (has_offset(F)) offsets[c] = ch.c;
     reg q[kNv];
-    decode<F>(ch.q, q);
+    decode<F>(ch, q);
     const reg d = V::set1(ch.d);
     for (int r = 0; r < R; ++r) {
       const float* x = p.x + (m0 + r) * K + c * 32;
@@ -107,6 +109,7 @@ void run(const Problem& p, int64_t n0, int64_t n1) {
     case kQ4_1: columns<kQ4_1>(p, n0, n1); break;
     case kInt8: columns<kInt8>(p, n0, n1); break;
     case kInt4: columns<kInt4>(p, n0, n1); break;
+    case kQ4_K: columns<kQ4_K>(p, n0, n1); break;
     default: break;
   }
 }
