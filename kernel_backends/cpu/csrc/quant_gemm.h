@@ -109,6 +109,35 @@ inline Chunk chunk(const Problem& p, const uint8_t* row, int64_t n, int64_t c) {
   }
 }
 
+// Q4_K: the scale d and offset c of each of a row's chunks, each super-block's two fp16 and
+// twelve scale bytes read once for its eight chunks (the same products as chunk<kQ4_K>).
+inline void q4_k_chunks(const uint8_t* row, int64_t chunks, float* d, float* c) {
+  for (int64_t b = 0; b < chunks / 8; ++b) {
+    const uint8_t* blk = row + b * 144;
+    const uint8_t* s = blk + 4;
+    const float dd = half_to_float(blk), dmin = half_to_float(blk + 2);
+    float* db = d + 8 * b;
+    float* cb = c + 8 * b;
+    for (int j = 0; j < 4; ++j) {
+      db[j] = dd * float(s[j] & 63);
+      cb[j] = -(dmin * float(s[j + 4] & 63));
+      db[j + 4] = dd * float((s[j + 8] & 0x0F) | ((s[j] >> 6) << 4));
+      cb[j + 4] = -(dmin * float((s[j + 8] >> 4) | ((s[j + 4] >> 6) << 4)));
+    }
+  }
+}
+
+// chunk<F>, with Q4_K's scales and offsets from q4_k_chunks.
+template <int F>
+inline Chunk chunk_at(const Problem& p, const uint8_t* row, int64_t n, int64_t c,
+                      const float* dk, const float* ck) {
+  if constexpr (F == kQ4_K) {
+    return {dk[c], ck[c], row + (c >> 3) * 144 + 16 + 32 * ((c & 7) >> 1), int(c & 1) * 4};
+  } else {
+    return chunk<F>(p, row, n, c);
+  }
+}
+
 constexpr bool has_offset(int F) {
   return F == kQ4_0 || F == kQ4_1 || F == kInt4 || F == kQ4_K;
 }

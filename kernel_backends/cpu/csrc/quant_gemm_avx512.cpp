@@ -75,8 +75,9 @@ namespace lp_quant {
 namespace {
 
 template <int F>
-inline __m512bh weights_bf16(const Problem& p, const uint8_t* row, int64_t n, int64_t c) {
-  const Chunk ch = chunk<F>(p, row, n, c);
+inline __m512bh weights_bf16(const Problem& p, const uint8_t* row, int64_t n, int64_t c,
+                             const float* dk, const float* ck) {
+  const Chunk ch = chunk_at<F>(p, row, n, c, dk, ck);
   __m512 q[2];
   decode<F>(ch, q);
   if constexpr (F == kInt8) return _mm512_cvtne2ps_pbh(q[1], q[0]);
@@ -95,13 +96,14 @@ constexpr int kMbBf16 = 8;  // rows a chunk's bf16 weights serve before the next
 
 // Rows m0 .. m0+R of x (bf16) against column n; two accumulators a row (chunk parity).
 template <int F, int R>
-inline void rows_of_column_bf16(const Problem& p, int64_t n, int64_t m0) {
+inline void rows_of_column_bf16(const Problem& p, int64_t n, int64_t m0, float* dk, float* ck) {
   const int64_t K = p.K, chunks = K / 32;
   const uint8_t* row = p.data + n * p.row_bytes;
   __m512 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  if constexpr (F == kQ4_K) q4_k_chunks(row, chunks, dk, ck);
   auto step = [&](int64_t c, int a) __attribute__((always_inline)) {
-    const __m512bh w = weights_bf16<F>(p, row, n, c);
+    const __m512bh w = weights_bf16<F>(p, row, n, c, dk, ck);
     for (int r = 0; r < R; ++r) {
       const __m512i x = _mm512_loadu_si512(p.xb + (m0 + r) * K + c * 32);
       acc[r][a] = _mm512_dpbf16_ps(acc[r][a], w, (__m512bh)x);
@@ -129,21 +131,24 @@ inline void rows_of_column_bf16(const Problem& p, int64_t n, int64_t m0) {
 // Tiles of columns as columns() (quant_gemm_body.h): a block of x read once a tile.
 template <int F>
 void columns_bf16(const Problem& p, int64_t n0, int64_t n1) {
+  std::vector<float> scales(F == kQ4_K ? 2 * (p.K / 32) : 0);
+  float* dk = scales.data();
+  float* ck = dk + p.K / 32;
   const int64_t tile = std::max<int64_t>(1, kTileBytes / p.row_bytes);
   for (int64_t t0 = n0; t0 < n1; t0 += tile) {
     const int64_t t1 = std::min(n1, t0 + tile);
     int64_t m = 0;
     for (; m + kMbBf16 <= p.M; m += kMbBf16)
-      for (int64_t n = t0; n < t1; ++n) rows_of_column_bf16<F, kMbBf16>(p, n, m);
+      for (int64_t n = t0; n < t1; ++n) rows_of_column_bf16<F, kMbBf16>(p, n, m, dk, ck);
     for (int64_t n = t0; n < t1; ++n) {
       switch (p.M - m) {
-        case 7: rows_of_column_bf16<F, 7>(p, n, m); break;
-        case 6: rows_of_column_bf16<F, 6>(p, n, m); break;
-        case 5: rows_of_column_bf16<F, 5>(p, n, m); break;
-        case 4: rows_of_column_bf16<F, 4>(p, n, m); break;
-        case 3: rows_of_column_bf16<F, 3>(p, n, m); break;
-        case 2: rows_of_column_bf16<F, 2>(p, n, m); break;
-        case 1: rows_of_column_bf16<F, 1>(p, n, m); break;
+        case 7: rows_of_column_bf16<F, 7>(p, n, m, dk, ck); break;
+        case 6: rows_of_column_bf16<F, 6>(p, n, m, dk, ck); break;
+        case 5: rows_of_column_bf16<F, 5>(p, n, m, dk, ck); break;
+        case 4: rows_of_column_bf16<F, 4>(p, n, m, dk, ck); break;
+        case 3: rows_of_column_bf16<F, 3>(p, n, m, dk, ck); break;
+        case 2: rows_of_column_bf16<F, 2>(p, n, m, dk, ck); break;
+        case 1: rows_of_column_bf16<F, 1>(p, n, m, dk, ck); break;
         default: break;
       }
     }

@@ -26,14 +26,16 @@ inline void decode(const Chunk& ch, typename V::reg* out) {
 // so that consecutive chunks do not wait on each other's FMA; the chunks' offsets are
 // kept in `offsets` and dotted with x's chunk sums at the end.
 template <int F, int R>
-inline void rows_of_column(const Problem& p, int64_t n, int64_t m0, float* offsets) {
+inline void rows_of_column(const Problem& p, int64_t n, int64_t m0, float* offsets,
+                           float* dk) {
   using reg = typename V::reg;
   const int64_t K = p.K, chunks = K / 32;
   const uint8_t* row = p.data + n * p.row_bytes;
   reg acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = V::zero();
+  if constexpr (F == kQ4_K) q4_k_chunks(row, chunks, dk, offsets);
   auto step = [&](int64_t c, int a) __attribute__((always_inline)) {
-    const Chunk ch = chunk<F>(p, row, n, c);
+    const Chunk ch = chunk_at<F>(p, row, n, c, dk, offsets);
     if constexpr (has_offset(F)) offsets[c] = ch.c;
     reg q[kNv];
     decode<F>(ch, q);
@@ -83,19 +85,20 @@ inline void rows_of_column(const Problem& p, int64_t n, int64_t m0, float* offse
 // operations whatever the tiling.
 template <int F>
 void columns(const Problem& p, int64_t n0, int64_t n1) {
-  std::vector<float> offsets(has_offset(F) ? p.K / 32 : 0);
+  std::vector<float> offsets(has_offset(F) ? p.K / 32 : 0), scales(F == kQ4_K ? p.K / 32 : 0);
   float* off = offsets.data();
+  float* dk = scales.data();
   const int64_t tile = std::max<int64_t>(1, kTileBytes / p.row_bytes);
   for (int64_t t0 = n0; t0 < n1; t0 += tile) {
     const int64_t t1 = std::min(n1, t0 + tile);
     int64_t m = 0;
     for (; m + kMb <= p.M; m += kMb)
-      for (int64_t n = t0; n < t1; ++n) rows_of_column<F, kMb>(p, n, m, off);
+      for (int64_t n = t0; n < t1; ++n) rows_of_column<F, kMb>(p, n, m, off, dk);
     for (int64_t n = t0; n < t1; ++n) {
       switch (p.M - m) {
-        case 3: rows_of_column<F, 3>(p, n, m, off); break;
-        case 2: rows_of_column<F, 2>(p, n, m, off); break;
-        case 1: rows_of_column<F, 1>(p, n, m, off); break;
+        case 3: rows_of_column<F, 3>(p, n, m, off, dk); break;
+        case 2: rows_of_column<F, 2>(p, n, m, off, dk); break;
+        case 1: rows_of_column<F, 1>(p, n, m, off, dk); break;
         default: break;
       }
     }
