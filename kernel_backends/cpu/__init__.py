@@ -1,6 +1,8 @@
 """The CPU backend: the C++ kernels of csrc/ (built by extension.py), the CPU routes of the
 LoRA delta (lora_routes.py) over rank-row pools with r-major B, packed float32 linears
-(packed_linear.py: float32, and bfloat16 where native) and the per-ISA dtype rule (isa.py). Everything CPU-specific lives in
+(packed_linear.py: float32, and bfloat16 where native), the weight-only quantized linears
+(quantized_linear.py: Q8_0, Q4_0, Q4_1, Q4_K, int8, int4 read in their own bytes, one path per
+ISA) and the per-ISA dtype rule (isa.py). Everything CPU-specific lives in
 this folder: without it, or without a compiler, the engine serves with the torch backend.
 
 Ops without a C++ kernel, or inputs outside a kernel's layout (a strided x for RMSNorm,
@@ -13,8 +15,9 @@ import torch
 from torch import nn
 
 from ..lora_segments import LoRASegments
+from ..quantized_weight import QuantizedWeight
 from ..torch import TorchBackend
-from . import attention, extension, isa, lora_routes
+from . import attention, extension, isa, lora_routes, quantized_linear
 from .cpu_lora_segments import CPULoRASegments
 from .packed_linear import gemm_layout, pack_model, packing_available, warm_up_packed
 
@@ -51,6 +54,12 @@ class CPUBackend(TorchBackend):
             raise TypeError(f"{type(seg).__name__}: the {self.name} backend reads the "
                             "CPULoRASegments its lora_segments builds")
         lora_routes.add_lora(out, x, lora_a, lora_b, ranks, seg)
+
+    def quantized_linear(self, x: torch.Tensor, weight: QuantizedWeight,
+                         bias: torch.Tensor | None = None) -> torch.Tensor:
+        """The C++ kernel of the format and this CPU's ISA (quantized_linear.py), else the
+        torch twin."""
+        return quantized_linear.quantized_linear(self.ext, x, weight, bias)
 
     def paged_attention_decode(self, q: torch.Tensor, k_cache: torch.Tensor,
                                v_cache: torch.Tensor, block_tables: torch.Tensor,

@@ -12,6 +12,10 @@
   one read of each row.
 - csrc/panel_gemm.cpp: float32 linears over weights packed into 16-column panels (AVX2).
 - csrc/panel_gemm_bf16.cpp: bfloat16 linears over 32-column panels of k pairs (AVX512-BF16).
+- csrc/quant_gemm*.cpp: linears over weight-only quantized weights read in their own bytes
+  (Q8_0, Q4_0, Q4_1, Q4_K, int8, int4), one path per ISA chosen at run time (AVX-512 and
+  AVX512-BF16, AVX2, plain C, each built with its own target so that one build tests all
+  this CPU runs).
 
 Built with the system C++ compiler (``-march=native``) on first use in a process and cached
 by torch under $TORCH_EXTENSIONS_DIR, once per machine and source digest (``make kernels``,
@@ -40,9 +44,11 @@ log = logging.getLogger(__name__)
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = [CSRC / name for name in ("bindings.cpp", "lora_gather.cpp", "paged_decode.cpp",
                                     "paged_prefill.cpp", "layer_ops.cpp", "argmax.cpp",
-                                    "logprob_rows.cpp", "panel_gemm.cpp", "panel_gemm_bf16.cpp")]
+                                    "logprob_rows.cpp", "panel_gemm.cpp", "panel_gemm_bf16.cpp",
+                                    "quant_gemm.cpp", "quant_gemm_avx2.cpp",
+                                    "quant_gemm_avx512.cpp")]
 HEADERS = [CSRC / name for name in ("vec.h", "tile_6x16.h", "lora_blocks.h", "online_softmax.h",
-                                    "strips.h")]
+                                    "strips.h", "quant_gemm.h", "quant_gemm_body.h")]
 _lock = threading.Lock()
 _module: ModuleType | None = None
 _error: Exception | None = None

@@ -1,6 +1,7 @@
 // The loraplex CPU kernels as one Python extension module (built by kernel_backends/cpu/extension.py).
 #include <torch/extension.h>
 
+#include <string>
 #include <vector>
 
 void add_lora_gather(torch::Tensor out, torch::Tensor x, torch::Tensor rows,
@@ -21,6 +22,10 @@ torch::Tensor rope_store_kv(torch::Tensor q, torch::Tensor k, torch::Tensor v,
                             torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache,
                             torch::Tensor v_cache, torch::Tensor slot_mapping);
 torch::Tensor silu_mul(torch::Tensor gate_up);
+std::vector<std::string> quant_isas();
+torch::Tensor quant_linear(torch::Tensor x, torch::Tensor data, c10::optional<torch::Tensor> scales,
+                           c10::optional<torch::Tensor> zeros, c10::optional<torch::Tensor> bias,
+                           int64_t format, int64_t group, const std::string& isa);
 torch::Tensor argmax_rows(torch::Tensor logits);
 std::vector<torch::Tensor> argmax_finite_rows(torch::Tensor logits);
 std::vector<torch::Tensor> logprob_rows(torch::Tensor logits, torch::Tensor tokens, int64_t k,
@@ -85,6 +90,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("panel_linear_bf16", &panel_linear_bf16,
         "x · Wᵀ (+ float32 bias) over W's 32-column bfloat16 panels (VDPBF16PS)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("quant_isas", &quant_isas,
+        "the quantized linear's paths this CPU runs, fastest first (avx512, avx2, scalar)");
+  m.def("quant_linear", &quant_linear,
+        "x · Wᵀ (+ bias) with W in its quantized bytes (0 Q8_0, 1 Q4_0, 2 Q4_1, 3 int8, "
+        "4 int4, 5 Q4_K), x float32 or bfloat16, float32 products and sums, on the `isa` path",
+        py::arg("x"), py::arg("data"), py::arg("scales"), py::arg("zeros"), py::arg("bias"),
+        py::arg("format"), py::arg("group"), py::arg("isa"),
         py::call_guard<py::gil_scoped_release>());
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused [T, 2I] gate_up",
         py::call_guard<py::gil_scoped_release>());

@@ -1,0 +1,137 @@
+"""The CPU kernels of the weight-only quantized linears (kernel_backends/cpu/csrc/
+quant_gemm*.cpp) against ``F.linear`` on the float weight in the serving dtype, and against
+the torch twin, on SmolLM2-135M's linear shapes and Llama-3.2-1B's (hidden 2048,
+intermediate 8192, 32 query and 8 KV heads of 64).
+
+    python -m loraplex.benchmarks.quantized_cpu_kernels [--models smollm2 llama1b]
+        [--rows 1 32] [--dtype bfloat16 float32] [--formats Q4_0 Q4_1 Q8_0 int8 int4 Q4_K]
+        [--isa avx512] [--rounds 5] [--threads N] [--no-twin] [--cold]
+
+Run it in a fresh process: the baseline (F.linear) is timed first, then the kernel, then
+the twin; each round flips the order (baseline, kernel, twin / twin, kernel, baseline), so
+the kernel runs both before and after the baseline. The table gives the best round of
+each and F.linear's time over the kernel's (above 1: the kernel is faster). The first
+lines name the ISA, the kernel path, dtype and threads.
+
+Hot (default): every call reads the same weight, which stays in cache where it fits
+(SmolLM2's linears, Llama-3.2-1B's but gate_up in a 32 MB L3), so the bytes read hardly
+count. ``--cold``: each call reads the next of enough copies of the weight (float and
+quantized alike) to fill ``COLD_BYTES``, as a decode step reads every layer's weights
+once, from memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.nn.functional as F
+
+from ..kernel_backends.cpu import extension
+from ..kernel_backends.cpu import quantized_linear as kernels
+from ..kernel_backends.quantized_weight import QuantizedWeight
+from ..kernel_backends.torch.quantized_linear import quantized_linear as twin_linear
+from .common import machine_line
+from .quantized_twin import SHAPES as SMOLLM2_SHAPES
+from .quantized_twin import best, quantize
+
+LLAMA_1B = {"qkv": (2048 + 2 * 512, 2048), "o": (2048, 2048), "gate_up": (2 * 8192, 2048),
+            "down": (2048, 8192)}
+MODELS = {"smollm2": SMOLLM2_SHAPES, "llama1b": LLAMA_1B}
+FORMATS = ["Q4_0", "Q4_1", "Q8_0", "int8", "int4", "Q4_K"]
+COLD_BYTES = 256 << 20  # --cold: copies of the float weight to fill this (past any L3)
+
+
+class Cycle:
+    """Calls ``fn(copy)`` on the next of ``copies`` in turn."""
+
+    def __init__(self, fn, copies: list) -> None:
+        self.fn, self.copies, self.at = fn, copies, 0
+
+    def __call__(self) -> object:
+        self.at = (self.at + 1) % len(self.copies)
+        return self.fn(self.copies[self.at])
+
+
+def measure(shape: tuple[int, int], fmt: str, rows: int, dtype: torch.dtype, rounds: int,
+            isa: str, twin: bool = True,
+            cold: bool = False) -> tuple[float, float, float | None] | None:
+    """Best seconds of F.linear, the kernel and the twin (None: not timed); None where the
+    format does not fit the shape."""
+    ext = extension.load()
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(*shape, generator=g) / shape[1] ** 0.5
+    qw = quantize(w, fmt)
+    if qw is None:
+        return None
+    x = torch.randn(rows, shape[1], generator=g).to(dtype)
+    wd = w.to(dtype)
+    big = shape[0] * shape[1] > 8_000_000
+    reps = 3 if big else 10
+    times: dict[str, list[float]] = {"base": [], "kernel": [], "twin": []}
+    n = max(1, COLD_BYTES // wd.nbytes) if cold else 1
+    floats = [wd] + [wd.clone() for _ in range(n - 1)]
+    quants = [qw] + [QuantizedWeight(qw.format, qw.shape, qw.data.clone(),
+                                     None if qw.scales is None else qw.scales.clone(),
+                                     None if qw.zeros is None else qw.zeros.clone())
+                     for _ in range(n - 1)]
+    calls = [("base", Cycle(lambda w: F.linear(x, w), floats)),
+             ("kernel", Cycle(lambda w: kernels.quantized_linear(ext, x, w, isa=isa,
+                                                                 max_rows=1 << 30), quants))]
+    if twin:
+        calls.append(("twin", lambda: twin_linear(x, qw)))
+    for r in range(rounds):
+        for name, fn in (calls if r % 2 == 0 else calls[::-1]):
+            times[name].append(best(fn, 1 if name == "twin" and big else reps))
+    return (min(times["base"]), min(times["kernel"]),
+            min(times["twin"]) if twin else None)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 32])
+    ap.add_argument("--dtype", nargs="+", default=["bfloat16", "float32"])
+    ap.add_argument("--formats", nargs="+", default=FORMATS)
+    ap.add_argument("--isa", default="", help="the kernel path (default: this CPU's fastest)")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=0,
+                    help="torch's intra-op threads (0: torch's default)")
+    ap.add_argument("--no-twin", action="store_true", help="leave the torch twin out")
+    ap.add_argument("--cold", action="store_true",
+                    help="each call reads the next of many copies of the weight (from memory)")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    isa = args.isa or kernels.isas(extension.load())[0]
+    for dtype_name in args.dtype:
+        dtype = getattr(torch, dtype_name)
+        print(machine_line(f"quantized {isa}", dtype_name)
+              + (", cold (weights read from memory)" if args.cold else ", hot"))
+        print("| model | shape [out, in] | format | rows | F.linear µs | kernel µs | twin µs "
+              "| F.linear / kernel | bits / weight |")
+        print("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+        for model in args.models:
+            for name, shape in MODELS[model].items():
+                for fmt in args.formats:
+                    for rows in args.rows:
+                        got = measure(shape, fmt, rows, dtype, args.rounds, isa,
+                                      not args.no_twin, args.cold)
+                        if got is None:
+                            continue
+                        base, kernel, twin = got
+                        bits = quantize_bits(shape, fmt)
+                        twin_us = "-" if twin is None else f"{twin * 1e6:.0f}"
+                        print(f"| {model} | {name} {list(shape)} | {fmt} | {rows} | "
+                              f"{base * 1e6:.0f} | {kernel * 1e6:.0f} | {twin_us} | "
+                              f"{base / kernel:.2f}x | {bits:.2f} |", flush=True)
+        print()
+
+
+def quantize_bits(shape: tuple[int, int], fmt: str) -> float:
+    qw = quantize(torch.zeros(shape[0] if shape[0] < 4096 else 64, shape[1]), fmt)
+    return qw.bits_per_weight if qw is not None else float("nan")
+
+
+if __name__ == "__main__":
+    main()

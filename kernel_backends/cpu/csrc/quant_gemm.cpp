@@ -1,0 +1,185 @@
+// CPU linears over weight-only quantized weights, read in their quantized bytes (Q8_0, Q4_0,
+// Q4_1, Q4_K as in a GGUF file; int8 per channel; int4 in groups): y = x · Wᵀ (+ bias), x and y
+// float32 or bfloat16, products and sums in float32. One path per ISA, chosen at run time
+// (`isa`: "avx512_bf16", "avx512", "avx2", "scalar"; quant_isas() lists those this CPU
+// runs): quant_gemm_avx512.cpp, quant_gemm_avx2.cpp and the plain C loop here share one
+// loop (quant_gemm_body.h); "avx512_bf16" runs bfloat16 activations on VDPBF16PS
+// (quant_gemm_avx512.cpp) and float32 ones as "avx512". Threads split the output columns
+// (at::parallel_for).
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+
+#include <string>
+#include <vector>
+
+#include "quant_gemm.h"
+
+namespace lp_quant {
+namespace {
+
+// The plain C path: "vectors" of 32 floats (a whole chunk), loops the compiler may
+// vectorise for the build's own ISA.
+struct V {
+  struct reg {
+    float v[32];
+  };
+  static constexpr int W = 32;
+  static inline reg zero() {
+    reg r;
+    for (float& f : r.v) f = 0.f;
+    return r;
+  }
+  static inline reg load(const float* p) {
+    reg r;
+    std::memcpy(r.v, p, sizeof(r.v));
+    return r;
+  }
+  static inline reg set1(float s) {
+    reg r;
+    for (float& f : r.v) f = s;
+    return r;
+  }
+  static inline reg add(reg a, const reg& b) {
+    for (int i = 0; i < 32; ++i) a.v[i] += b.v[i];
+    return a;
+  }
+  static inline reg mul(reg a, const reg& b) {
+    for (int i = 0; i < 32; ++i) a.v[i] *= b.v[i];
+    return a;
+  }
+  static inline reg fma(const reg& a, const reg& b, reg c) {
+    for (int i = 0; i < 32; ++i) c.v[i] += a.v[i] * b.v[i];
+    return c;
+  }
+  static inline float hsum(const reg& a) {
+    float s = 0.f;
+    for (float f : a.v) s += f;
+    return s;
+  }
+};
+
+inline void decode_nibbles(const uint8_t* q, V::reg* out) {
+  for (int i = 0; i < 16; ++i) {
+    out->v[i] = float(q[i] & 0x0F);
+    out->v[16 + i] = float(q[i] >> 4);
+  }
+}
+
+inline void decode_nibbles32(const uint8_t* q, int shift, V::reg* out) {
+  for (int i = 0; i < 32; ++i) out->v[i] = float((q[i] >> shift) & 0x0F);
+}
+
+inline void decode_int8(const uint8_t* q, V::reg* out) {
+  for (int i = 0; i < 32; ++i) out->v[i] = float(int8_t(q[i]));
+}
+
+#include "quant_gemm_body.h"
+
+bool cpu_has(Isa isa) {
+#if defined(__x86_64__) && defined(__GNUC__)
+  if (isa == kAvx512Bf16)
+    return built_avx512() && __builtin_cpu_supports("avx512f") &&
+           __builtin_cpu_supports("avx512bf16");
+  if (isa == kAvx512) return built_avx512() && __builtin_cpu_supports("avx512f");
+  if (isa == kAvx2)
+    return built_avx2() && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#endif
+  return isa == kScalar;
+}
+
+Isa parse_isa(const std::string& name) {
+  if (name == "avx512_bf16") return kAvx512Bf16;
+  if (name == "avx512") return kAvx512;
+  if (name == "avx2") return kAvx2;
+  TORCH_CHECK(name == "scalar", "quant_linear: isa ", name,
+              "; allowed: avx512_bf16, avx512, avx2, scalar");
+  return kScalar;
+}
+
+}  // namespace
+
+void run_scalar(const Problem& p, int64_t n0, int64_t n1) { run(p, n0, n1); }
+
+}  // namespace lp_quant
+
+// The quantized paths this CPU runs, fastest first.
+std::vector<std::string> quant_isas() {
+  using namespace lp_quant;
+  std::vector<std::string> isas;
+  if (cpu_has(kAvx512Bf16)) isas.push_back("avx512_bf16");
+  if (cpu_has(kAvx512)) isas.push_back("avx512");
+  if (cpu_has(kAvx2)) isas.push_back("avx2");
+  isas.push_back("scalar");
+  return isas;
+}
+
+// x [M, K] float32 / bfloat16 -> y [M, N] in x's dtype. format: 0 Q8_0, 1 Q4_0, 2 Q4_1,
+// 5 Q4_K (data: the blocks' bytes [N, K / block * block bytes]), 3 int8 (data int8 [N, K], scales
+// float32 [N]), 4 int4 (data [N, K / 2], weight 2j in the low nibble; scales float32 and
+// zeros uint8 [N, K / group]).
+torch::Tensor quant_linear(torch::Tensor x, torch::Tensor data, c10::optional<torch::Tensor> scales,
+                           c10::optional<torch::Tensor> zeros, c10::optional<torch::Tensor> bias,
+                           int64_t format, int64_t group, const std::string& isa_name) {
+  using namespace lp_quant;
+  const Isa isa = parse_isa(isa_name);
+  TORCH_CHECK(cpu_has(isa), "quant_linear: this CPU (or build) cannot run the ", isa_name,
+              " path");
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == torch::kFloat ||
+                               x.scalar_type() == torch::kBFloat16),
+              "quant_linear: x must be 2-D float32 or bfloat16");
+  TORCH_CHECK(format >= kQ8_0 && format <= kQ4_K, "quant_linear: unknown format ", format);
+  const int64_t M = x.size(0), K = x.size(1), N = data.size(0);
+  static const int64_t block_bytes[] = {34, 18, 20};
+  TORCH_CHECK(data.dim() == 2 && data.is_contiguous() && data.element_size() == 1,
+              "quant_linear: data must be a contiguous 2-D byte tensor");
+  if (format == kQ4_K) {
+    TORCH_CHECK(K % 256 == 0 && data.size(1) == K / 256 * 144,
+                "quant_linear: Q4_K data does not match K");
+  } else if (format <= kQ4_1) {
+    TORCH_CHECK(K % 32 == 0 && data.size(1) == K / 32 * block_bytes[format],
+                "quant_linear: GGUF data does not match K");
+  } else if (format == kInt8) {
+    TORCH_CHECK(data.size(1) == K && scales && scales->scalar_type() == torch::kFloat &&
+                    scales->is_contiguous() && scales->numel() == N,
+                "quant_linear: int8 wants data [N, K] and float32 scales [N]");
+  } else {
+    TORCH_CHECK((group == 32 || group == 64 || group == 128) && K % group == 0 &&
+                    data.size(1) == K / 2 && scales && zeros &&
+                    scales->scalar_type() == torch::kFloat && scales->is_contiguous() &&
+                    scales->numel() == N * (K / group) && zeros->is_contiguous() &&
+                    zeros->scalar_type() == torch::kByte && zeros->numel() == N * (K / group),
+                "quant_linear: int4 wants data [N, K / 2], float32 scales and uint8 zeros "
+                "[N, K / group]");
+  }
+  TORCH_CHECK(!bias || (bias->scalar_type() == torch::kFloat && bias->is_contiguous() &&
+                        bias->numel() == N),
+              "quant_linear: bias must be float32 [N]");
+  const bool bf16_path = isa == kAvx512Bf16 && x.scalar_type() == torch::kBFloat16;
+  auto xf = bf16_path ? x.contiguous() : x.to(torch::kFloat).contiguous();
+  if (format == kInt4)  // each chunk's evens then odds, as the nibbles decode
+    xf = xf.view({M, K / 32, 16, 2}).transpose(2, 3).contiguous().view({M, K});
+  torch::Tensor xsum;
+  if (has_offset(int(format)) && !bf16_path) xsum = xf.view({M, K / 32, 32}).sum(2).contiguous();
+  auto y = torch::empty({M, N}, x.options().dtype(torch::kFloat));
+  if (M > 0 && N > 0) {
+    Problem p{bf16_path ? nullptr : xf.data_ptr<float>(),
+              bf16_path ? reinterpret_cast<const uint16_t*>(xf.data_ptr()) : nullptr,
+              xsum.defined() ? xsum.data_ptr<float>() : nullptr,
+              M, K, N,
+              static_cast<const uint8_t*>(data.data_ptr()), data.size(1),
+              scales ? scales->data_ptr<float>() : nullptr,
+              zeros ? zeros->data_ptr<uint8_t>() : nullptr,
+              format == kInt4 ? (group == 32 ? 5 : group == 64 ? 6 : 7) : 5, int(format),
+              bias ? bias->data_ptr<float>() : nullptr,
+              y.data_ptr<float>()};
+    // columns in ranges of at least 16 (a thread's share of small linears stays whole)
+    at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+      if (bf16_path) run_avx512_bf16(p, n0, n1);
+      else if (isa == kAvx512 || isa == kAvx512Bf16) run_avx512(p, n0, n1);
+      else if (isa == kAvx2) run_avx2(p, n0, n1);
+      else run_scalar(p, n0, n1);
+    });
+  }
+  return x.scalar_type() == torch::kFloat ? y : y.to(x.scalar_type());
+}

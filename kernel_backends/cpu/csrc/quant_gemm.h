@@ -1,0 +1,146 @@
+// Weight-only quantized linears (csrc/quant_gemm*.cpp): the problem one call solves and the
+// per-ISA entry points. y [M, N] = x [M, K] · Wᵀ (+ bias), W kept in its quantized bytes
+// (kernel_backends/quantized_weight.py), x and y float32 here (the torch glue converts
+// bfloat16 activations once per call).
+//
+// Every format is a run of 32-weight chunks along K, each chunk c of output row n holding
+// 32 small integers q (as stored), a scale d and an offset c: w = d * q + c. The kernels
+// compute   y[m, n] = Σ_c d_c · (Σ_i q_i x_i) + Σ_c c_c · (Σ_i x_i)
+// with the chunk sums of x (xsum) computed once per call: the offset costs one scalar FMA
+// a chunk instead of one vector op a weight. (Q4_0: c = -8 d; Q4_1: c = m; int4: c = -z s;
+// Q4_K: d = d_sb * scale_j, c = -dmin_sb * min_j of the 32-weight sub-block j of its
+// 256-weight super-block; Q8_0 and int8: no offset.)
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace lp_quant {
+
+enum Format : int { kQ8_0 = 0, kQ4_0 = 1, kQ4_1 = 2, kInt8 = 3, kInt4 = 4, kQ4_K = 5 };
+enum Isa : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3 };
+
+struct Problem {
+  const float* x;        // [M, K] float32, contiguous (int4: each 32-chunk evens then odds)
+  const uint16_t* xb;    // the avx512_bf16 path: x as bfloat16 bits, same layout (else null)
+  const float* xsum;     // [M, K / 32]: each chunk's sum of x (formats with an offset)
+  int64_t M, K, N;
+  const uint8_t* data;   // [N, row_bytes]: the weight's bytes
+  int64_t row_bytes;
+  const float* scales;   // int8: [N]; int4: [N, K / group]
+  const uint8_t* zeros;  // int4: [N, K / group]
+  int group_shift;       // int4: log2 of the group size (5, 6, 7: 32, 64, 128 weights)
+  int format;
+  const float* bias;     // [N] or null
+  float* y;              // [M, N]
+};
+
+// y[:, n0:n1) of the problem, on one thread.
+void run_scalar(const Problem& p, int64_t n0, int64_t n1);
+void run_avx2(const Problem& p, int64_t n0, int64_t n1);
+void run_avx512(const Problem& p, int64_t n0, int64_t n1);
+void run_avx512_bf16(const Problem& p, int64_t n0, int64_t n1);  // x in xb (bfloat16)
+bool built_avx2();
+bool built_avx512();
+
+// IEEE half -> float, exactly: the magnitude's bits moved into float32's exponent and
+// mantissa fields, times 2^112 (exact; also for subnormals and zero), then the sign.
+inline float half_to_float(const uint8_t* at) {
+  uint16_t h;
+  std::memcpy(&h, at, 2);
+  uint32_t bits;
+  if ((h & 0x7C00) == 0x7C00) {  // inf, nan
+    bits = (uint32_t(h & 0x8000) << 16) | 0x7F800000u | (uint32_t(h & 0x3FF) << 13);
+  } else {
+    const uint32_t mag = uint32_t(h & 0x7FFF) << 13;
+    float f;
+    std::memcpy(&f, &mag, 4);
+    f *= 0x1p112f;
+    std::memcpy(&bits, &f, 4);
+    bits |= uint32_t(h & 0x8000) << 16;
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+// Chunk c of row n: its scale d and offset (0 where the format has none) and where its
+// integers start.
+struct Chunk {
+  float d, c;
+  const uint8_t* q;
+  int shift = 0;  // Q4_K: the chunk's nibbles are the low (0) or high (4) ones of 32 bytes
+};
+
+template <int F>
+inline Chunk chunk(const Problem& p, const uint8_t* row, int64_t n, int64_t c) {
+  if constexpr (F == kQ8_0) {
+    const uint8_t* b = row + c * 34;
+    return {half_to_float(b), 0.f, b + 2};
+  } else if constexpr (F == kQ4_0) {
+    const uint8_t* b = row + c * 18;
+    const float d = half_to_float(b);
+    return {d, -8.f * d, b + 2};
+  } else if constexpr (F == kQ4_1) {
+    const uint8_t* b = row + c * 20;
+    return {half_to_float(b), half_to_float(b + 2), b + 4};
+  } else if constexpr (F == kInt8) {
+    return {1.f, 0.f, row + c * 32};  // the row's scale multiplies the sum at the end
+  } else if constexpr (F == kQ4_K) {  // ggml's get_scale_min_k4
+    const uint8_t* b = row + (c >> 3) * 144;
+    const uint8_t* s = b + 4;
+    const int j = int(c & 7);
+    int sc, mn;
+    if (j < 4) {
+      sc = s[j] & 63;
+      mn = s[j + 4] & 63;
+    } else {
+      sc = (s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4);
+      mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+    }
+    return {half_to_float(b) * float(sc), -(half_to_float(b + 2) * float(mn)),
+            b + 16 + 32 * (j >> 1), (j & 1) * 4};
+  } else {
+    const int64_t at = n * (p.K >> p.group_shift) + (c >> (p.group_shift - 5));
+    const float s = p.scales[at];
+    return {s, -float(p.zeros[at]) * s, row + c * 16};
+  }
+}
+
+// Q4_K: the scale d and offset c of each of a row's chunks, each super-block's two fp16 and
+// twelve scale bytes read once for its eight chunks (the same products as chunk<kQ4_K>).
+inline void q4_k_chunks(const uint8_t* row, int64_t chunks, float* d, float* c) {
+  for (int64_t b = 0; b < chunks / 8; ++b) {
+    const uint8_t* blk = row + b * 144;
+    const uint8_t* s = blk + 4;
+    const float dd = half_to_float(blk), dmin = half_to_float(blk + 2);
+    float* db = d + 8 * b;
+    float* cb = c + 8 * b;
+    for (int j = 0; j < 4; ++j) {
+      db[j] = dd * float(s[j] & 63);
+      cb[j] = -(dmin * float(s[j + 4] & 63));
+      db[j + 4] = dd * float((s[j + 8] & 0x0F) | ((s[j] >> 6) << 4));
+      cb[j + 4] = -(dmin * float((s[j + 8] >> 4) | ((s[j + 4] >> 6) << 4)));
+    }
+  }
+}
+
+// chunk<F>, with Q4_K's scales and offsets from q4_k_chunks.
+template <int F>
+inline Chunk chunk_at(const Problem& p, const uint8_t* row, int64_t n, int64_t c,
+                      const float* dk, const float* ck) {
+  if constexpr (F == kQ4_K) {
+    return {dk[c], ck[c], row + (c >> 3) * 144 + 16 + 32 * ((c & 7) >> 1), int(c & 1) * 4};
+  } else {
+    return chunk<F>(p, row, n, c);
+  }
+}
+
+constexpr bool has_offset(int F) {
+  return F == kQ4_0 || F == kQ4_1 || F == kInt4 || F == kQ4_K;
+}
+constexpr bool nibbles(int F) { return F == kQ4_0 || F == kQ4_1 || F == kInt4; }
+
+}  // namespace lp_quant

@@ -1,0 +1,181 @@
+// The quantized linears' AVX-512 paths. Built into every x86-64 build of the kernels with
+// their own targets (the rest of the build is -march=native), chosen at run time
+// (quant_gemm.cpp):
+// - "avx512" (AVX-512F): 16 floats a vector, two a 32-weight chunk, float32 activations
+//   (bfloat16 ones widened once per call), the loop of quant_gemm_body.h;
+// - "avx512_bf16" (AVX512-BF16), bfloat16 activations: each chunk's weights w = d q + c
+//   are computed in float32 (one FMA), rounded once to bfloat16 (as the twin rounds its
+//   dequantized weight to the activations' dtype; int8's q is exact in bf16, its scale
+//   multiplies the sum), and every row of x takes them in one VDPBF16PS (32 products, exact
+//   in float32, summed in float32): one instruction a chunk and row where the float32
+//   loop takes three, and no widening of x.
+#include "quant_gemm.h"
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma")
+
+namespace lp_quant {
+namespace {
+
+struct V {
+  using reg = __m512;
+  static constexpr int W = 16;
+  static inline reg zero() { return _mm512_setzero_ps(); }
+  static inline reg load(const float* p) { return _mm512_loadu_ps(p); }
+  static inline reg set1(float v) { return _mm512_set1_ps(v); }
+  static inline reg add(reg a, reg b) { return _mm512_add_ps(a, b); }
+  static inline reg mul(reg a, reg b) { return _mm512_mul_ps(a, b); }
+  static inline reg fma(reg a, reg b, reg c) { return _mm512_fmadd_ps(a, b, c); }
+  static inline float hsum(reg a) { return _mm512_reduce_add_ps(a); }
+};
+
+// 16 bytes -> the 32 nibbles: low nibbles are weights 0-15, high nibbles 16-31 (ggml).
+inline void decode_nibbles(const uint8_t* q, __m512* out) {
+  const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
+  out[0] = _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(0x0F)));
+  out[1] = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
+}
+
+// 32 bytes -> their low (shift 0) or high (shift 4) nibbles: Q4_K's sub-blocks.
+inline void decode_nibbles32(const uint8_t* q, int shift, __m512* out) {
+  const __m512i mask = _mm512_set1_epi32(0x0F);
+  for (int i = 0; i < 2; ++i) {
+    const __m512i v =
+        _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16 * i)));
+    out[i] = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srl_epi32(v, _mm_cvtsi32_si128(shift)),
+                                                 mask));
+  }
+}
+
+inline void decode_int8(const uint8_t* q, __m512* out) {
+  out[0] = _mm512_cvtepi32_ps(
+      _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q))));
+  out[1] = _mm512_cvtepi32_ps(
+      _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16))));
+}
+
+#include "quant_gemm_body.h"
+
+}  // namespace
+
+void run_avx512(const Problem& p, int64_t n0, int64_t n1) { run(p, n0, n1); }
+bool built_avx512() { return true; }
+
+}  // namespace lp_quant
+
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma")
+
+namespace lp_quant {
+namespace {
+
+template <int F>
+inline __m512bh weights_bf16(const Problem& p, const uint8_t* row, int64_t n, int64_t c,
+                             const float* dk, const float* ck) {
+  const Chunk ch = chunk_at<F>(p, row, n, c, dk, ck);
+  __m512 q[2];
+  decode<F>(ch, q);
+  if constexpr (F == kInt8) return _mm512_cvtne2ps_pbh(q[1], q[0]);
+  const __m512 d = _mm512_set1_ps(ch.d), off = _mm512_set1_ps(ch.c);
+  return _mm512_cvtne2ps_pbh(_mm512_fmadd_ps(q[1], d, off), _mm512_fmadd_ps(q[0], d, off));
+}
+
+inline float bf16_to_float(uint16_t b) {
+  const uint32_t bits = uint32_t(b) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+constexpr int kMbBf16 = 8;  // rows a chunk's bf16 weights serve before the next decode
+
+// Rows m0 .. m0+R of x (bf16) against column n; two accumulators a row (chunk parity).
+template <int F, int R>
+inline void rows_of_column_bf16(const Problem& p, int64_t n, int64_t m0, float* dk, float* ck) {
+  const int64_t K = p.K, chunks = K / 32;
+  const uint8_t* row = p.data + n * p.row_bytes;
+  __m512 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  if constexpr (F == kQ4_K) q4_k_chunks(row, chunks, dk, ck);
+  auto step = [&](int64_t c, int a) __attribute__((always_inline)) {
+    const __m512bh w = weights_bf16<F>(p, row, n, c, dk, ck);
+    for (int r = 0; r < R; ++r) {
+      const __m512i x = _mm512_loadu_si512(p.xb + (m0 + r) * K + c * 32);
+      acc[r][a] = _mm512_dpbf16_ps(acc[r][a], w, (__m512bh)x);
+    }
+  };
+  int64_t c = 0;
+  for (; c + 2 <= chunks; c += 2) {
+    step(c, 0);
+    step(c + 1, 1);
+  }
+  if (c < chunks) step(c, 0);
+  for (int r = 0; r < R; ++r) {
+    float sum = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]));
+    if constexpr (F == kInt8) {
+      const int8_t* q = reinterpret_cast<const int8_t*>(row);
+      const uint16_t* x = p.xb + (m0 + r) * K;
+      for (int64_t k = chunks * 32; k < K; ++k) sum += float(q[k]) * bf16_to_float(x[k]);
+      sum *= p.scales[n];
+    }
+    if (p.bias) sum += p.bias[n];
+    p.y[(m0 + r) * p.N + n] = sum;
+  }
+}
+
+// Tiles of columns as columns() (quant_gemm_body.h): a block of x read once a tile.
+template <int F>
+void columns_bf16(const Problem& p, int64_t n0, int64_t n1) {
+  std::vector<float> scales(F == kQ4_K ? 2 * (p.K / 32) : 0);
+  float* dk = scales.data();
+  float* ck = dk + p.K / 32;
+  const int64_t tile = std::max<int64_t>(1, kTileBytes / p.row_bytes);
+  for (int64_t t0 = n0; t0 < n1; t0 += tile) {
+    const int64_t t1 = std::min(n1, t0 + tile);
+    int64_t m = 0;
+    for (; m + kMbBf16 <= p.M; m += kMbBf16)
+      for (int64_t n = t0; n < t1; ++n) rows_of_column_bf16<F, kMbBf16>(p, n, m, dk, ck);
+    for (int64_t n = t0; n < t1; ++n) {
+      switch (p.M - m) {
+        case 7: rows_of_column_bf16<F, 7>(p, n, m, dk, ck); break;
+        case 6: rows_of_column_bf16<F, 6>(p, n, m, dk, ck); break;
+        case 5: rows_of_column_bf16<F, 5>(p, n, m, dk, ck); break;
+        case 4: rows_of_column_bf16<F, 4>(p, n, m, dk, ck); break;
+        case 3: rows_of_column_bf16<F, 3>(p, n, m, dk, ck); break;
+        case 2: rows_of_column_bf16<F, 2>(p, n, m, dk, ck); break;
+        case 1: rows_of_column_bf16<F, 1>(p, n, m, dk, ck); break;
+        default: break;
+      }
+    }
+  }
+}
+
+}  // namespace
+
+void run_avx512_bf16(const Problem& p, int64_t n0, int64_t n1) {
+  switch (p.format) {
+    case kQ8_0: columns_bf16<kQ8_0>(p, n0, n1); break;
+    case kQ4_0: columns_bf16<kQ4_0>(p, n0, n1); break;
+    case kQ4_1: columns_bf16<kQ4_1>(p, n0, n1); break;
+    case kInt8: columns_bf16<kInt8>(p, n0, n1); break;
+    case kInt4: columns_bf16<kInt4>(p, n0, n1); break;
+    case kQ4_K: columns_bf16<kQ4_K>(p, n0, n1); break;
+    default: break;
+  }
+}
+
+}  // namespace lp_quant
+
+#pragma GCC pop_options
+#else
+namespace lp_quant {
+void run_avx512(const Problem&, int64_t, int64_t) {}
+void run_avx512_bf16(const Problem&, int64_t, int64_t) {}
+bool built_avx512() { return false; }
+}  // namespace lp_quant
+#endif

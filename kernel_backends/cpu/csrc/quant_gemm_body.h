@@ -1,0 +1,118 @@
+// The quantized linear's loop, for one ISA: included by quant_gemm_{scalar,avx2,avx512}
+// after that ISA's `V` (a vector of W floats: zero, load, mul, fma, set1, hsum) and its
+// chunk decoders (`decode_nibbles`, `decode_int8`, `decode_nibbles32`: 32 integers -> NV =
+// 32 / W vectors of floats) are defined, under that ISA's target pragma.
+//
+// Each output column n (a row of W) is read once per block of up to kMb rows of x, chunk by
+// chunk: the chunk is decoded into registers once and multiplied with each row's x
+// (the same operations in the same order for every row, so a row's result does not
+// depend on what it is batched with, nor on the threads).
+constexpr int kNv = 32 / V::W;
+constexpr int kMb = 4;  // rows of x a decoded chunk serves before the next is decoded
+constexpr int64_t kTileBytes = 64 * 1024;  // weight bytes a tile of columns holds
+
+template <int F>
+inline void decode(const Chunk& ch, typename V::reg* out) {
+  if constexpr (F == kQ4_K) {
+    decode_nibbles32(ch.q, ch.shift, out);
+  } else if constexpr (nibbles(F)) {
+    decode_nibbles(ch.q, out);
+  } else {
+    decode_int8(ch.q, out);
+  }
+}
+
+// Rows m0 .. m0+R of x against column n. Two accumulators a row (even and odd chunks),
+// so that consecutive chunks do not wait on each other's FMA; the chunks' offsets are
+// kept in `offsets` and dotted with x's chunk sums at the end.
+template <int F, int R>
+inline void rows_of_column(const Problem& p, int64_t n, int64_t m0, float* offsets,
+                           float* dk) {
+  using reg = typename V::reg;
+  const int64_t K = p.K, chunks = K / 32;
+  const uint8_t* row = p.data + n * p.row_bytes;
+  reg acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = V::zero();
+  if constexpr (F == kQ4_K) q4_k_chunks(row, chunks, dk, offsets);
+  auto step = [&](int64_t c, int a) __attribute__((always_inline)) {
+    const Chunk ch = chunk_at<F>(p, row, n, c, dk, offsets);
+    if constexpr (has_offset(F)) offsets[c] = ch.c;
+    reg q[kNv];
+    decode<F>(ch, q);
+    const reg d = V::set1(ch.d);
+    for (int r = 0; r < R; ++r) {
+      const float* x = p.x + (m0 + r) * K + c * 32;
+      reg t = V::mul(q[0], V::load(x));
+      for (int v = 1; v < kNv; ++v) t = V::fma(q[v], V::load(x + v * V::W), t);
+      if constexpr (F == kInt8) {
+        acc[r][a] = V::add(acc[r][a], t);
+      } else {
+        acc[r][a] = V::fma(d, t, acc[r][a]);
+      }
+    }
+  };
+  int64_t c = 0;
+  for (; c + 2 <= chunks; c += 2) {
+    step(c, 0);
+    step(c + 1, 1);
+  }
+  if (c < chunks) step(c, 0);
+  for (int r = 0; r < R; ++r) {
+    float sum = V::hsum(V::add(acc[r][0], acc[r][1]));
+    if constexpr (F == kInt8) {
+      const int8_t* q = reinterpret_cast<const int8_t*>(row);
+      const float* x = p.x + (m0 + r) * K;
+      for (int64_t k = chunks * 32; k < K; ++k) sum += float(q[k]) * x[k];  // K % 32 tail
+      sum *= p.scales[n];
+    }
+    if constexpr (has_offset(F)) {  // Σ_c offset_c · xsum_c
+      const float* xs = p.xsum + (m0 + r) * chunks;
+      reg o = V::zero();
+      c = 0;
+      for (; c + V::W <= chunks; c += V::W) o = V::fma(V::load(offsets + c), V::load(xs + c), o);
+      float tail = 0.f;
+      for (; c < chunks; ++c) tail += offsets[c] * xs[c];
+      sum += V::hsum(o) + tail;
+    }
+    if (p.bias) sum += p.bias[n];
+    p.y[(m0 + r) * p.N + n] = sum;
+  }
+}
+
+// Columns n0 .. n1 in tiles of ~kTileBytes of weight: each tile is read from memory once
+// and serves every block of kMb rows from cache, so a block of x (kMb rows, ≤ 128 KB at
+// K = 8192) is read once a tile, not once a column. Each (row, column) is the same
+// operations whatever the tiling.
+template <int F>
+void columns(const Problem& p, int64_t n0, int64_t n1) {
+  std::vector<float> offsets(has_offset(F) ? p.K / 32 : 0), scales(F == kQ4_K ? p.K / 32 : 0);
+  float* off = offsets.data();
+  float* dk = scales.data();
+  const int64_t tile = std::max<int64_t>(1, kTileBytes / p.row_bytes);
+  for (int64_t t0 = n0; t0 < n1; t0 += tile) {
+    const int64_t t1 = std::min(n1, t0 + tile);
+    int64_t m = 0;
+    for (; m + kMb <= p.M; m += kMb)
+      for (int64_t n = t0; n < t1; ++n) rows_of_column<F, kMb>(p, n, m, off, dk);
+    for (int64_t n = t0; n < t1; ++n) {
+      switch (p.M - m) {
+        case 3: rows_of_column<F, 3>(p, n, m, off, dk); break;
+        case 2: rows_of_column<F, 2>(p, n, m, off, dk); break;
+        case 1: rows_of_column<F, 1>(p, n, m, off, dk); break;
+        default: break;
+      }
+    }
+  }
+}
+
+void run(const Problem& p, int64_t n0, int64_t n1) {
+  switch (p.format) {
+    case kQ8_0: columns<kQ8_0>(p, n0, n1); break;
+    case kQ4_0: columns<kQ4_0>(p, n0, n1); break;
+    case kQ4_1: columns<kQ4_1>(p, n0, n1); break;
+    case kInt8: columns<kInt8>(p, n0, n1); break;
+    case kInt4: columns<kInt4>(p, n0, n1); break;
+    case kQ4_K: columns<kQ4_K>(p, n0, n1); break;
+    default: break;
+  }
+}

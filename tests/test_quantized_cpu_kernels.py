@@ -1,0 +1,179 @@
+"""The CPU kernels of the weight-only quantized linears (kernel_backends/cpu/csrc/quant_gemm*,
+kernel_backends/cpu/quantized_linear.py) against their torch twin
+(kernel_backends/torch/quantized_linear.py), on every ISA path this CPU runs ("avx512_bf16",
+"avx512", "avx2", "scalar": each is in every x86-64 build, chosen at run time; a path this
+CPU cannot run is skipped, named).
+
+Tolerance, and why. Both sides evaluate the same exact sum S = Σ_i w_i x_i (+ bias) of the
+format's weights w = d q + c (c: the chunk's offset, -8 d for Q4_0, m for Q4_1, -z s for
+int4, -dmin min_j for Q4_K's sub-block j, 0 for Q8_0 and int8) in float32, in different orders: the twin rounds each w and
+sums in oneDNN's order; the kernel sums d Σ q x and c Σ x chunk by chunk. Either is within
+γ_n A of S (Higham's bound for any summation order, n ≤ K + 4 operations on each path, u =
+2^-24, γ_n ≈ n u), where A = Σ_i (|w_i| + 2 |c_i|) |x_i| bounds the magnitudes summed
+(|d q| ≤ |w| + |c|). So float32: |kernel - twin| ≤ 2 (K + 4) u A. bfloat16 activations
+(exact in float32): the twin rounds each w to bf16 (2^-9 |w| each), so does the
+avx512_bf16 path (its VDPBF16PS takes bf16 weights; the other paths keep w in float32), and
+both round the result once (2^-9 |S| each, |S| ≤ A): |kernel - twin| ≤ (4 · 2^-9 +
+2 (K + 4) u) A.
+A wrong nibble, scale or offset is an error of the order of A itself.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from loraplex.kernel_backends.cpu import CPUBackend, extension
+from loraplex.kernel_backends.cpu import quantized_linear as kernels
+from loraplex.kernel_backends.quantized_weight import QuantizedWeight, gguf_format
+from loraplex.kernel_backends.torch import quantized_linear as twin
+from loraplex.kernel_backends.weight_quantization import quantize_int4, quantize_int8
+
+from tests.gguf_blocks import gguf_quantized, random_blocks
+
+ISAS = ["avx512_bf16", "avx512", "avx2", "scalar"]
+FORMATS = ["Q8_0", "Q4_0", "Q4_1", "Q4_K", "int8", "int4/32", "int4/64", "int4/128"]
+U = 2.0 ** -24
+
+
+@pytest.fixture(scope="module")
+def ext():
+    assert extension.available(), "the C++ CPU kernels did not build on this machine"
+    return extension.load()
+
+
+@pytest.fixture(params=ISAS)
+def isa(request: pytest.FixtureRequest, ext) -> str:
+    if request.param not in ext.quant_isas():
+        pytest.skip(f"this CPU does not run the {request.param} path "
+                    f"(it runs {ext.quant_isas()})")
+    return request.param
+
+
+def make_weight(name: str, out: int, inp: int, seed: int = 0) -> QuantizedWeight:
+    """``name`` ("Q4_1", "int4/64", ...) of shape [out, inp]: GGUF tensors quantized by
+    gguf-py (even seeds) or random blocks with zero and subnormal scales (odd seeds)."""
+    if name in ("int8",) or name.startswith("int4"):
+        w = torch.randn(out, inp, generator=torch.Generator().manual_seed(seed)) * 0.05
+        w[0] = 0  # an all-zero row
+        return quantize_int8(w) if name == "int8" else quantize_int4(w, int(name[5:]))
+    data = (gguf_quantized(name, out, inp, seed) if seed % 2 == 0
+            else random_blocks(name, out, inp, np.random.default_rng(seed)))
+    return QuantizedWeight(gguf_format(name), (out, inp), torch.from_numpy(data))
+
+
+def offsets(weight: QuantizedWeight) -> torch.Tensor:
+    """Each weight's chunk offset c (w = d q + c), float32 [out, in]."""
+    out, inp = weight.shape
+    name = weight.format.name
+    if name in ("Q8_0", "int8"):
+        return torch.zeros(out, inp)
+    if name == "int4":
+        c = -weight.zeros.float() * weight.scales.float()
+        return c.repeat_interleave(weight.format.block, dim=1)
+    if name == "Q4_K":
+        blocks = weight.data.reshape(-1, weight.format.block_bytes)
+        _, mins = twin._k_scale_min(blocks[:, 4:16])  # [blocks, 8]
+        dmin = blocks[:, 2:4].contiguous().view(torch.float16).float()  # [blocks, 1]
+        return (-(dmin * mins)).reshape(out, inp // 32).repeat_interleave(32, dim=1)
+    blocks = weight.data.reshape(out, inp // 32, weight.format.block_bytes)
+    at = 0 if name == "Q4_0" else 2
+    field = blocks[..., at:at + 2].contiguous().view(torch.float16).float()[..., 0]
+    c = -8 * field if name == "Q4_0" else field
+    return c.repeat_interleave(32, dim=1)
+
+
+def tolerance(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
+    """The bound of the module's docstring, for each output [rows, out]."""
+    w = twin.dequantize(weight)
+    a = x.float().abs() @ (w.abs() + 2 * offsets(weight).abs()).T
+    k = weight.in_features
+    factor = 2 * (k + 4) * U + (4 * 2.0 ** -9 if x.dtype == torch.bfloat16 else 0.0)
+    return factor * a + 1e-30
+
+
+def check(y: torch.Tensor, x: torch.Tensor, weight: QuantizedWeight,
+          bias: torch.Tensor | None) -> None:
+    want = twin.quantized_linear(x, weight, bias)
+    assert y.dtype == x.dtype and y.shape == want.shape
+    err = (y.float() - want.float()).abs()
+    bound = tolerance(x.reshape(-1, x.shape[-1]), weight).reshape(err.shape)
+    if bias is not None:
+        bound = bound + 2 * U * bias.float().abs() + (2.0 ** -8 * bias.float().abs()
+                                             if x.dtype == torch.bfloat16 else 0)
+    worst = (err / bound).max().item()
+    assert worst <= 1.0, f"error {worst:.3g} x the stated bound"
+
+
+@pytest.mark.parametrize("name", FORMATS)
+@pytest.mark.parametrize("rows", [1, 7, 32])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(37, 256), (131, 1536)])
+def test_kernel_equals_twin(ext, isa: str, name: str, rows: int, dtype: torch.dtype,
+                            shape: tuple[int, int]) -> None:
+    """Every format, 1/7/32 rows, float32 and bfloat16, odd output counts, on each path;
+    a bias on the larger shape."""
+    out, inp = shape
+    weight = make_weight(name, out, inp, seed=rows)
+    gen = torch.Generator().manual_seed(rows + out)
+    x = torch.randn(rows, inp, generator=gen).to(dtype)
+    bias = torch.randn(out, generator=gen).to(dtype) if out == 131 else None
+    y = kernels.quantized_linear(ext, x, weight, bias, isa=isa)
+    check(y, x, weight, bias)
+
+
+@pytest.mark.parametrize("name", ["int8", "Q4_1"])
+def test_int8_rows_not_a_multiple_of_32_and_batched_shapes(ext, isa: str, name: str) -> None:
+    """int8 takes any in_features (a tail after the last 32-weight chunk); x of any
+    leading shape."""
+    inp = 200 if name == "int8" else 96
+    weight = make_weight(name, 45, inp, seed=2)
+    x = torch.randn(2, 3, inp)
+    y = kernels.quantized_linear(ext, x, weight, isa=isa)
+    assert y.shape == (2, 3, 45)
+    check(y, x, weight, None)
+
+
+@pytest.mark.parametrize("name", FORMATS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_rows_result_does_not_depend_on_its_batch(ext, isa: str, name: str,
+                                                    dtype: torch.dtype) -> None:
+    """Each row is the same operations whatever rows share the call: bit for bit."""
+    weight = make_weight(name, 33, 512, seed=1)
+    x = torch.randn(13, 512).to(dtype)
+    whole = kernels.quantized_linear(ext, x, weight, isa=isa)
+    for i in (0, 5, 12):
+        one = kernels.quantized_linear(ext, x[i:i + 1], weight, isa=isa)
+        assert torch.equal(one, whole[i:i + 1])
+    assert torch.equal(kernels.quantized_linear(ext, x[3:10], weight, isa=isa), whole[3:10])
+
+
+def test_the_backend_uses_the_kernel_where_one_serves(ext) -> None:
+    """CPUBackend.quantized_linear: the kernel of this CPU's fastest path for Q8_0 / Q4_0 /
+    Q4_1 / Q4_K / int8 / int4 in float32 or bfloat16 up to KERNEL_MAX_ROWS rows; the torch
+    twin for Q5_K and Q6_K, float16 activations and longer inputs."""
+    backend = CPUBackend(torch.device("cpu"), torch.bfloat16)
+    fastest = ext.quant_isas()[0]
+    for name in FORMATS:
+        weight = make_weight(name, 40, 256)
+        x = torch.randn(3, 256, dtype=torch.bfloat16)
+        assert torch.equal(backend.quantized_linear(x, weight),
+                           ext.quant_linear(x, weight.data, weight.scales, weight.zeros, None,
+                                            kernels.FORMAT_CODES[weight.format.name],
+                                            weight.format.block, fastest))
+    rows = kernels.KERNEL_MAX_ROWS + 1
+    for name, dtype, n in (("Q6_K", torch.float32, 2), ("Q5_K", torch.bfloat16, 1),
+                           ("Q4_1", torch.float16, 2),
+                           ("Q4_1", torch.float32, rows)):
+        weight = make_weight(name, 40, 256)
+        x = torch.randn(n, 256).to(dtype)
+        assert not kernels.has_kernel(weight, dtype) or n > kernels.KERNEL_MAX_ROWS
+        assert torch.equal(backend.quantized_linear(x, weight), twin.quantized_linear(x, weight))
+
+
+def test_bad_calls_are_refused(ext) -> None:
+    weight = make_weight("Q4_0", 8, 64)
+    with pytest.raises(ValueError, match="expects 64"):
+        kernels.quantized_linear(ext, torch.randn(1, 32), weight)
+    with pytest.raises(RuntimeError, match="isa"):
+        kernels.quantized_linear(ext, torch.randn(1, 64), weight, isa="neon")
