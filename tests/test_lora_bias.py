@@ -174,3 +174,52 @@ def test_lora_linear_adds_the_bias_on_every_backend(name: str) -> None:
     layer.clear_slot(0)
     assert not layer.bias_slots  # the plain adapter's steps pay nothing
     check([32, -1], [1.0, 1.0])
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "gemma2"])
+def test_lora_bias_on_other_families_equals_peft(arch, tiny_models, tmp_path):
+    """Qwen (whose q/k/v have a base bias too) and Gemma: a lora_bias adapter on every
+    linear beside a plain one, a scale of 0.5 and the base in one batch equal PEFT."""
+    model = tiny_models(arch)
+    paths = {"biased": make_adapter(model, tmp_path / "biased", r=8, target_modules="all-linear",
+                                    seed=8, scale=0.3, lora_bias=True),
+             "plain": make_adapter(model, tmp_path / "plain", r=8, target_modules="all-linear",
+                                   seed=9, scale=0.3)}
+    engine = LLMEngine(model=model, dtype="float32", max_lora_rank=8, max_model_len=128,
+                       lora_modules={n: str(p) for n, p in paths.items()})
+    prompt = PROMPTS[2]
+    items = [("biased", 1.0), ("plain", 1.0), (None, 1.0), ("biased", 0.5)]
+    outs = engine.generate([prompt] * len(items), [greedy(s) for _, s in items],
+                           adapters=[a for a, _ in items])
+    for (name, scale), out in zip(items, outs):
+        tokens, logprobs = peft_run(model, paths[name] if name else None, scale, prompt)
+        assert out.token_ids == tokens, (name, scale)
+        assert [lp.logprob for lp in out.logprobs] == pytest.approx(logprobs, abs=2e-3)
+
+
+def test_a_file_of_mixed_dtypes_reads_its_biases(tiny_llama, adapters, tmp_path):
+    """A file whose tensors have different dtypes (each converted on its own): the biases
+    read are the file's, scaled like B, as from a file of one dtype."""
+    import shutil
+
+    from loraplex.lora.peft_format import read_peft_adapter
+    from safetensors.torch import load_file, save_file
+
+    from tests.adapter_dirs import shapes_of
+
+    mixed = Path(shutil.copytree(adapters["biased"], tmp_path / "mixed"))
+    tensors = load_file(mixed / "adapter_model.safetensors")
+    tensors = {k: v.to(torch.bfloat16) if i % 3 == 0 else v
+               for i, (k, v) in enumerate(sorted(tensors.items()))}
+    save_file(tensors, mixed / "adapter_model.safetensors")
+    base = shapes_of(tiny_llama)
+    got = read_peft_adapter(mixed, base, max_lora_rank=16)
+    assert len(got.biases) == 2 * len(ALL_TARGETS)
+    prefix = "base_model.model.model.layers.{}.{}.{}.lora_B.bias"
+    parent = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn",
+              "o_proj": "self_attn", "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+    for (layer, module), bias in got.biases.items():
+        stored = tensors[prefix.format(layer, parent[module], module)].float()
+        torch.testing.assert_close(bias, stored * 2.0)  # lora_alpha 16 / r 8
+    plain = read_peft_adapter(adapters["biased"], base, max_lora_rank=16)
+    assert got.meta.size_bytes == plain.meta.size_bytes
