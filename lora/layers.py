@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from ..kernel_backends.backend import KernelBackend
+from ..kernel_backends.lora_segments import LoRASegments
 from ..kernel_backends.step_metadata import StepReader
 
 # (layer index, parent module, attribute of the linear, PEFT names of its output slices,
@@ -65,7 +66,7 @@ class LoRALinear(nn.Module, StepReader):
                 self._add_bias(out, step.lora)
         return out
 
-    def _add_bias(self, out: torch.Tensor, seg) -> None:
+    def _add_bias(self, out: torch.Tensor, seg: LoRASegments) -> None:
         """out[t] += s_t · bias[slot_t] for the tokens whose slot has a bias (s_t: the
         token's ``lora_scale``, 1 unless given), in float32, rounded once."""
         starts, scales = seg.seg_starts_host, seg.row_scales
