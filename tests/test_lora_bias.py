@@ -114,6 +114,7 @@ def test_lora_bias_survives_eviction_reload_and_a_load_in_place(tiny_llama, adap
     want = {n: peft_run(tiny_llama, adapters[n], 1.0, prompt)[0] for n in adapters}
     for name in ("biased", "plain", "biased", "plain", "biased"):
         assert run(name) == want[name], name
+    assert engine.lora.device.loads >= 5 and engine.lora.host.loads >= 5  # evicted, reread
     engine.add_adapter("plain", adapters["biased"], replace=True)
     assert run("plain") == want["biased"]
     engine.add_adapter("plain", adapters["plain"], replace=True)
