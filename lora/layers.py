@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from ..kernel_backends.backend import KernelBackend
+from ..kernel_backends.lora_segments import LoRASegments
 from ..kernel_backends.step_metadata import StepReader
 
 # (layer index, parent module, attribute of the linear, PEFT names of its output slices,
@@ -28,6 +29,12 @@ class LoRALinear(nn.Module, StepReader):
     o or down: 1) one rank-row pool for A and one for B, seen as slot buffers
     (``KernelBackend.lora_pool``): a slot is the first pool unit of an adapter's run, and a
     kernel reads the first ``ranks[i, slot]`` rows of it only.
+
+    lora_B's bias (PEFT's ``lora_bias=True``: the delta is ``scaling·(B(Ax) + b)``, scaling
+    already in B and b) is added after the backend's ``add_lora``, on every backend alike:
+    the slot's bias row (``bias``, [num_units, Σ out_i], allocated when the first adapter
+    with a bias is written) gathered per token and times its ``lora_scale``, only for the
+    segments whose slot is in ``bias_slots``, so a step of plain LoRA adapters pays nothing.
     """
 
     def __init__(self, base: nn.Module, slices: tuple[str, ...], slice_sizes: list[int],
@@ -43,6 +50,9 @@ class LoRALinear(nn.Module, StepReader):
         self.lora_b = [b for _, b in pools]  # each [num_units, out_i, r_max], a pool view
         self.ranks = torch.zeros(len(slices), num_units, dtype=torch.int32,
                                  device=backend.device)
+        self.num_units = num_units
+        self.bias: torch.Tensor | None = None  # [num_units, Σ out_i], once an adapter has one
+        self.bias_slots: set[int] = set()  # the slots whose adapter has a lora_B bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.base(x)
@@ -52,16 +62,33 @@ class LoRALinear(nn.Module, StepReader):
             if scales is not None:  # per-request lora_scale: the delta is linear in x
                 x = (x * scales.unsqueeze(1)).to(x.dtype)  # in float32, rounded once
             self.backend.add_lora(out, x, self.lora_a, self.lora_b, self.ranks, step.lora)
+            if self.bias_slots:
+                self._add_bias(out, step.lora)
         return out
+
+    def _add_bias(self, out: torch.Tensor, seg: LoRASegments) -> None:
+        """out[t] += s_t · bias[slot_t] for the tokens whose slot has a bias (s_t: the
+        token's ``lora_scale``, 1 unless given), in float32, rounded once."""
+        starts, scales = seg.seg_starts_host, seg.row_scales
+        for i, slot in enumerate(seg.seg_slots_host):
+            if slot < 0 or slot not in self.bias_slots:
+                continue
+            rows = seg.token_indices[starts[i]:starts[i + 1]]
+            bias = self.bias[slot].float().expand(len(rows), -1)
+            if scales is not None:
+                bias = bias * scales[rows].unsqueeze(1)
+            out.index_copy_(0, rows, (out[rows].float() + bias).to(out.dtype))
 
     def pool_bytes_per_row(self) -> int:
         """Bytes one rank row takes in this linear's pools (A and B, every slice)."""
         per_elem = self.lora_a[0].element_size()
         return per_elem * sum(self.base.in_features + size for size in self.slice_sizes)
 
-    def set_slot(self, slot: int, weights: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Write an adapter's (A [r, in], B [out, r]) per slice name at ``slot``; the slot's
-        run must hold the largest r. A slice the adapter lacks gets rank 0."""
+    def set_slot(self, slot: int, weights: dict[str, tuple[torch.Tensor, torch.Tensor]],
+                 biases: dict[str, torch.Tensor] | None = None) -> None:
+        """Write an adapter's (A [r, in], B [out, r]) per slice name at ``slot``, and its
+        lora_B biases [out] (a slice without one: zeros); the slot's run must hold the
+        largest r. A slice the adapter lacks gets rank 0."""
         for i, name in enumerate(self.slices):
             pair = weights.get(name)
             rank = 0 if pair is None else pair[0].shape[0]
@@ -69,10 +96,24 @@ class LoRALinear(nn.Module, StepReader):
                 self.lora_a[i][slot, :rank].copy_(pair[0])
                 self.lora_b[i][slot, :, :rank].copy_(pair[1])
             self.ranks[i, slot] = rank
+        if not biases:
+            self.bias_slots.discard(slot)
+            return
+        if self.bias is None:
+            self.bias = torch.zeros(self.num_units, sum(self.slice_sizes),
+                                    dtype=self.lora_b[0].dtype, device=self.backend.device)
+        self.bias[slot].zero_()
+        offset = 0
+        for name, size in zip(self.slices, self.slice_sizes):
+            if name in biases:
+                self.bias[slot, offset:offset + size].copy_(biases[name])
+            offset += size
+        self.bias_slots.add(slot)
 
     def clear_slot(self, slot: int) -> None:
         """The slot reads as empty (rank 0); its rows are left to the next owner."""
         self.ranks[:, slot] = 0
+        self.bias_slots.discard(slot)
 
     def move_slot(self, src: int, dst: int, rows: int) -> None:
         """Copy the first ``rows`` rank rows of slot ``src`` to slot ``dst`` (dst < src, so
@@ -83,6 +124,11 @@ class LoRALinear(nn.Module, StepReader):
             b[dst, :, :rows].copy_(b[src, :, :rows].clone())
         self.ranks[:, dst] = self.ranks[:, src]
         self.ranks[:, src] = 0
+        self.bias_slots.discard(dst)
+        if src in self.bias_slots:
+            self.bias[dst].copy_(self.bias[src])
+            self.bias_slots.discard(src)
+            self.bias_slots.add(dst)
 
 
 def rank_row_bytes(targets: Iterable[LoRATarget], dtype: torch.dtype) -> int:

@@ -35,10 +35,10 @@ ALL_LINEAR = "all-linear"
 SUPPORTED = (f"supported target modules: {', '.join(LORA_TARGETS)} (Phi-3: "
              f"{', '.join(FUSED_TARGETS)})")
 SERVES = "loraplex serves plain LoRA and rsLoRA on the linear layers of the decoder"
-# Config fields that change the forward pass beyond `scaling * B(A(x))`, besides the ones PEFT
+# Config fields that change the forward pass beyond `scaling * (B(A(x)) + b)` (b: lora_B's
+# bias, ``lora_bias=True``), besides the ones PEFT
 # itself tags as LoRA variants (DoRA, aLoRA, KaSA, ...; see `_active_variants`).
 _UNSERVABLE_FIELDS = {
-    "lora_bias": "a bias on lora_B (lora_bias)",
     "use_qalora": "QA-LoRA (use_qalora)",
     "layer_replication": "layer replication (layer_replication)",
     "target_parameters": "LoRA on parameters (target_parameters)",
@@ -46,7 +46,8 @@ _UNSERVABLE_FIELDS = {
 }
 
 Plan = dict[tuple[int, str], tuple[int, float]]  # (layer, module) -> (r, alpha)
-TensorKeys = dict[tuple[int, str], dict[str, str]]  # (layer, module) -> {"A": key, "B": key}
+# (layer, module) -> {"A": key, "B": key[, "b": key of lora_B's bias (lora_bias)]}
+TensorKeys = dict[tuple[int, str], dict[str, str]]
 Header = dict[str, tuple[str, tuple[int, ...]]]  # tensor name -> (safetensors dtype, shape)
 FLOAT_DTYPES = ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2")  # read as float32
 # the names PEFT saves: <prefix>.layers.<i>.<parent>.<module>.lora_A|B[.<adapter name>].weight
@@ -228,15 +229,17 @@ def parse_name(tensor: str, where: str | Path) -> tuple[int, str, str, str | Non
     if module not in ALL_NAMES:
         raise AdapterError(f"{where}: tensor {tensor!r} adapts {module!r}, which the engine "
                            f"cannot wrap; {SUPPORTED}")
-    if kind not in ("lora_A", "lora_B") or rest[-1:] != ["weight"] or len(rest) > 2:
-        raise AdapterError(f"{where}: tensor {tensor!r} is not a lora_A / lora_B weight (DoRA "
-                           "magnitudes and LoRA biases are not supported)")
+    bias = kind == "lora_B" and rest[-1:] == ["bias"]  # lora_bias=True: lora_B's bias
+    if kind not in ("lora_A", "lora_B") or (rest[-1:] != ["weight"] and not bias) \
+            or len(rest) > 2:
+        raise AdapterError(f"{where}: tensor {tensor!r} is not a lora_A / lora_B weight nor "
+                           "lora_B's bias (DoRA magnitudes are not supported)")
     path = parts[:i]
     if len(path) < 4 or path[-4] != "layers" or not path[-3].isdigit() \
             or path[-2] != MODULE_PARENT[module]:
         raise AdapterError(f"{where}: tensor {tensor!r} is not under layers.<i>."
                            f"{MODULE_PARENT[module]}.{module} of the decoder")
-    return int(path[-3]), module, kind[-1], rest[0] if len(rest) == 2 else None
+    return int(path[-3]), module, "b" if bias else kind[-1], rest[0] if len(rest) == 2 else None
 
 
 def check_pairs(keys: TensorKeys, plan: Plan, num_layers: int, where: str | Path) -> None:
@@ -246,7 +249,7 @@ def check_pairs(keys: TensorKeys, plan: Plan, num_layers: int, where: str | Path
         if layer >= num_layers:
             raise AdapterError(f"{where}: tensor {some!r} is for layer {layer}, but the base model "
                                f"has {num_layers} layers (0..{num_layers - 1})")
-        for have, lack in (("A", "B"), ("B", "A")):
+        for have, lack in (("A", "B"), ("B", "A"), ("b", "B")):
             if have in ab and lack not in ab:
                 raise AdapterError(f"{where}: tensor {ab[have]!r} has no matching lora_{lack}; "
                                    "every module needs both lora_A and lora_B")
@@ -258,16 +261,30 @@ def check_pairs(keys: TensorKeys, plan: Plan, num_layers: int, where: str | Path
 
 def check_shapes(header: Header, keys: TensorKeys, plan: Plan,
                  modules: dict[str, tuple[int, int]], where: str | Path) -> None:
-    """A is [r, in] and B is [out, r] with r from the config and (in, out) from the base."""
+    """A is [r, in], B is [out, r] and lora_B's bias (if any) is [out], with r from the
+    config and (in, out) from the base."""
     for (layer, module), ab in sorted(keys.items()):
         r = plan[(layer, module)][0]
         d_in, d_out = modules[module]
-        for half, want in (("A", (r, d_in)), ("B", (d_out, r))):
+        for half, want in (("A", (r, d_in)), ("B", (d_out, r)), ("b", (d_out,))):
+            if half not in ab:
+                continue
             found = header[ab[half]][1]
             if found != want:
                 raise AdapterError(f"{where}: tensor {ab[half]!r} has shape {list(found)}, "
                                    f"expected {list(want)} (r={r} from adapter_config.json, "
                                    f"{module} of the base is in={d_in}, out={d_out})")
+
+
+def check_biases(keys: TensorKeys, lora_bias: bool, where: str | Path) -> None:
+    """lora_B biases only where adapter_config.json says ``lora_bias=True`` (PEFT would
+    not read them otherwise)."""
+    if lora_bias:
+        return
+    for _, ab in sorted(keys.items()):
+        if "b" in ab:
+            raise AdapterError(f"{where}: tensor {ab['b']!r} is a bias of lora_B, but "
+                               "adapter_config.json has lora_bias=false")
 
 
 def check_dtypes(header: Header, keys: TensorKeys, where: str | Path) -> None:

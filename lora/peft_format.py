@@ -48,6 +48,7 @@ from .adapter_files import AdapterFiles, MissingFile, read_all, real_path
 from .peft_checks import (
     LORA_TARGETS,
     AdapterError,
+    check_biases,
     check_dtypes,
     check_pairs,
     check_servable,
@@ -151,6 +152,9 @@ class LoRAWeights:
     meta: AdapterMeta
     # (layer_idx, "q_proj") -> (A [r, in], B [out, r] with the scaling multiplied in)
     layers: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+    # (layer_idx, "q_proj") -> lora_B's bias [out] with the scaling multiplied in
+    # (``lora_bias=True``; empty for a plain LoRA)
+    biases: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)
 
     name = property(lambda self: self.meta.name)
     path = property(lambda self: self.meta.path)
@@ -181,6 +185,7 @@ def inspect_peft_adapter(path: str | Path, base: BaseShapes, max_lora_rank: int,
     keys = index_tensors(list(header.tensors), weights_file)
     check_pairs(keys, plan, base.num_layers, weights_file)
     check_shapes(header.tensors, keys, plan, base.modules, weights_file)
+    check_biases(keys, bool(config.lora_bias), weights_file)
     check_dtypes(header.tensors, keys, weights_file)
     layout = TensorLayout.of(header, keys, plan, base.modules, bool(config.use_rslora))
     return AdapterMeta(
@@ -209,18 +214,19 @@ def read_peft_adapter(path: str | Path, base: BaseShapes, max_lora_rank: int,
     elif name != meta.name or shown != meta.shown:
         meta = dataclasses.replace(meta, name=name, shown=shown)
     try:
-        layers = _load(meta)
+        layers, biases = _load(meta)
     except StaleLayout:  # the weights changed since ``meta``: once more, from the top
         meta = inspect_peft_adapter(path, base, max_lora_rank, name, dtype, root=root,
                                     shown=shown)
-        layers = _load(meta)
+        layers, biases = _load(meta)
     check_bounds(meta.name, layers, dtype)
-    return LoRAWeights(meta, layers)
+    return LoRAWeights(meta, layers, biases)
 
 
-def _load(meta: AdapterMeta) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
+def _load(meta: AdapterMeta) -> tuple[dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]],
+                                      dict[tuple[int, str], torch.Tensor]]:
     files = meta.files
-    return meta.layout.load(files, lambda: index_tensors(
+    return meta.layout.load_all(files, lambda: index_tensors(
         list(safetensors_header(files).tensors), files.label(WEIGHTS_NAME)), meta.dtype)
 
 

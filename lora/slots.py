@@ -27,7 +27,9 @@ class SlotBuffers:
         for (idx, _), layer in self.layers.items():
             per_slice = {name: weights.layers[(idx, name)] for name in layer.slices
                          if (idx, name) in weights.layers}
-            layer.set_slot(slot, per_slice)
+            biases = {name: weights.biases[(idx, name)] for name in layer.slices
+                      if (idx, name) in weights.biases}
+            layer.set_slot(slot, per_slice, biases)
 
     @torch.inference_mode()
     def clear(self, slot: int) -> None:

@@ -8,7 +8,8 @@ is converted tensor by tensor), A and B as views of that buffer, one sum to chec
 value is finite (only a non-finite sum looks further, to name the tensor), the B views
 multiplied by their scaling in place (one call), and, for another held dtype, one
 conversion of the buffer (the scaling is applied in float32 first, so the values held are
-float32's rounded once: what copying float32 into that pool would give).
+float32's rounded once: what copying float32 into that pool would give). lora_B's biases
+(``lora_bias=True``) are read the same way and scaled with their B (``load_all``).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import math
 import os
 from array import array
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -27,6 +28,7 @@ from .peft_files import ITEMSIZE, WEIGHTS_NAME, ContentKey, SafetensorsHeader, c
 
 Pair = tuple[int, str]  # (layer, module)
 Layers = dict[Pair, tuple[torch.Tensor, torch.Tensor]]  # -> (A [r, in], B [out, r])
+Biases = dict[Pair, torch.Tensor]  # -> lora_B's bias [out] (lora_bias), scaled like B
 
 _PAIRS: dict[Pair, Pair] = {}  # one tuple per (layer, module) seen, held by every layout
 TORCH_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
@@ -45,10 +47,12 @@ class TensorLayout:
     a_at: array  # 'q', per pair
     b_at: array  # 'q', per pair
     scales: array  # 'd', per pair
-    dtypes: tuple[str, ...]  # the file's one dtype, or (A's, B's) of every pair in turn
+    dtypes: tuple[str, ...]  # the file's one dtype, or (A's, B's[, bias's]) of every pair
     data_start: int
     data_bytes: int
     header: ContentKey  # of the header this layout was built from
+    bias_at: array = field(default_factory=lambda: array("q"))  # 'q', per pair (-1: none);
+    # empty when no pair has a bias
 
     @classmethod
     def of(cls, header: SafetensorsHeader, keys: TensorKeys, plan: Plan,
@@ -60,23 +64,35 @@ class TensorLayout:
             at[name] = offset
             offset += ITEMSIZE[dtype] * math.prod(shape)
         pairs = [_PAIRS.setdefault(p, p) for p in sorted(keys)]  # shared by every adapter
-        per_tensor = [header.tensors[keys[p][h]][0] for p in pairs for h in "AB"]
+        per_tensor = [header.tensors[keys[p][h]][0] for p in pairs for h in "ABb"
+                      if h in keys[p]]
+        biased = any("b" in keys[p] for p in pairs)
         return cls(
             ranks={p: plan[p][0] for p in pairs}, dims=dims,
             a_at=array("q", [at[keys[p]["A"]] for p in pairs]),
             b_at=array("q", [at[keys[p]["B"]] for p in pairs]),
             scales=array("d", [scaling(*plan[p], use_rslora) for p in pairs]),
             dtypes=tuple(per_tensor) if len(set(per_tensor)) > 1 else (per_tensor[0],),
-            data_start=header.data_start, data_bytes=offset, header=header.key)
+            data_start=header.data_start, data_bytes=offset, header=header.key,
+            bias_at=array("q", [at[keys[p]["b"]] if "b" in keys[p] else -1 for p in pairs]
+                          if biased else []))
 
     def held_bytes(self, dtype: torch.dtype = torch.float32) -> int:
-        """Bytes of A and B as ``load`` returns them in ``dtype``."""
+        """Bytes of A and B (and lora_B's biases) as ``load_all`` returns them in ``dtype``."""
         itemsize = torch.empty(0, dtype=dtype).element_size()
-        return itemsize * sum(r * sum(self.dims[m]) for (_, m), r in self.ranks.items())
+        biases = sum(self.dims[m][1] for ((_, m), at) in zip(self.ranks, self.bias_at)
+                     if at >= 0)
+        return itemsize * (sum(r * sum(self.dims[m]) for (_, m), r in self.ranks.items())
+                           + biases)
 
     def load(self, files: AdapterFiles, names: Callable[[], TensorKeys],
              dtype: torch.dtype = torch.float32) -> Layers:
-        """Read A and B (B scaled in float32, both then held in ``dtype``) from the
+        """A and B as ``load_all`` reads them (without lora_B's biases)."""
+        return self.load_all(files, names, dtype)[0]
+
+    def load_all(self, files: AdapterFiles, names: Callable[[], TensorKeys],
+                 dtype: torch.dtype = torch.float32) -> tuple[Layers, Biases]:
+        """Read A and B and lora_B's biases (B scaled in float32, both then held in ``dtype``) from the
         adapter's safetensors file (opened confined: ``files.open``); ``names`` gives the
         tensor names for an error message. StaleLayout if the file's header is no longer
         the one this layout was built from."""
@@ -88,27 +104,35 @@ class TensorLayout:
             # tensor in float32 and rounds once: the same bits), else in float32
             flat = raw.view(stored).to(stored if stored == dtype else torch.float32)
             size = ITEMSIZE[self.dtypes[0]]
-            layers = self._views(flat, size)
+            layers, biases = self._views(flat, size)
         else:
-            flat, size, layers = None, 0, self._convert_each(raw)
+            flat, size, (layers, biases) = None, 0, self._convert_each(raw)
         if not torch.isfinite(flat.sum(dtype=torch.float32) if flat is not None else  # one pass
-                              torch.stack([t.sum() for ab in layers.values() for t in ab]).sum()):
-            self._name_nonfinite(layers, path, names)
+                              torch.stack([t.sum() for ab in layers.values() for t in ab]
+                                          + [t.sum() for t in biases.values()]).sum()):
+            self._name_nonfinite(layers, biases, path, names)
         if any(s != 1.0 for s in self.scales):
             torch._foreach_mul_([b for _, b in layers.values()], list(self.scales))
+            if biases:
+                scale = dict(zip(self.ranks, self.scales))
+                torch._foreach_mul_(list(biases.values()), [scale[p] for p in biases])
         if flat is not None:
-            return layers if flat.dtype == dtype else self._views(flat.to(dtype), size)
-        return {pair: (a.to(dtype), b.to(dtype)) for pair, (a, b) in layers.items()}
+            return (layers, biases) if flat.dtype == dtype else self._views(flat.to(dtype), size)
+        return ({pair: (a.to(dtype), b.to(dtype)) for pair, (a, b) in layers.items()},
+                {pair: b.to(dtype) for pair, b in biases.items()})
 
-    def _views(self, flat: torch.Tensor, size: int) -> Layers:
-        """A and B as views of ``flat``, the data section as one tensor of a dtype whose
-        file item size is ``size`` (tensor offsets are in bytes of the file)."""
-        layers = {}
+    def _views(self, flat: torch.Tensor, size: int) -> tuple[Layers, Biases]:
+        """A and B (and biases) as views of ``flat``, the data section as one tensor of a
+        dtype whose file item size is ``size`` (tensor offsets are in bytes of the file)."""
+        layers, biases = {}, {}
         for (pair, r), a_at, b_at in zip(self.ranks.items(), self.a_at, self.b_at):
             d_in, d_out = self.dims[pair[1]]
             layers[pair] = (flat.as_strided((r, d_in), (d_in, 1), a_at // size),
                             flat.as_strided((d_out, r), (r, 1), b_at // size))
-        return layers
+        for pair, at in zip(self.ranks, self.bias_at):
+            if at >= 0:
+                biases[pair] = flat.as_strided((self.dims[pair[1]][1],), (1,), at // size)
+        return layers, biases
 
     def _read(self, files: AdapterFiles) -> torch.Tensor:
         """The data section, from the same open file as the header it is checked against."""
@@ -125,17 +149,22 @@ class TensorLayout:
                                f"corrupt?): {done} of {self.data_bytes} data bytes")
         return raw
 
-    def _convert_each(self, raw: torch.Tensor) -> Layers:
+    def _convert_each(self, raw: torch.Tensor) -> tuple[Layers, Biases]:
         """A file that mixes dtypes: each tensor from its bytes to its own float32 tensor."""
-        layers, dtypes = {}, iter(self.dtypes)
-        for (pair, r), a_at, b_at in zip(self.ranks.items(), self.a_at, self.b_at):
+        layers, biases, dtypes = {}, {}, iter(self.dtypes)
+        bias_at = self.bias_at or array("q", [-1] * len(self.ranks))
+        for (pair, r), a_at, b_at, c_at in zip(self.ranks.items(), self.a_at, self.b_at,
+                                               bias_at):
             d_in, d_out = self.dims[pair[1]]
             a = _tensor(raw, a_at, next(dtypes), (r, d_in))
             layers[pair] = (a, _tensor(raw, b_at, next(dtypes), (d_out, r)))
-        return layers
+            if c_at >= 0:
+                biases[pair] = _tensor(raw, c_at, next(dtypes), (d_out, 1)).view(d_out)
+        return layers, biases
 
     @staticmethod
-    def _name_nonfinite(layers: Layers, path: str, names: Callable[[], TensorKeys]) -> None:
+    def _name_nonfinite(layers: Layers, biases: Biases, path: str,
+                        names: Callable[[], TensorKeys]) -> None:
         """AdapterError naming the first tensor with a NaN or Inf (a sum can also overflow
         to Inf on finite values: then there is none, and nothing is raised)."""
         for pair, ab in layers.items():
@@ -143,6 +172,10 @@ class TensorLayout:
                 if not torch.isfinite(t).all():
                     raise AdapterError(f"{path}: tensor {names()[pair][half]!r} holds NaN or "
                                        "Inf values; all LoRA weights must be finite")
+        for pair, bias in biases.items():
+            if not torch.isfinite(bias).all():
+                raise AdapterError(f"{path}: tensor {names()[pair]['b']!r} holds NaN or "
+                                   "Inf values; all LoRA weights must be finite")
 
 
 class StaleLayout(AdapterError):

@@ -158,8 +158,10 @@ def make_adapter(
     alpha_pattern: dict | None = None,
     layers_to_transform: list[int] | None = None,
     scale: float = 0.15,
+    lora_bias: bool = False,
 ) -> Path:
-    """Save a real PEFT LoRA adapter for ``base_dir`` with random (non-zero) A and B."""
+    """Save a real PEFT LoRA adapter for ``base_dir`` with random (non-zero) A and B (and
+    lora_B's biases, with ``lora_bias``)."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
@@ -176,6 +178,7 @@ def make_adapter(
         layers_to_transform=layers_to_transform,
         lora_dropout=0.0,
         bias="none",
+        lora_bias=lora_bias,
         task_type="CAUSAL_LM",
     )
     model = get_peft_model(base, config)

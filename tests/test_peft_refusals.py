@@ -66,7 +66,6 @@ CONFIG_REFUSALS = {  # adapter_config.json changes -> fragment of the message
     "dora": ({"use_dora": True}, "use_dora"),
     "modules_to_save": ({"modules_to_save": ["lm_head"]}, "modules_to_save=['lm_head']"),
     "bias": ({"bias": "all"}, "bias='all' is not supported; only bias='none'"),
-    "lora_bias": ({"lora_bias": True}, "lora_bias"),
     "embed_tokens": ({"target_modules": ["q_proj", "embed_tokens"]},
                      "'embed_tokens' cannot be wrapped"),
     "lm_head": ({"target_modules": ["lm_head"]}, "'lm_head' cannot be wrapped"),
@@ -123,6 +122,46 @@ TENSOR_REFUSALS = {  # safetensors edits -> fragment of the message (all name th
                 "holds no LoRA tensors"),
     "empty_file": (lambda t: t.clear(), "holds no LoRA tensors"),
 }
+
+
+def _bias(shape: tuple[int, ...]) -> Callable[[dict[str, torch.Tensor]], None]:
+    def fn(t: dict[str, torch.Tensor]) -> None:
+        t[f"{Q0}.lora_B.bias"] = torch.ones(shape)
+    return fn
+
+
+TENSOR_REFUSALS.update({  # lora_B's bias (lora_bias): served, but checked
+    "bias_unflagged": (_bias((64,)), (f"'{Q0}.lora_B.bias' is a bias of lora_B, but "
+                                     "adapter_config.json has lora_bias=false")),
+})
+
+
+@pytest.mark.parametrize("shape", [(63,), (64, 1), (32,)])
+def test_refuses_lora_bias_of_the_wrong_shape(ad: Path, llama: BaseShapes,
+                                              shape: tuple[int, ...]) -> None:
+    """A lora_B bias must be [out] of its module (q_proj: 64); the message names the
+    adapter directory and the tensor."""
+    edit_config(ad, lora_bias=True)
+    edit_tensors(ad, _bias(shape))
+    message = refused(ad, llama)
+    assert f"'{Q0}.lora_B.bias' has shape {list(shape)}, expected [64]" in message
+    assert str(ad) in message
+
+
+def test_lora_bias_is_served(ad: Path, llama: BaseShapes) -> None:
+    """lora_bias=True (issue 46, once refused): the bias is read, scaled like B (alpha/r)
+    and counted in the adapter's bytes; a module without one has none (PEFT: zeros)."""
+    plain = inspect_peft_adapter(ad, llama, max_lora_rank=16)
+    edit_config(ad, lora_bias=True)
+    bias = torch.linspace(-1.0, 1.0, 64)
+    edit_tensors(ad, lambda t: _put(t, f"{Q0}.lora_B.bias", bias))
+    meta = inspect_peft_adapter(ad, llama, max_lora_rank=16)
+    assert meta.size_bytes == plain.size_bytes + 64 * 4
+    weights = read_peft_adapter(ad, llama, max_lora_rank=16)
+    assert list(weights.biases) == [(0, "q_proj")]
+    torch.testing.assert_close(weights.biases[(0, "q_proj")], bias * (16 / 8))
+    half = read_peft_adapter(ad, llama, max_lora_rank=16, dtype=torch.bfloat16)
+    assert half.biases[(0, "q_proj")].dtype == torch.bfloat16
 
 
 @pytest.mark.parametrize("case", list(TENSOR_REFUSALS))
