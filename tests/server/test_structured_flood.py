@@ -148,7 +148,10 @@ def test_a_cheap_request_answers_through_a_flood_of_slow_schemas(server, oai) ->
     while compiler.stats().pending or len(compile_processes(zygote)) != len(processes_before):
         assert time.monotonic() < deadline, compile_processes(zygote)
         time.sleep(0.1)
-    assert not set(processes_before[1:]) & set(compile_processes(zygote))  # killed, replaced
+    # Both general workers ran timed-out compiles: killed, replaced. The fast lane's worker
+    # too when the small slow schema reached it first; an idle general worker may take that
+    # one instead (both wait for it), and then the fast worker lives on: one survivor at most.
+    assert len(set(processes_before[1:]) & set(compile_processes(zygote))) <= 1
     assert rss() - rss_before < 300 << 20
     assert sum(rss(p) for p in compile_processes(zygote)) < 3 << 30
     assert free_text(server) == before_text
