@@ -153,7 +153,16 @@ inline void row_scales(const uint8_t* row, int64_t chunks, float* dk, float* ck)
   if constexpr (F == kQ6_K) q6_k_scales(row, chunks, dk);
 }
 
-// chunk<F>, with the K-quants' scales and offsets from row_scales. Q5_K's sub-block j
+// The same for super-block b alone (its eight chunks), computed just before them.
+template <int F>
+inline void block_scales(const uint8_t* row, int64_t b, float* dk, float* ck) {
+  if constexpr (F == kQ4_K) q4_k_chunks(row + b * 144, 8, dk + 8 * b, ck + 8 * b, 144);
+  if constexpr (F == kQ5_K) q4_k_chunks(row + b * 176, 8, dk + 8 * b, ck + 8 * b, 176);
+  if constexpr (F == kQ6_K) q6_k_scales(row + b * 210, 8, dk + 16 * b);
+}
+constexpr bool k_quant(int F) { return F == kQ4_K || F == kQ5_K || F == kQ6_K; }
+
+// chunk<F>, with the K-quants' scales and offsets from row_scales / block_scales. Q5_K's sub-block j
 // (ggml's dequantize_row_q5_K): the low (j even) or high nibbles of qs[32 * (j / 2) ..], bit
 // j of qh[0 .. 32). Q6_K's 32 weights j of a super-block (dequantize_row_q6_K: half h = j / 4,
 // k = j % 4): the low (k < 2) or high nibbles of ql[64 h + 32 (k % 2) ..], bits 2k, 2k + 1 of

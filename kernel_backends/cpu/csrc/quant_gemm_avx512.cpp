@@ -133,8 +133,10 @@ inline void rows_of_column_bf16(const Problem& p, int64_t n, int64_t m0, float* 
   const uint8_t* row = p.data + n * p.row_bytes;
   __m512 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-  row_scales<F>(row, chunks, dk, ck);
   auto step = [&](int64_t c, int a) __attribute__((always_inline)) {
+    if constexpr (k_quant(F)) {
+      if ((c & 7) == 0) block_scales<F>(row, c >> 3, dk, ck);
+    }
     const __m512bh w = weights_bf16<F>(p, row, n, c, dk, ck);
     for (int r = 0; r < R; ++r) {
       const __m512i x = _mm512_loadu_si512(p.xb + (m0 + r) * K + c * 32);

@@ -37,8 +37,10 @@ inline void rows_of_column(const Problem& p, int64_t n, int64_t m0, float* offse
   const uint8_t* row = p.data + n * p.row_bytes;
   reg acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = V::zero();
-  row_scales<F>(row, chunks, dk, offsets);
   auto step = [&](int64_t c, int a) __attribute__((always_inline)) {
+    if constexpr (k_quant(F)) {  // a super-block's scales just before its chunks
+      if ((c & 7) == 0) block_scales<F>(row, c >> 3, dk, offsets);
+    }
     const Chunk ch = chunk_at<F>(p, row, n, c, dk, offsets);
     if constexpr (has_offset(F)) offsets[c] = ch.c;
     reg q[kNv];
