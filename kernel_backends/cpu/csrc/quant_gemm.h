@@ -115,7 +115,7 @@ inline Chunk chunk(const Problem& p, const uint8_t* row, int64_t n, int64_t c) {
   }
 }
 
-// Q4_K (block_bytes 144) and Q5_K (176): the scale d and offset c of each of a row's
+// Q4_K (block_bytes 144) and Q5_K (176): the scale d and offset c of each of `chunks`
 // chunks, each super-block's two fp16 and twelve scale bytes read once for its eight
 // chunks (the same products as chunk<kQ4_K>).
 inline void q4_k_chunks(const uint8_t* row, int64_t chunks, float* d, float* c,
@@ -145,15 +145,9 @@ inline void q6_k_scales(const uint8_t* row, int64_t chunks, float* d) {
   }
 }
 
-// The scales (and offsets) of a row's chunks, once a row: Q4_K, Q5_K, Q6_K (else nothing).
-template <int F>
-inline void row_scales(const uint8_t* row, int64_t chunks, float* dk, float* ck) {
-  if constexpr (F == kQ4_K) q4_k_chunks(row, chunks, dk, ck, 144);
-  if constexpr (F == kQ5_K) q4_k_chunks(row, chunks, dk, ck, 176);
-  if constexpr (F == kQ6_K) q6_k_scales(row, chunks, dk);
-}
-
-// The same for super-block b alone (its eight chunks), computed just before them.
+// The scales (and offsets) of super-block b's eight chunks: Q4_K, Q5_K, Q6_K (else
+// nothing), computed just before its chunks (a first pass over the whole row's super-blocks
+// made the long rows of down [2048, 8192] up to 1.6x slower, cold).
 template <int F>
 inline void block_scales(const uint8_t* row, int64_t b, float* dk, float* ck) {
   if constexpr (F == kQ4_K) q4_k_chunks(row + b * 144, 8, dk + 8 * b, ck + 8 * b, 144);
@@ -162,7 +156,7 @@ inline void block_scales(const uint8_t* row, int64_t b, float* dk, float* ck) {
 }
 constexpr bool k_quant(int F) { return F == kQ4_K || F == kQ5_K || F == kQ6_K; }
 
-// chunk<F>, with the K-quants' scales and offsets from row_scales / block_scales. Q5_K's sub-block j
+// chunk<F>, with the K-quants' scales and offsets from block_scales. Q5_K's sub-block j
 // (ggml's dequantize_row_q5_K): the low (j even) or high nibbles of qs[32 * (j / 2) ..], bit
 // j of qh[0 .. 32). Q6_K's 32 weights j of a super-block (dequantize_row_q6_K: half h = j / 4,
 // k = j % 4): the low (k < 2) or high nibbles of ql[64 h + 32 (k % 2) ..], bits 2k, 2k + 1 of
