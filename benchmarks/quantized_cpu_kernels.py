@@ -4,7 +4,8 @@ the torch twin, on SmolLM2-135M's linear shapes and Llama-3.2-1B's (hidden 2048,
 intermediate 8192, 32 query and 8 KV heads of 64).
 
     python -m loraplex.benchmarks.quantized_cpu_kernels [--models smollm2 llama1b]
-        [--rows 1 32] [--dtype bfloat16 float32] [--formats Q4_0 Q4_1 Q8_0 int8 int4 Q4_K]
+        [--rows 1 32] [--dtype bfloat16 float32]
+        [--formats Q4_0 Q4_1 Q8_0 int8 int4 Q4_K Q5_K Q6_K]
         [--isa avx512] [--rounds 5] [--threads N] [--no-twin] [--cold]
 
 Run it in a fresh process: the baseline (F.linear) is timed first, then the kernel, then
@@ -38,7 +39,7 @@ from .quantized_twin import best, quantize
 LLAMA_1B = {"qkv": (2048 + 2 * 512, 2048), "o": (2048, 2048), "gate_up": (2 * 8192, 2048),
             "down": (2048, 8192)}
 MODELS = {"smollm2": SMOLLM2_SHAPES, "llama1b": LLAMA_1B}
-FORMATS = ["Q4_0", "Q4_1", "Q8_0", "int8", "int4", "Q4_K"]
+FORMATS = ["Q4_0", "Q4_1", "Q8_0", "int8", "int4", "Q4_K", "Q5_K", "Q6_K"]
 COLD_BYTES = 256 << 20  # --cold: copies of the float weight to fill this (past any L3)
 
 

@@ -6,9 +6,10 @@ CPU cannot run is skipped, named).
 
 Tolerance, and why. Both sides evaluate the same exact sum S = Σ_i w_i x_i (+ bias) of the
 format's weights w = d q + c (c: the chunk's offset, -8 d for Q4_0, m for Q4_1, -z s for
-int4, -dmin min_j for Q4_K's sub-block j, 0 for Q8_0 and int8) in float32, in different orders: the twin rounds each w and
-sums in oneDNN's order; the kernel sums d Σ q x and c Σ x chunk by chunk. Either is within
-γ_n A of S (Higham's bound for any summation order, n ≤ K + 4 operations on each path, u =
+int4, -dmin min_j for Q4_K's and Q5_K's sub-block j, 0 for Q8_0, int8 and Q6_K, whose
+kernel decodes w = (d scale_i) (q - 32) as the twin does) in float32, in different orders:
+the twin rounds each w and sums in oneDNN's order; the kernel sums d Σ q x and c Σ x chunk
+by chunk. Either is within γ_n A of S (Higham's bound for any summation order, n ≤ K + 4 operations on each path, u =
 2^-24, γ_n ≈ n u), where A = Σ_i (|w_i| + 2 |c_i|) |x_i| bounds the magnitudes summed
 (|d q| ≤ |w| + |c|). So float32: |kernel - twin| ≤ 2 (K + 4) u A. bfloat16 activations
 (exact in float32): the twin rounds each w to bf16 (2^-9 |w| each), so does the
@@ -32,7 +33,8 @@ from loraplex.kernel_backends.weight_quantization import quantize_int4, quantize
 from tests.gguf_blocks import gguf_quantized, random_blocks
 
 ISAS = ["avx512_bf16", "avx512", "avx2", "scalar"]
-FORMATS = ["Q8_0", "Q4_0", "Q4_1", "Q4_K", "int8", "int4/32", "int4/64", "int4/128"]
+FORMATS = ["Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K", "int8", "int4/32", "int4/64",
+           "int4/128"]
 U = 2.0 ** -24
 
 
@@ -66,12 +68,12 @@ def offsets(weight: QuantizedWeight) -> torch.Tensor:
     """Each weight's chunk offset c (w = d q + c), float32 [out, in]."""
     out, inp = weight.shape
     name = weight.format.name
-    if name in ("Q8_0", "int8"):
+    if name in ("Q8_0", "int8", "Q6_K"):
         return torch.zeros(out, inp)
     if name == "int4":
         c = -weight.zeros.float() * weight.scales.float()
         return c.repeat_interleave(weight.format.block, dim=1)
-    if name == "Q4_K":
+    if name in ("Q4_K", "Q5_K"):
         blocks = weight.data.reshape(-1, weight.format.block_bytes)
         _, mins = twin._k_scale_min(blocks[:, 4:16])  # [blocks, 8]
         dmin = blocks[:, 2:4].contiguous().view(torch.float16).float()  # [blocks, 1]
@@ -150,8 +152,8 @@ def test_a_rows_result_does_not_depend_on_its_batch(ext, isa: str, name: str,
 
 def test_the_backend_uses_the_kernel_where_one_serves(ext) -> None:
     """CPUBackend.quantized_linear: the kernel of this CPU's fastest path for Q8_0 / Q4_0 /
-    Q4_1 / Q4_K / int8 / int4 in float32 or bfloat16 up to KERNEL_MAX_ROWS rows; the torch
-    twin for Q5_K and Q6_K, float16 activations and longer inputs."""
+    Q4_1 / Q4_K / Q5_K / Q6_K / int8 / int4 in float32 or bfloat16 up to KERNEL_MAX_ROWS
+    rows; the torch twin for float16 activations and longer inputs."""
     backend = CPUBackend(torch.device("cpu"), torch.bfloat16)
     fastest = ext.quant_isas()[0]
     for name in FORMATS:
@@ -162,8 +164,8 @@ def test_the_backend_uses_the_kernel_where_one_serves(ext) -> None:
                                             kernels.FORMAT_CODES[weight.format.name],
                                             weight.format.block, fastest))
     rows = kernels.KERNEL_MAX_ROWS + 1
-    for name, dtype, n in (("Q6_K", torch.float32, 2), ("Q5_K", torch.bfloat16, 1),
-                           ("Q4_1", torch.float16, 2),
+    for name, dtype, n in (("Q6_K", torch.float16, 2), ("Q5_K", torch.float16, 1),
+                           ("Q6_K", torch.bfloat16, rows), ("Q4_1", torch.float16, 2),
                            ("Q4_1", torch.float32, rows)):
         weight = make_weight(name, 40, 256)
         x = torch.randn(n, 256).to(dtype)

@@ -2,8 +2,8 @@
 exists for the weight's format and the activations' dtype, else the torch twin
 (kernel_backends/torch/quantized_linear.py).
 
-The kernels (Q8_0, Q4_0, Q4_1, Q4_K, int8, int4) read the weight in its own bytes (no
-repacking: the GGUF blocks as the file holds them, int8 / int4 as
+The kernels (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, int8, int4) read the weight in its own
+bytes (no repacking: the GGUF blocks as the file holds them, int8 / int4 as
 kernel_backends/weight_quantization.py makes them), decode each 32-weight chunk in
 registers and multiply it with every row of x in float32; activations
 are float32 or bfloat16 (bf16 rows are widened once per call, the result rounded once).
@@ -26,7 +26,7 @@ from ..quantized_weight import QuantizedWeight
 from ..torch import quantized_linear as twin
 
 FORMAT_CODES = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2, "int8": 3, "int4": 4,
-                "Q4_K": 5}  # csrc's Format
+                "Q4_K": 5, "Q5_K": 6, "Q6_K": 7}  # csrc's Format
 DTYPES = (torch.float32, torch.bfloat16)
 KERNEL_MAX_ROWS = 32
 

@@ -1,9 +1,9 @@
 // CPU linears over weight-only quantized weights, read in their quantized bytes (Q8_0, Q4_0,
-// Q4_1, Q4_K as in a GGUF file; int8 per channel; int4 in groups): y = x · Wᵀ (+ bias), x and y
-// float32 or bfloat16, products and sums in float32. One path per ISA, chosen at run time
-// (`isa`: "avx512_bf16", "avx512", "avx2", "scalar"; quant_isas() lists those this CPU
-// runs): quant_gemm_avx512.cpp, quant_gemm_avx2.cpp and the plain C loop here share one
-// loop (quant_gemm_body.h); "avx512_bf16" runs bfloat16 activations on VDPBF16PS
+// Q4_1, Q4_K, Q5_K, Q6_K as in a GGUF file; int8 per channel; int4 in groups): y = x · Wᵀ
+// (+ bias), x and y float32 or bfloat16, products and sums in float32. One path per ISA,
+// chosen at run time (`isa`: "avx512_bf16", "avx512", "avx2", "scalar"; quant_isas() lists
+// those this CPU runs): quant_gemm_avx512.cpp, quant_gemm_avx2.cpp and the plain C loop here
+// share one loop (quant_gemm_body.h); "avx512_bf16" runs bfloat16 activations on VDPBF16PS
 // (quant_gemm_avx512.cpp) and float32 ones as "avx512". Threads split the output columns
 // (at::parallel_for).
 #include <torch/extension.h>
@@ -70,6 +70,18 @@ inline void decode_nibbles32(const uint8_t* q, int shift, V::reg* out) {
   for (int i = 0; i < 32; ++i) out->v[i] = float((q[i] >> shift) & 0x0F);
 }
 
+inline void decode_q5_k(const Chunk& ch, V::reg* out) {
+  for (int i = 0; i < 32; ++i)
+    out->v[i] = float(((ch.q[i] >> ch.shift) & 0x0F) | (((ch.qh[i] >> ch.hshift) & 1) << 4));
+}
+
+inline void decode_q6_k(const Chunk& ch, V::reg* out) {
+  for (int i = 0; i < 32; ++i) {
+    const int q = (((ch.q[i] >> ch.shift) & 0x0F) | (((ch.qh[i] >> ch.hshift) & 3) << 4)) - 32;
+    out->v[i] = float(q) * (i < 16 ? ch.d : ch.d1);
+  }
+}
+
 inline void decode_int8(const uint8_t* q, V::reg* out) {
   for (int i = 0; i < 32; ++i) out->v[i] = float(int8_t(q[i]));
 }
@@ -115,8 +127,8 @@ std::vector<std::string> quant_isas() {
 }
 
 // x [M, K] float32 / bfloat16 -> y [M, N] in x's dtype. format: 0 Q8_0, 1 Q4_0, 2 Q4_1,
-// 5 Q4_K (data: the blocks' bytes [N, K / block * block bytes]), 3 int8 (data int8 [N, K], scales
-// float32 [N]), 4 int4 (data [N, K / 2], weight 2j in the low nibble; scales float32 and
+// 5 Q4_K, 6 Q5_K, 7 Q6_K (data: the blocks' bytes [N, K / block * block bytes]), 3 int8
+// (data int8 [N, K], scales float32 [N]), 4 int4 (data [N, K / 2], weight 2j in the low nibble; scales float32 and
 // zeros uint8 [N, K / group]).
 torch::Tensor quant_linear(torch::Tensor x, torch::Tensor data, c10::optional<torch::Tensor> scales,
                            c10::optional<torch::Tensor> zeros, c10::optional<torch::Tensor> bias,
@@ -128,14 +140,15 @@ torch::Tensor quant_linear(torch::Tensor x, torch::Tensor data, c10::optional<to
   TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == torch::kFloat ||
                                x.scalar_type() == torch::kBFloat16),
               "quant_linear: x must be 2-D float32 or bfloat16");
-  TORCH_CHECK(format >= kQ8_0 && format <= kQ4_K, "quant_linear: unknown format ", format);
+  TORCH_CHECK(format >= kQ8_0 && format <= kQ6_K, "quant_linear: unknown format ", format);
   const int64_t M = x.size(0), K = x.size(1), N = data.size(0);
   static const int64_t block_bytes[] = {34, 18, 20};
   TORCH_CHECK(data.dim() == 2 && data.is_contiguous() && data.element_size() == 1,
               "quant_linear: data must be a contiguous 2-D byte tensor");
-  if (format == kQ4_K) {
-    TORCH_CHECK(K % 256 == 0 && data.size(1) == K / 256 * 144,
-                "quant_linear: Q4_K data does not match K");
+  if (format == kQ4_K || format == kQ5_K || format == kQ6_K) {
+    const int64_t super_bytes = format == kQ4_K ? 144 : format == kQ5_K ? 176 : 210;
+    TORCH_CHECK(K % 256 == 0 && data.size(1) == K / 256 * super_bytes,
+                "quant_linear: K-quant data does not match K");
   } else if (format <= kQ4_1) {
     TORCH_CHECK(K % 32 == 0 && data.size(1) == K / 32 * block_bytes[format],
                 "quant_linear: GGUF data does not match K");

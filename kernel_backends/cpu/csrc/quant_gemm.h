@@ -8,8 +8,10 @@
 // compute   y[m, n] = Σ_c d_c · (Σ_i q_i x_i) + Σ_c c_c · (Σ_i x_i)
 // with the chunk sums of x (xsum) computed once per call: the offset costs one scalar FMA
 // a chunk instead of one vector op a weight. (Q4_0: c = -8 d; Q4_1: c = m; int4: c = -z s;
-// Q4_K: d = d_sb * scale_j, c = -dmin_sb * min_j of the 32-weight sub-block j of its
-// 256-weight super-block; Q8_0 and int8: no offset.)
+// Q4_K and Q5_K: d = d_sb * scale_j, c = -dmin_sb * min_j of the 32-weight sub-block j of its
+// 256-weight super-block; Q8_0 and int8: no offset.) Q6_K has two scales a chunk (one a 16
+// weights: d_sb * scale_i) and q - 32 signed: its chunks are decoded with their scales
+// applied (w itself, as int8's q), d = 1, no offset.
 #pragma once
 
 #include <algorithm>
@@ -19,7 +21,8 @@
 
 namespace lp_quant {
 
-enum Format : int { kQ8_0 = 0, kQ4_0 = 1, kQ4_1 = 2, kInt8 = 3, kInt4 = 4, kQ4_K = 5 };
+enum Format : int { kQ8_0 = 0, kQ4_0 = 1, kQ4_1 = 2, kInt8 = 3, kInt4 = 4, kQ4_K = 5, kQ5_K = 6,
+                  kQ6_K = 7 };
 enum Isa : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3 };
 
 struct Problem {
@@ -72,6 +75,9 @@ struct Chunk {
   float d, c;
   const uint8_t* q;
   int shift = 0;  // Q4_K: the chunk's nibbles are the low (0) or high (4) ones of 32 bytes
+  const uint8_t* qh = nullptr;  // Q5_K / Q6_K: the 32 bytes holding the high bit(s)
+  int hshift = 0;  // Q5_K: bit hshift of qh[i] is q_i's bit 4; Q6_K: bits hshift, +1: 4, 5
+  float d1 = 0.f;  // Q6_K: the scale of weights 16-31 (d: of weights 0-15)
 };
 
 template <int F>
@@ -109,11 +115,13 @@ inline Chunk chunk(const Problem& p, const uint8_t* row, int64_t n, int64_t c) {
   }
 }
 
-// Q4_K: the scale d and offset c of each of a row's chunks, each super-block's two fp16 and
-// twelve scale bytes read once for its eight chunks (the same products as chunk<kQ4_K>).
-inline void q4_k_chunks(const uint8_t* row, int64_t chunks, float* d, float* c) {
+// Q4_K (block_bytes 144) and Q5_K (176): the scale d and offset c of each of `chunks`
+// chunks, each super-block's two fp16 and twelve scale bytes read once for its eight
+// chunks (the same products as chunk<kQ4_K>).
+inline void q4_k_chunks(const uint8_t* row, int64_t chunks, float* d, float* c,
+                        int64_t block_bytes = 144) {
   for (int64_t b = 0; b < chunks / 8; ++b) {
-    const uint8_t* blk = row + b * 144;
+    const uint8_t* blk = row + b * block_bytes;
     const uint8_t* s = blk + 4;
     const float dd = half_to_float(blk), dmin = half_to_float(blk + 2);
     float* db = d + 8 * b;
@@ -127,20 +135,55 @@ inline void q4_k_chunks(const uint8_t* row, int64_t chunks, float* d, float* c) 
   }
 }
 
-// chunk<F>, with Q4_K's scales and offsets from q4_k_chunks.
+// Q6_K (ggml's block_q6_K: ql[128], qh[64], int8 scales[16], fp16 d): the scale of each of
+// a row's 16-weight groups, d * scale_i (as the twin's products), d read once a super-block.
+inline void q6_k_scales(const uint8_t* row, int64_t chunks, float* d) {
+  for (int64_t b = 0; b < chunks / 8; ++b) {
+    const uint8_t* blk = row + b * 210;
+    const float dd = half_to_float(blk + 208);
+    for (int i = 0; i < 16; ++i) d[16 * b + i] = dd * float(int8_t(blk[192 + i]));
+  }
+}
+
+// The scales (and offsets) of super-block b's eight chunks: Q4_K, Q5_K, Q6_K (else
+// nothing), computed just before its chunks (a first pass over the whole row's super-blocks
+// made the long rows of down [2048, 8192] up to 1.6x slower, cold).
+template <int F>
+inline void block_scales(const uint8_t* row, int64_t b, float* dk, float* ck) {
+  if constexpr (F == kQ4_K) q4_k_chunks(row + b * 144, 8, dk + 8 * b, ck + 8 * b, 144);
+  if constexpr (F == kQ5_K) q4_k_chunks(row + b * 176, 8, dk + 8 * b, ck + 8 * b, 176);
+  if constexpr (F == kQ6_K) q6_k_scales(row + b * 210, 8, dk + 16 * b);
+}
+constexpr bool k_quant(int F) { return F == kQ4_K || F == kQ5_K || F == kQ6_K; }
+
+// chunk<F>, with the K-quants' scales and offsets from block_scales. Q5_K's sub-block j
+// (ggml's dequantize_row_q5_K): the low (j even) or high nibbles of qs[32 * (j / 2) ..], bit
+// j of qh[0 .. 32). Q6_K's 32 weights j of a super-block (dequantize_row_q6_K: half h = j / 4,
+// k = j % 4): the low (k < 2) or high nibbles of ql[64 h + 32 (k % 2) ..], bits 2k, 2k + 1 of
+// qh[32 h ..], scales 2j and 2j + 1.
 template <int F>
 inline Chunk chunk_at(const Problem& p, const uint8_t* row, int64_t n, int64_t c,
                       const float* dk, const float* ck) {
   if constexpr (F == kQ4_K) {
     return {dk[c], ck[c], row + (c >> 3) * 144 + 16 + 32 * ((c & 7) >> 1), int(c & 1) * 4};
+  } else if constexpr (F == kQ5_K) {
+    const uint8_t* b = row + (c >> 3) * 176;
+    return {dk[c], ck[c], b + 48 + 32 * ((c & 7) >> 1), int(c & 1) * 4, b + 16, int(c & 7)};
+  } else if constexpr (F == kQ6_K) {
+    const uint8_t* b = row + (c >> 3) * 210;
+    const int j = int(c & 7), h = j >> 2, k = j & 3;
+    return {dk[2 * c], 0.f, b + 64 * h + 32 * (k & 1), (k >> 1) * 4, b + 128 + 32 * h, 2 * k,
+            dk[2 * c + 1]};
   } else {
     return chunk<F>(p, row, n, c);
   }
 }
 
 constexpr bool has_offset(int F) {
-  return F == kQ4_0 || F == kQ4_1 || F == kInt4 || F == kQ4_K;
+  return F == kQ4_0 || F == kQ4_1 || F == kInt4 || F == kQ4_K || F == kQ5_K;
 }
+// The decoded chunk is w itself (its scale applied, or the row's at the end): no d.
+constexpr bool prescaled(int F) { return F == kInt8 || F == kQ6_K; }
 constexpr bool nibbles(int F) { return F == kQ4_0 || F == kQ4_1 || F == kInt4; }
 
 }  // namespace lp_quant

@@ -57,6 +57,38 @@ inline void decode_nibbles32(const uint8_t* q, int shift, __m256* out) {
   }
 }
 
+// Q5_K: the nibbles of decode_nibbles32, bit 4 from bit hshift of the 32 qh bytes.
+inline void decode_q5_k(const Chunk& ch, __m256* out) {
+  const __m256i mask = _mm256_set1_epi32(0x0F), one = _mm256_set1_epi32(1);
+  const __m128i s = _mm_cvtsi32_si128(ch.shift), hs = _mm_cvtsi32_si128(ch.hshift);
+  for (int i = 0; i < 4; ++i) {
+    const __m256i v =
+        _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(ch.q + 8 * i)));
+    const __m256i h =
+        _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(ch.qh + 8 * i)));
+    const __m256i lo = _mm256_and_si256(_mm256_srl_epi32(v, s), mask);
+    const __m256i hi = _mm256_slli_epi32(_mm256_and_si256(_mm256_srl_epi32(h, hs), one), 4);
+    out[i] = _mm256_cvtepi32_ps(_mm256_or_si256(lo, hi));
+  }
+}
+
+// Q6_K: (nibble | 2 bits of qh << 4) - 32, times the scale of its 16 weights (d, d1).
+inline void decode_q6_k(const Chunk& ch, __m256* out) {
+  const __m256i mask = _mm256_set1_epi32(0x0F), three = _mm256_set1_epi32(3);
+  const __m256i bias = _mm256_set1_epi32(32);
+  const __m128i s = _mm_cvtsi32_si128(ch.shift), hs = _mm_cvtsi32_si128(ch.hshift);
+  for (int i = 0; i < 4; ++i) {
+    const __m256i v =
+        _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(ch.q + 8 * i)));
+    const __m256i h =
+        _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(ch.qh + 8 * i)));
+    const __m256i lo = _mm256_and_si256(_mm256_srl_epi32(v, s), mask);
+    const __m256i hi = _mm256_slli_epi32(_mm256_and_si256(_mm256_srl_epi32(h, hs), three), 4);
+    const __m256i q = _mm256_sub_epi32(_mm256_or_si256(lo, hi), bias);
+    out[i] = _mm256_mul_ps(_mm256_cvtepi32_ps(q), _mm256_set1_ps(i < 2 ? ch.d : ch.d1));
+  }
+}
+
 inline void decode_int8(const uint8_t* q, __m256* out) {
   for (int i = 0; i < 4; ++i)
     out[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(

@@ -50,6 +50,38 @@ inline void decode_nibbles32(const uint8_t* q, int shift, __m512* out) {
   }
 }
 
+// Q5_K: the nibbles of decode_nibbles32, bit 4 from bit hshift of the 32 qh bytes.
+inline void decode_q5_k(const Chunk& ch, __m512* out) {
+  const __m512i mask = _mm512_set1_epi32(0x0F), one = _mm512_set1_epi32(1);
+  const __m128i s = _mm_cvtsi32_si128(ch.shift), hs = _mm_cvtsi32_si128(ch.hshift);
+  for (int i = 0; i < 2; ++i) {
+    const __m512i v = _mm512_cvtepu8_epi32(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(ch.q + 16 * i)));
+    const __m512i h = _mm512_cvtepu8_epi32(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(ch.qh + 16 * i)));
+    const __m512i lo = _mm512_and_si512(_mm512_srl_epi32(v, s), mask);
+    const __m512i hi = _mm512_slli_epi32(_mm512_and_si512(_mm512_srl_epi32(h, hs), one), 4);
+    out[i] = _mm512_cvtepi32_ps(_mm512_or_si512(lo, hi));
+  }
+}
+
+// Q6_K: (nibble | 2 bits of qh << 4) - 32, times the scale of its 16 weights (d, d1).
+inline void decode_q6_k(const Chunk& ch, __m512* out) {
+  const __m512i mask = _mm512_set1_epi32(0x0F), three = _mm512_set1_epi32(3);
+  const __m512i bias = _mm512_set1_epi32(32);
+  const __m128i s = _mm_cvtsi32_si128(ch.shift), hs = _mm_cvtsi32_si128(ch.hshift);
+  for (int i = 0; i < 2; ++i) {
+    const __m512i v = _mm512_cvtepu8_epi32(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(ch.q + 16 * i)));
+    const __m512i h = _mm512_cvtepu8_epi32(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(ch.qh + 16 * i)));
+    const __m512i lo = _mm512_and_si512(_mm512_srl_epi32(v, s), mask);
+    const __m512i hi = _mm512_slli_epi32(_mm512_and_si512(_mm512_srl_epi32(h, hs), three), 4);
+    const __m512i q = _mm512_sub_epi32(_mm512_or_si512(lo, hi), bias);
+    out[i] = _mm512_mul_ps(_mm512_cvtepi32_ps(q), _mm512_set1_ps(i == 0 ? ch.d : ch.d1));
+  }
+}
+
 inline void decode_int8(const uint8_t* q, __m512* out) {
   out[0] = _mm512_cvtepi32_ps(
       _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q))));
@@ -80,7 +112,7 @@ inline __m512bh weights_bf16(const Problem& p, const uint8_t* row, int64_t n, in
   const Chunk ch = chunk_at<F>(p, row, n, c, dk, ck);
   __m512 q[2];
   decode<F>(ch, q);
-  if constexpr (F == kInt8) return _mm512_cvtne2ps_pbh(q[1], q[0]);
+  if constexpr (prescaled(F)) return _mm512_cvtne2ps_pbh(q[1], q[0]);
   const __m512 d = _mm512_set1_ps(ch.d), off = _mm512_set1_ps(ch.c);
   return _mm512_cvtne2ps_pbh(_mm512_fmadd_ps(q[1], d, off), _mm512_fmadd_ps(q[0], d, off));
 }
@@ -101,8 +133,10 @@ inline void rows_of_column_bf16(const Problem& p, int64_t n, int64_t m0, float* 
   const uint8_t* row = p.data + n * p.row_bytes;
   __m512 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-  if constexpr (F == kQ4_K) q4_k_chunks(row, chunks, dk, ck);
   auto step = [&](int64_t c, int a) __attribute__((always_inline)) {
+    if constexpr (k_quant(F)) {
+      if ((c & 7) == 0) block_scales<F>(row, c >> 3, dk, ck);
+    }
     const __m512bh w = weights_bf16<F>(p, row, n, c, dk, ck);
     for (int r = 0; r < R; ++r) {
       const __m512i x = _mm512_loadu_si512(p.xb + (m0 + r) * K + c * 32);
@@ -131,9 +165,9 @@ inline void rows_of_column_bf16(const Problem& p, int64_t n, int64_t m0, float* 
 // Tiles of columns as columns() (quant_gemm_body.h): a block of x read once a tile.
 template <int F>
 void columns_bf16(const Problem& p, int64_t n0, int64_t n1) {
-  std::vector<float> scales(F == kQ4_K ? 2 * (p.K / 32) : 0);
+  std::vector<float> scales(F == kQ4_K || F == kQ5_K || F == kQ6_K ? 2 * (p.K / 32) : 0);
   float* dk = scales.data();
-  float* ck = dk + p.K / 32;
+  float* ck = dk + p.K / 32;  // Q6_K: dk's K / 16 scales, no ck
   const int64_t tile = std::max<int64_t>(1, kTileBytes / p.row_bytes);
   for (int64_t t0 = n0; t0 < n1; t0 += tile) {
     const int64_t t1 = std::min(n1, t0 + tile);
@@ -165,6 +199,8 @@ void run_avx512_bf16(const Problem& p, int64_t n0, int64_t n1) {
     case kInt8: columns_bf16<kInt8>(p, n0, n1); break;
     case kInt4: columns_bf16<kInt4>(p, n0, n1); break;
     case kQ4_K: columns_bf16<kQ4_K>(p, n0, n1); break;
+    case kQ5_K: columns_bf16<kQ5_K>(p, n0, n1); break;
+    case kQ6_K: columns_bf16<kQ6_K>(p, n0, n1); break;
     default: break;
   }
 }

@@ -1,7 +1,7 @@
 // The quantized linear's loop, for one ISA: included by quant_gemm_{scalar,avx2,avx512}
 // after that ISA's `V` (a vector of W floats: zero, load, mul, fma, set1, hsum) and its
-// chunk decoders (`decode_nibbles`, `decode_int8`, `decode_nibbles32`: 32 integers -> NV =
-// 32 / W vectors of floats) are defined, under that ISA's target pragma.
+// chunk decoders (`decode_nibbles`, `decode_int8`, `decode_nibbles32`, `decode_q5_k`,
+// `decode_q6_k`: 32 integers (Q6_K: weights) -> NV = 32 / W vectors of floats) are defined, under that ISA's target pragma.
 //
 // Each output column n (a row of W) is read once per block of up to kMb rows of x, chunk by
 // chunk: the chunk is decoded into registers once and multiplied with each row's x
@@ -15,6 +15,10 @@ template <int F>
 inline void decode(const Chunk& ch, typename V::reg* out) {
   if constexpr (F == kQ4_K) {
     decode_nibbles32(ch.q, ch.shift, out);
+  } else if constexpr (F == kQ5_K) {
+    decode_q5_k(ch, out);
+  } else if constexpr (F == kQ6_K) {
+    decode_q6_k(ch, out);
   } else if constexpr (nibbles(F)) {
     decode_nibbles(ch.q, out);
   } else {
@@ -33,8 +37,10 @@ inline void rows_of_column(const Problem& p, int64_t n, int64_t m0, float* offse
   const uint8_t* row = p.data + n * p.row_bytes;
   reg acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = V::zero();
-  if constexpr (F == kQ4_K) q4_k_chunks(row, chunks, dk, offsets);
   auto step = [&](int64_t c, int a) __attribute__((always_inline)) {
+    if constexpr (k_quant(F)) {  // a super-block's scales just before its chunks
+      if ((c & 7) == 0) block_scales<F>(row, c >> 3, dk, offsets);
+    }
     const Chunk ch = chunk_at<F>(p, row, n, c, dk, offsets);
     if constexpr (has_offset(F)) offsets[c] = ch.c;
     reg q[kNv];
@@ -44,7 +50,7 @@ inline void rows_of_column(const Problem& p, int64_t n, int64_t m0, float* offse
       const float* x = p.x + (m0 + r) * K + c * 32;
       reg t = V::mul(q[0], V::load(x));
       for (int v = 1; v < kNv; ++v) t = V::fma(q[v], V::load(x + v * V::W), t);
-      if constexpr (F == kInt8) {
+      if constexpr (prescaled(F)) {
         acc[r][a] = V::add(acc[r][a], t);
       } else {
         acc[r][a] = V::fma(d, t, acc[r][a]);
@@ -85,7 +91,7 @@ inline void rows_of_column(const Problem& p, int64_t n, int64_t m0, float* offse
 // operations whatever the tiling.
 template <int F>
 void columns(const Problem& p, int64_t n0, int64_t n1) {
-  std::vector<float> offsets(has_offset(F) ? p.K / 32 : 0), scales(F == kQ4_K ? p.K / 32 : 0);
+  std::vector<float> offsets(has_offset(F) ? p.K / 32 : 0), scales(F == kQ4_K || F == kQ5_K ? p.K / 32 : F == kQ6_K ? p.K / 16 : 0);
   float* off = offsets.data();
   float* dk = scales.data();
   const int64_t tile = std::max<int64_t>(1, kTileBytes / p.row_bytes);
@@ -113,6 +119,8 @@ void run(const Problem& p, int64_t n0, int64_t n1) {
     case kInt8: columns<kInt8>(p, n0, n1); break;
     case kInt4: columns<kInt4>(p, n0, n1); break;
     case kQ4_K: columns<kQ4_K>(p, n0, n1); break;
+    case kQ5_K: columns<kQ5_K>(p, n0, n1); break;
+    case kQ6_K: columns<kQ6_K>(p, n0, n1); break;
     default: break;
   }
 }
