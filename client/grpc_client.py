@@ -89,8 +89,11 @@ def _health_name(status: int) -> str:
     return health_pb2.HealthCheckResponse.ServingStatus.Name(status)
 
 
-class Client:
-    """Blocking client. Errors are ``grpc.RpcError`` with ``.code()`` and ``.details()``."""
+class _Connection:
+    """What both clients share: a channel to ServerConnection's target and its stubs; the
+    channel's kind (blocking or grpc.aio) is the subclass's ``_grpc``."""
+
+    _grpc: Any = grpc
 
     def __init__(self, target: str = DEFAULT_TARGET, **options: object):
         """``options``: ServerConnection's other fields (tokens, TLS, ``timeout``)."""
@@ -107,9 +110,13 @@ class Client:
         if o.target is None:
             raise ValueError("no server to connect to: give --server HOST:PORT")
         self.options = o
-        self.channel = (grpc.secure_channel(o.target, o.credentials(), o.channel_args())
-                        if o.secure else grpc.insecure_channel(o.target))
+        self.channel = (self._grpc.secure_channel(o.target, o.credentials(), o.channel_args())
+                        if o.secure else self._grpc.insecure_channel(o.target))
         self._s = _Stubs(self.channel, o)
+
+
+class Client(_Connection):
+    """Blocking client. Errors are ``grpc.RpcError`` with ``.code()`` and ``.details()``."""
 
     def generate(self, prompt: str | None = None, *, timeout: float | None = None,
                  **kwargs: object) -> pb.GenerateResponse:
@@ -190,27 +197,10 @@ class Client:
         self.close()
 
 
-class AsyncClient:
+class AsyncClient(_Connection):
     """asyncio client (grpc.aio); the same methods as Client, awaited."""
 
-    def __init__(self, target: str = DEFAULT_TARGET, **options: object):
-        """``options``: ServerConnection's other fields (tokens, TLS, ``timeout``)."""
-        self._connect(ServerConnection(target, **options))  # type: ignore[arg-type]
-
-    @classmethod
-    def from_config(cls, config: ServerConnection) -> Self:
-        """A client on ``config`` (the CLI's: ValueError when it has no --server)."""
-        client = cls.__new__(cls)
-        client._connect(config)
-        return client
-
-    def _connect(self, o: ServerConnection) -> None:
-        if o.target is None:
-            raise ValueError("no server to connect to: give --server HOST:PORT")
-        self.options = o
-        self.channel = (grpc.aio.secure_channel(o.target, o.credentials(), o.channel_args())
-                        if o.secure else grpc.aio.insecure_channel(o.target))
-        self._s = _Stubs(self.channel, o)
+    _grpc = grpc.aio
 
     async def generate(self, prompt: str | None = None, *, timeout: float | None = None,
                        **kwargs: object) -> pb.GenerateResponse:
