@@ -15,7 +15,8 @@ transaction) and a shift of 0 or 4.
 Precision: the dequantized tile is computed in fp32 ((q - z) * s, as the torch twin) then
 rounded to x's dtype; fp16 / bf16 multiply as half with fp32 accumulation; float32 in full
 fp32 ("ieee", never TF32); under the interpreter (``TRITON_INTERPRET=1``) every product is
-fp32, since its bf16 ``tl.dot`` is wrong. The result is rounded to x's dtype once.
+fp32, since its bf16 ``tl.dot`` is wrong. The result is rounded to x's dtype once: to
+nearest even when compiled; the interpreter truncates fp32 to bf16 (one ulp at most).
 """
 
 from __future__ import annotations
