@@ -119,16 +119,18 @@ def random_linear(out: int, inp: int, scheme: Scheme, gen: torch.Generator,
     return PackedLinear(tensors, weight)
 
 
-def write_quantized(model_dir: Path, out: Path, ref: Path, scheme: Scheme, seed: int = 0
-                    ) -> tuple[Path, Path]:
-    """``model_dir`` with every decoder ``*_proj`` linear packed by ``scheme`` into ``out``
-    (config.json given its quantization_config), and the formula's float weights into
-    ``ref`` (a plain float checkpoint for transformers)."""
+def write_quantized(model_dir: Path, out: Path, ref: Path, scheme: Scheme, seed: int = 0,
+                    head: bool = False) -> tuple[Path, Path]:
+    """``model_dir`` with every decoder ``*_proj`` linear (and ``lm_head`` with ``head``, as
+    GPTQModel's lm_head=True) packed by ``scheme`` into ``out`` (config.json given its
+    quantization_config), and the formula's float weights into ``ref`` (a plain float
+    checkpoint for transformers)."""
     gen = torch.Generator().manual_seed(seed)
     state = load_file(str(model_dir / "model.safetensors"))
     packed, dense = {}, {}
     for name, w in state.items():
-        if name.endswith("proj.weight") and ".layers." in name:
+        if (name.endswith("proj.weight") and ".layers." in name) or (
+                head and name == "lm_head.weight"):
             linear = random_linear(w.shape[0], w.shape[1], scheme, gen)
             prefix = name.removesuffix(".weight")
             packed |= {f"{prefix}.{k}": v.contiguous() for k, v in linear.tensors.items()}

@@ -29,7 +29,13 @@ from transformers import AutoModelForCausalLM, PretrainedConfig
 
 from tests.conftest import make_adapter, make_tiny_model
 from tests.gptq_awq_files import Scheme, random_linear, write_quantized
-from tests.test_quantized_serving import ADAPTERS, Oracle, check_against, engine_for
+from tests.test_quantized_serving import (
+    ADAPTERS,
+    PHI3_LENGTHS,
+    Oracle,
+    check_against,
+    engine_for,
+)
 
 
 def loaded(scheme: Scheme, linear) -> torch.Tensor:
@@ -151,9 +157,34 @@ def test_other_backends_serve_it(kernels, checkpoints, monkeypatch):
     check_against(engine, adapters, formula_oracle(ref, adapters))
 
 
-def test_awq_on_llama_groups_of_32(checkpoints):
-    quant, ref, adapters = checkpoints("llama", Scheme("awq", 32))
-    check_against(engine_for(quant), adapters, formula_oracle(ref, adapters))
+def test_awq_on_llama_with_a_quantized_head(tmp_path):
+    """AWQ groups of 32 on Llama, its untied lm_head stored quantized too (GPTQModel's
+    lm_head=True layout): the head is an int4 QuantizedLinear, the model's logits_head."""
+    model = make_tiny_model(tmp_path / "model", "llama")
+    quant, ref = write_quantized(model, tmp_path / "quant", tmp_path / "ref",
+                                 Scheme("awq", 32), head=True)
+    adapters = {name: make_adapter(ref, tmp_path / name, seed=i, **kw)
+                for i, (name, kw) in enumerate(ADAPTERS.items())}
+    engine = engine_for(quant)
+    head = engine.base.model.logits_head
+    assert isinstance(head, QuantizedLinear) and head.weights[0].format.name == "int4"
+    check_against(engine, adapters, formula_oracle(ref, adapters))
+
+
+def test_phi3_fused_linears_quantized_whole(tmp_path):
+    """Phi-3 stores qkv_proj and gate_up_proj fused: each packed whole (GPTQ groups of 32),
+    loaded as one int4 weight, adapters on the fused targets as PEFT names them."""
+    model = make_tiny_model(tmp_path / "model", "phi3")
+    quant, ref = write_quantized(model, tmp_path / "quant", tmp_path / "ref",
+                                 Scheme("gptq", 32))
+    targets = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
+    adapters = {"qv": make_adapter(ref, tmp_path / "qv", r=4, target_modules=["qkv_proj"]),
+                "all": make_adapter(ref, tmp_path / "all", r=8, seed=1,
+                                    target_modules=targets)}
+    engine = engine_for(quant)
+    qkv = engine.base.model.model.layers[0].self_attn.qkv_proj.base
+    assert [w.format.name for w in qkv.weights] == ["int4"]
+    check_against(engine, adapters, formula_oracle(ref, adapters), PHI3_LENGTHS)
 
 
 def _config(qc: dict) -> PretrainedConfig:
