@@ -8,9 +8,9 @@ expanded in memory. GPTQ / AWQ checkpoints are repacked into this format at load
 
 Tiles: programs over (BLOCK_M rows of x, BLOCK_N outputs); the inner loop steps BLOCK_K
 inputs, BLOCK_K dividing the group size (32, 64, 128), so a K tile lies in one group and
-reads one scale and one zero point per output. Nibbles are read by a gather of the byte
-each input lives in (two inputs a byte: neighbouring lanes load the same byte, one
-transaction) and a shift of 0 or 4.
+reads one scale and one zero point per output. A row's BLOCK_K / 2 bytes are loaded as one
+contiguous run (vector loads), split into low and high nibbles and interleaved back into
+input order (``tl.interleave``).
 
 Precision: the dequantized tile is computed in fp32 ((q - z) * s, as the torch twin) then
 rounded to x's dtype; fp16 / bf16 multiply as half with fp32 accumulation; float32 in full
@@ -58,18 +58,19 @@ def _w4a16_kernel(
         offs_k = k0 + tl.arange(0, BLOCK_K)  # [BK], within one group
         xt = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :],
                      mask=mask_m[:, None], other=0.0)  # [BM, BK]
-        packed = tl.load(data_ptr + rows[None, :] * (K // 2) + (offs_k // 2)[:, None],
-                         mask=mask_n[None, :], other=0)  # [BK, BN]: the byte of each input
-        q = (packed >> ((offs_k % 2) * 4)[:, None].to(tl.uint8)) & 0x0F
+        offs_b = k0 // 2 + tl.arange(0, BLOCK_K // 2)  # the tile's bytes along a row
+        packed = tl.load(data_ptr + rows[:, None] * (K // 2) + offs_b[None, :],
+                         mask=mask_n[:, None], other=0)  # [BN, BK / 2] uint8, contiguous
+        q = tl.interleave(packed & 0x0F, packed >> 4)  # [BN, BK]: input 2j low, 2j + 1 high
         g = k0 // GROUP
         s = tl.load(scales_ptr + rows * groups + g, mask=mask_n, other=0.0)  # [BN]
         z = tl.load(zeros_ptr + rows * groups + g, mask=mask_n, other=0).to(tl.float32)
-        w = (q.to(tl.float32) - z[None, :]) * s[None, :]  # [BK, BN] fp32: Wᵀ's tile
+        w = (q.to(tl.float32) - z[:, None]) * s[:, None]  # [BN, BK] fp32: W's tile
         if UPCAST:
             xt = xt.to(tl.float32)
         else:
             w = w.to(xt.dtype)
-        acc += tl.dot(xt, w, input_precision=PRECISION)
+        acc += tl.dot(xt, tl.trans(w), input_precision=PRECISION)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
     y = y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
