@@ -247,3 +247,29 @@ def test_a_missing_part_is_named(checkpoints, tmp_path):
     save_file(state, str(bad / "model.safetensors"))
     with pytest.raises(ValueError, match="'model.layers.1.mlp.down_proj'.*qzeros missing"):
         engine_for(bad)
+
+
+def test_sharded_checkpoint_with_parts_split_across_shards(checkpoints, tmp_path):
+    """Shards with an index (as save_pretrained writes them) where each linear's qweight
+    sits in one shard and its qzeros / scales / g_idx in the other."""
+    from safetensors.torch import load_file, save_file
+
+    quant, ref, adapters = checkpoints("llama")
+    sharded = tmp_path / "sharded"
+    sharded.mkdir()
+    for f in quant.iterdir():
+        if f.suffix != ".safetensors":
+            (sharded / f.name).write_bytes(f.read_bytes())
+    state = load_file(str(quant / "model.safetensors"))
+    shards = {"model-00001-of-00002.safetensors": {}, "model-00002-of-00002.safetensors": {}}
+    names = list(shards)
+    weight_map = {}
+    for key, t in state.items():
+        shard = names[0] if key.endswith(".qweight") else names[1]
+        shards[shard][key] = t
+        weight_map[key] = shard
+    for shard, tensors in shards.items():
+        save_file(tensors, str(sharded / shard), metadata={"format": "pt"})
+    (sharded / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": weight_map}))
+    check_against(engine_for(sharded), adapters, formula_oracle(ref, adapters))
