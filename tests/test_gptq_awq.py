@@ -196,6 +196,8 @@ def _config(qc: dict) -> PretrainedConfig:
     ({"quant_method": "gptq", "bits": 3, "group_size": 128}, "GPTQ bits=3 is not served"),
     ({"quant_method": "gptq", "bits": 2, "group_size": 128}, "GPTQ bits=2 is not served"),
     ({"quant_method": "gptq", "bits": 4, "group_size": 16}, "group_size=16 is not served"),
+    ({"quant_method": "awq", "bits": 4, "group_size": 48}, "group_size=48 is not served"),
+    ({"quant_method": "gptq", "bits": 4, "group_size": 0}, "group_size=0 is not served"),
     ({"quant_method": "gptq", "bits": 4, "group_size": 128, "checkpoint_format": "marlin"},
      "checkpoint_format 'marlin'"),
     ({"quant_method": "gptq", "bits": 4, "group_size": 128, "is_marlin_format": True},

@@ -167,7 +167,8 @@ def checkpoint_quantization(config: PretrainedConfig) -> CheckpointQuantization 
     if bits != 4:
         raise UnsupportedQuantizationError(
             f"{method.upper()} bits={bits} is not served; only 4-bit {method.upper()} is")
-    if not isinstance(group, int) or not (group == -1 or group >= min(INT4_GROUP_SIZES)):
+    unit = min(INT4_GROUP_SIZES)
+    if not isinstance(group, int) or not (group == -1 or (group > 0 and group % unit == 0)):
         raise UnsupportedQuantizationError(
             f"{method.upper()} group_size={group} is not served; supported: -1 (per "
             f"channel) and multiples of 32 ({'/'.join(map(str, INT4_GROUP_SIZES))} as they "
