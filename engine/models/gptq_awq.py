@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,7 +54,6 @@ METHODS = ("gptq", "awq")
 GPTQ_FORMATS = {"gptq": 1, "gptq_v2": 0}  # checkpoint_format -> added to the stored zero
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble j of an AWQ word holds output 8c + AWQ_ORDER[j]
 PARTS = ("qweight", "qzeros", "scales", "g_idx")  # the checkpoint tensors of one linear
-SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)  # nibble j of an int32 word: bits 4j..
 
 
 @dataclass(frozen=True)
@@ -83,12 +83,12 @@ class CheckpointQuantization:
                 raise ValueError(f"{key} must be a 2-D int32 tensor, got "
                                  f"{parts[key].dtype} {tuple(parts[key].shape)}")
         if self.method == "gptq":
-            q = _nibbles(qweight).permute(1, 0, 2).reshape(qweight.shape[1], -1)  # [out, in]
+            packed = _gptq_bytes(qweight)
             zeros = _nibbles(qzeros).reshape(qzeros.shape[0], -1)  # [groups, out]
         else:
-            q = _awq_order(_nibbles(qweight)).T  # [out, in]
+            packed = _awq_bytes(qweight)
             zeros = _awq_order(_nibbles(qzeros))  # [groups, out]
-        out, inp = q.shape
+        out, inp = packed.shape[0], packed.shape[1] * 2
         groups = -(-inp // self.group_size) if self.group_size > 0 else 1
         if tuple(scales.shape) != (groups, out) or not scales.is_floating_point():
             raise ValueError(f"scales must be float [{groups}, {out}] for a [{out}, {inp}] "
@@ -101,7 +101,6 @@ class CheckpointQuantization:
         chunk = _chunk_size(g_idx)
         of_chunk = g_idx[::chunk].long()  # the checkpoint group of each int4 group
         zeros = zeros.to(torch.int16) + self.zero_offset  # 0..16
-        packed = (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous()  # weight 2j low, 2j + 1 high
         return QuantizedWeight(int4_format(chunk), (out, inp), packed,
                                scales=scales.float()[of_chunk].T.contiguous(),
                                zeros=zeros[of_chunk].T.to(torch.uint8).contiguous())
@@ -121,9 +120,36 @@ class CheckpointQuantization:
         return g_idx.to(torch.int32)
 
 
+def _gptq_bytes(qweight: torch.Tensor) -> torch.Tensor:
+    """GPTQ's ``qweight [in / 8, out]`` -> the int4 ``data [out, in / 2]``. Byte k of word
+    ``[i, o]`` (little-endian) holds inputs 8i + 2k (low nibble) and 8i + 2k + 1 (high):
+    already int4's byte, so the repacking is a transpose of the words."""
+    if sys.byteorder != "little":  # the byte view below reads words little-endian
+        raise UnsupportedQuantizationError("GPTQ repacking needs a little-endian host")
+    return qweight.T.contiguous().view(torch.uint8)  # [out, in / 8 * 4]
+
+
+def _awq_bytes(qweight: torch.Tensor) -> torch.Tensor:
+    """AWQ's ``qweight [in, out / 8]`` -> the int4 ``data [out, in / 2]``: output 8c + k of
+    word ``[i, c]`` is nibble ``AWQ_ORDER.index(k)``; inputs 2b and 2b + 1 share a byte."""
+    inp, words = qweight.shape
+    pairs = qweight.reshape(inp // 2, 2, words)
+    even, odd = pairs[:, 0].contiguous(), pairs[:, 1].contiguous()  # inputs 2b, 2b + 1
+    packed = torch.empty(8, inp // 2, words, dtype=torch.uint8)  # [k, b, c]
+    for k in range(8):
+        shift = 4 * AWQ_ORDER.index(k)
+        high = ((odd >> shift) & 0x0F) << 4
+        packed[k] = ((even >> shift) & 0x0F).bitwise_or_(high)
+    return packed.permute(2, 0, 1).reshape(words * 8, inp // 2)  # [8c + k, b], one copy
+
+
 def _nibbles(words: torch.Tensor) -> torch.Tensor:
-    """int32 ``[a, b]`` -> uint8 ``[a, b, 8]``: nibble j of each word at ``[..., j]``."""
-    return ((words[..., None] >> SHIFTS) & 0x0F).to(torch.uint8)
+    """int32 ``[a, b]`` -> uint8 ``[a, b, 8]``: nibble j of each word at ``[..., j]`` (one
+    int32 temporary the size of ``words`` at a time, not eight)."""
+    out = torch.empty(*words.shape, 8, dtype=torch.uint8)
+    for j in range(8):
+        out[..., j] = (words >> (4 * j)) & 0x0F
+    return out
 
 
 def _awq_order(nibbles: torch.Tensor) -> torch.Tensor:
