@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # GPU check of the Triton backend, one verdict: the kernel tests compiled for the GPU, then
 # benchmarks/kernels.py (every benchmarked shape checked against its torch twin, then timed
-# against the HBM roofline; FAIL on a mismatch, a NaN or a register spill).
+# against the HBM roofline; FAIL on a mismatch, a NaN or a register spill). The W4A16 int4
+# linear (tests/test_kernels_w4a16.py; Llama-3-8B's layers in groups of 128) is also timed
+# against a dense F.linear in bf16 on the same weight, before and after it.
 # For the GPU machine (torch + triton preinstalled, no package registry); < 5 minutes.
 #
 #   bash benchmarks/gpu_check.sh            # on the GPU machine
@@ -21,14 +23,15 @@ fail() { echo "gpu_check: FAIL | $*"; exit 1; }
 
 if (( DRY )); then
   export TRITON_INTERPRET=1
-  TESTS=(tests/test_kernels_sgmv.py::test_work_list_holds_exactly_the_row_blocks_of_adapted_segments)
+  TESTS=(tests/test_kernels_sgmv.py::test_work_list_holds_exactly_the_row_blocks_of_adapted_segments
+         tests/test_kernels_w4a16.py::test_leading_dims_and_strided_x)
   BENCH=(--dry-run)
 else
   { nvidia-smi; "$PY" -c 'import torch, triton; print(torch.__version__, triton.__version__)'; } \
     > "$LOG/env.txt" 2>&1
   cat "$LOG/env.txt"
   export TRITON_INTERPRET=0
-  TESTS=(tests/test_kernels_sgmv.py tests/test_kernels_attention.py)
+  TESTS=(tests/test_kernels_sgmv.py tests/test_kernels_attention.py tests/test_kernels_w4a16.py)
   BENCH=()
   # No registry: no deps and no isolated build env (it would fetch setuptools).
   if ! "$PY" -m pip install --no-deps --no-build-isolation -e . > "$LOG/install.log" 2>&1; then

@@ -24,14 +24,16 @@ import torch
 
 from ..kernel_backends.torch import attention as reference_attention
 from ..kernel_backends.torch import lora as reference_lora
-from ..kernel_backends.triton import TritonBackend, attention, attention_prefill, sgmv
+from ..kernel_backends.torch import quantized_linear as reference_quantized
+from ..kernel_backends.triton import TritonBackend, attention, attention_prefill, sgmv, w4a16
 from ..kernel_backends.triton.triton_lora_segments import TritonLoRASegments
+from ..kernel_backends.weight_quantization import quantize_int4
 from ..tests.kernel_fixtures import make_lora_pools, make_paged_cache
 
 TOL = {torch.float32: (1e-4, 1e-4), torch.bfloat16: (2e-2, 2e-2), torch.float16: (2e-3, 2e-3)}
 KERNELS = {"shrink": sgmv._shrink_kernel, "expand": sgmv._expand_kernel,
            "decode": attention._decode_kernel, "store_kv": attention._store_kv_kernel,
-           "prefill": attention_prefill._prefill_kernel}
+           "prefill": attention_prefill._prefill_kernel, "w4a16": w4a16._w4a16_kernel}
 
 
 @dataclass
@@ -45,6 +47,8 @@ class Shapes:
     decode: list[tuple[int, int]]  # (batch, context)
     prefill: list[tuple[int, int, int]]  # (seqs, new tokens, cached prefix)
     store_tokens: int
+    w4a16: list[tuple[str, int, int, int]]  # (layer, in, out, group) of int4 weights
+    w4a16_rows: list[int]  # rows of x (tokens) each is timed at
 
 
 def gpu_shapes(quick: bool) -> Shapes:
@@ -58,13 +62,15 @@ def gpu_shapes(quick: bool) -> Shapes:
     return Shapes({"qkv": (4096, [4096, 1024, 1024]), "gate_up": (4096, [14336, 14336]),
                    "down": (14336, [4096])}, batches, 32, 64, [8, 16, 32, 64],
                   (32, 8, 128, 16), [(64, 1024), (16, 4096)], [(4, 1024, 0), (2, 512, 1536)],
-                  4096)
+                  4096, [("qkv", 4096, 6144, 128), ("gate_up", 4096, 28672, 128),
+                         ("down", 14336, 4096, 128)], [1, 16, 256] if quick else [1, 16, 64, 256])
 
 
 def dry_shapes() -> Shapes:
     """Tiny shapes for the CPU interpreter (the script itself is what is checked)."""
     return Shapes({"qkv": (64, [64, 32, 32])}, [("mixed 20+3", [0] * 20 + [1, 2, -1])], 4,
-                  16, [4, 8, 16, 1], (4, 2, 16, 16), [(3, 40)], [(2, 17, 5)], 40)
+                  16, [4, 8, 16, 1], (4, 2, 16, 16), [(3, 40)], [(2, 17, 5)], 40,
+                  [("qkv", 64, 128, 32), ("down", 96, 64, 32)], [1, 5])
 
 
 @dataclass
@@ -199,6 +205,30 @@ class Bench:
                  4 * key.numel() * elt + tokens * 8)
 
 
+    def w4a16(self, shapes: Shapes) -> None:
+        """The int4 W4A16 linear (Llama-3-8B's layers in GPTQ's groups of 128) against its
+        twin (dequantize + F.linear) and against a dense F.linear in the serving dtype on
+        the dequantized weight, timed before and after it (the ratio: dense / W4A16)."""
+        dev, dt, elt = self.device, self.dtype, self.elt
+        for layer, din, dout, group in shapes.w4a16:
+            gen = torch.Generator(device=dev).manual_seed(0)
+            weight = quantize_int4(torch.randn(dout, din, device=dev, generator=gen) * 0.02,
+                                   group)
+            dense = reference_quantized.dequantize(weight, dt)
+            for rows in shapes.w4a16_rows:
+                x = torch.randn(rows, din, device=dev, dtype=dt, generator=gen)
+                name = f"w4a16 {layer} {din}->{dout} g{group} M={rows}"
+                self.verdict.check(name, w4a16.w4a16_linear(x, weight),
+                                   reference_quantized.quantized_linear(x, weight))
+                before = self.us(lambda: torch.nn.functional.linear(x, dense))
+                after_us = self.us(lambda: torch.nn.functional.linear(x, dense))
+                nbytes = weight.nbytes + rows * (din + dout) * elt
+                self.row("w4a16", name, lambda: w4a16.w4a16_linear(x, weight),
+                         lambda: reference_quantized.quantized_linear(x, weight), nbytes,
+                         f"dense {str(dt)[6:]} F.linear {before:.1f}/{after_us:.1f} µs "
+                         f"(before/after)")
+
+
 def compiled_spills() -> dict[str, int] | None:
     """Registers spilled by every compiled variant of each kernel; None where this Triton
     does not expose its compiled kernels (or under the interpreter)."""
@@ -248,6 +278,7 @@ def main() -> None:
     print(f"{'kernel':40s} {'triton':>10s} {'twin':>10s} {'roofline':>10s} {'% roof':>8s}")
     bench.lora(shapes)
     bench.attention(shapes)
+    bench.w4a16(shapes)
     for failure in bench.verdict.failures:
         print(f"FAILED {failure}")
     line = summary(bench.verdict, None if args.dry_run else compiled_spills())

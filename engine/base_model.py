@@ -21,6 +21,7 @@ from .models.gguf_model import (
     load_gguf_model,
     load_gguf_tokenizer,
 )
+from .models.gptq_awq import checkpoint_quantization
 from .models.llama import LlamaForCausalLM
 from .models.loader import load_config, load_model, resolve_dtype
 from .models.quant_modules import WeightsInfo, weights_info
@@ -122,7 +123,8 @@ def _load_base_model(cfg: EngineConfig, progress: bool) -> BaseModel:
         defaults, eos = _generation_defaults(path)
     for source in (config.eos_token_id, getattr(tokenizer, "eos_token_id", None)):
         eos |= set(source if isinstance(source, list) else [source] if source is not None else [])
-    weights = weights_info(model, dtype)
+    scheme = None if gguf else checkpoint_quantization(config)
+    weights = weights_info(model, dtype, scheme.method if scheme else "")
     log.info("weights of %s: %s", path, weights.describe())
     return BaseModel(path, config, model, tokenizer, dtype, device, kernels, frozenset(eos),
                      defaults, max_model_len, weights)

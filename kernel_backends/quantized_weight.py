@@ -13,8 +13,9 @@ A weight ``W [out_features, in_features]`` is kept in one of these formats (``FO
   a scale and a zero point each (the GPTQ / AWQ shape): ``data`` uint8 ``[out, in / 2]``,
   two weights a byte (weight ``2j`` in the low nibble, ``2j + 1`` in the high one),
   ``scales`` float32 ``[out, in / group_size]``, ``zeros`` uint8 ``[out, in /
-  group_size]`` in 0..15; ``W[o, i] = (q[o, i] - zeros[o, g]) * scales[o, g]``, ``g = i //
-  group_size``.
+  group_size]`` in 0..15 (16 too: a GPTQ checkpoint's stored zero 15 is a zero point of
+  16, engine/models/gptq_awq.py); ``W[o, i] = (q[o, i] - zeros[o, g]) * scales[o, g]``,
+  ``g = i // group_size``.
 
 This module is data only: the shapes, the sizes and their checks. The torch twin that
 dequantizes and multiplies is ``kernel_backends/torch/quantized_linear.py``; the

@@ -25,7 +25,7 @@ def test_dry_run_passes(tmp_path: Path) -> None:
     last = run.stdout.strip().splitlines()[-1]
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     assert last.startswith("gpu_check: PASS | % of HBM roofline: shrink=")
-    for kernel in ("expand", "decode", "prefill", "store_kv"):
+    for kernel in ("expand", "decode", "prefill", "store_kv", "w4a16"):
         assert f"{kernel}=" in last
 
 

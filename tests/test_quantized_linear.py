@@ -222,12 +222,20 @@ def test_weight_checks_name_what_is_wrong() -> None:
 def test_every_backend_has_the_quantized_linear(name: str) -> None:
     """A capability of the KernelBackend interface; every backend runs the torch twin
     until it has a kernel of its own. The CPU backend has one for int4: it equals the twin
-    within the bound tests/test_quantized_cpu_kernels.py states and checks."""
+    within the bound tests/test_quantized_cpu_kernels.py states and checks; so has the
+    Triton backend (w4a16.py, fp32 products under the interpreter, rounded to bf16 once,
+    which the interpreter does by truncation): the twin's float32 result within one bf16
+    ulp (tests/test_kernels_w4a16.py checks it at every dtype)."""
     backend = backend_class(name)(torch.device("cpu"), torch.bfloat16)
     weight = quantize_weight(torch.randn(64, 576), "int4")
     x = torch.randn(3, 576, dtype=torch.bfloat16)
     if name == "cpu":
         from tests.test_quantized_cpu_kernels import check
         check(backend.quantized_linear(x, weight), x, weight, None)
+    elif name == "triton":
+        want = quantized_linear(x.float(), weight)
+        got = backend.quantized_linear(x, weight)
+        assert got.dtype == torch.bfloat16
+        torch.testing.assert_close(got.float(), want, rtol=2**-7, atol=1e-2)
     else:
         assert torch.equal(backend.quantized_linear(x, weight), quantized_linear(x, weight))

@@ -12,8 +12,9 @@ or without the ``model.`` prefix (a bare base model saved); Phi-3's fused ``qkv_
 The model is built on meta (``build_model``): modules served quantized are swapped for
 QuantizedLinear / QuantizedEmbedding there (quant_modules.py), before anything is
 allocated; ``fill_weights`` fills floats and quantized weights alike, from a safetensors
-checkpoint (``--quantization int8|int4`` quantizing its decoder linears as they are read)
-or from a GGUF file's tensors (gguf_model.py).
+checkpoint (``--quantization int8|int4`` quantizing its decoder linears as they are read),
+from a GPTQ / AWQ checkpoint's packed int4 tensors repacked (gptq_awq.py), or from a GGUF
+file's tensors (gguf_model.py).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from ...kernel_backends.backend import KernelBackend
 from ...kernel_backends.quantized_weight import QuantizedWeight
 from ...kernel_backends.weight_quantization import quantize_weight
 from .gemma import GemmaForCausalLM
+from .gptq_awq import checkpoint_quantization, checkpoint_tensors, quantized_prefixes
 from .llama import LlamaForCausalLM
 from .phi3 import Phi3ForCausalLM
 from .quant_modules import (
@@ -252,10 +254,39 @@ def load_model(
     ``quantization`` "int8" / "int4" quantizes its decoder linears on load
     (kernel_backends/weight_quantization.py), "none" serves the checkpoint's floats."""
     files = weight_files(model_dir)
+    scheme = checkpoint_quantization(config)
+    if scheme is not None:
+        if quantization != "none":
+            raise ValueError(f"--quantization {quantization} quantizes a 16/32-bit "
+                             f"checkpoint; {model_dir} is a {scheme.method.upper()} "
+                             f"checkpoint, served in its own quantization (give "
+                             f"--quantization none)")
+        prefixes = quantized_prefixes(files)
+        model = build_model(config, backend, max_positions,
+                            lambda m: _stored_quantized(m, prefixes, scheme.method))
+        names = ", ".join(f.name for f in files)
+        fill_weights(model, checkpoint_tensors(files, scheme),
+                     f"the {scheme.method.upper()} checkpoint in {model_dir} ({names})")
+        return finish_model(model)
     model = build_model(config, backend, max_positions,
                         lambda m: decoder_linears(m) if quantization != "none" else set())
     load_weights(model, files, progress, quantization)
     return finish_model(model)
+
+
+def _stored_quantized(model: LlamaForCausalLM, prefixes: set[str], method: str) -> set[str]:
+    """The modules a GPTQ / AWQ checkpoint stores quantized (a q/k/v or gate/up slice names
+    its fused linear): decoder linears, and an untied ``lm_head``; ValueError for others."""
+    allowed = decoder_linears(model) | (set() if model.tie_word_embeddings else {"lm_head"})
+    params = dict(model.named_parameters())
+    names = {_destination(model, f"{p}.weight", params)[0].removesuffix(".weight"): p
+             for p in prefixes}
+    refused = sorted(p for n, p in names.items() if n not in allowed)
+    if refused:
+        raise ValueError(f"{method.upper()} checkpoint stores {refused[:3]} quantized; "
+                         f"loraplex serves quantized decoder linears (and an untied "
+                         f"lm_head) only")
+    return set(names)
 
 
 def build_model(config: PretrainedConfig, backend: KernelBackend, max_positions: int,

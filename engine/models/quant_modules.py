@@ -185,7 +185,8 @@ def check_complete(model: nn.Module, where: str) -> None:
 @dataclass(frozen=True)
 class WeightsInfo:
     """What the served weights are: ``format`` ("float" when nothing is quantized, else the
-    quantized formats by weights held, e.g. "Q4_1+Q8_0"), the float ``dtype`` everything
+    quantized formats by weights held, e.g. "Q4_1+Q8_0"; a GPTQ / AWQ checkpoint's
+    prefixed by its method: "gptq:int4"), the float ``dtype`` everything
     else is served in, the average ``bits`` a quantized weight takes (0 when none is) and
     the ``bytes`` of every weight of the model (quantized and float, each counted once)."""
 
@@ -207,8 +208,9 @@ class WeightsInfo:
                 "bytes": self.bytes}
 
 
-def weights_info(model: nn.Module, dtype: torch.dtype) -> WeightsInfo:
-    """The WeightsInfo of ``model`` served in ``dtype``."""
+def weights_info(model: nn.Module, dtype: torch.dtype, source: str = "") -> WeightsInfo:
+    """The WeightsInfo of ``model`` served in ``dtype``; ``source`` (the checkpoint's
+    quant_method, "gptq" or "awq") prefixes the format: "gptq:int4"."""
     seen: set[int] = set()
     formats: Counter[str] = Counter()
     qbytes, qweights = 0, 0
@@ -226,6 +228,8 @@ def weights_info(model: nn.Module, dtype: torch.dtype) -> WeightsInfo:
     float_bytes += sum(m.float_bytes for m in {id(m): m for m in model.modules()
                                                if isinstance(m, QuantizedLinear)}.values())
     name = "+".join(f for f, _ in formats.most_common()) or "float"
+    if source and formats:
+        name = f"{source}:{name}"
     bits = qbytes * 8 / qweights if qweights else 0.0
     return WeightsInfo(name, str(dtype).removeprefix("torch."), bits, qbytes + float_bytes,
                        qbytes)

@@ -1,15 +1,18 @@
 """The Triton backend (CUDA; on CPU through ``TRITON_INTERPRET=1`` in tests): segmented-
 gather LoRA shrink/expand (sgmv.py), the paged KV store and decode (attention.py) and
-prefill (attention_prefill.py). The decoder layer's elementwise ops run as the torch
-backend's (RoPE in torch, the store by the Triton kernel)."""
+prefill (attention_prefill.py), the W4A16 linear of int4 weights (w4a16.py: GPTQ / AWQ
+checkpoints and ``--quantization int4``; the other quantized formats run the torch twin).
+The decoder layer's elementwise ops run as the torch backend's (RoPE in torch, the store by
+the Triton kernel)."""
 
 from __future__ import annotations
 
 import torch
 
 from ..lora_segments import LoRASegments
+from ..quantized_weight import QuantizedWeight
 from ..torch import TorchBackend
-from . import attention, attention_prefill, sgmv
+from . import attention, attention_prefill, sgmv, w4a16
 from .triton_lora_segments import TritonLoRASegments
 
 
@@ -25,6 +28,12 @@ class TritonBackend(TorchBackend):
             raise TypeError(f"{type(seg).__name__}: the {self.name} backend reads the "
                             "TritonLoRASegments its lora_segments builds")
         sgmv.add_lora(out, x, lora_a, lora_b, ranks, seg)
+
+    def quantized_linear(self, x: torch.Tensor, weight: QuantizedWeight,
+                         bias: torch.Tensor | None = None) -> torch.Tensor:
+        if weight.format.name == "int4":
+            return w4a16.w4a16_linear(x, weight, bias)
+        return super().quantized_linear(x, weight, bias)
 
     def store_kv(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:

@@ -44,3 +44,24 @@ def test_start_up_log_names_the_format(make_engine, tiny_llama: Path, tmp_path: 
         make_engine(path)
     assert any("Q8_0+Q4_1+Q4_0 weights" in r.getMessage() and "bits a weight" in r.getMessage()
                for r in caplog.records)
+
+
+def test_a_gptq_checkpoint_is_named_gptq(serve, make_engine, tiny_llama: Path,
+                                         tmp_path_factory, caplog: pytest.LogCaptureFixture
+                                         ) -> None:
+    """A GPTQ checkpoint (repacked into int4 at load): "gptq:int4" in GetServerInfo, the
+    /v1/models card and the start-up log, 4 to 5 bits a weight (int4 + its group scales)."""
+    from tests.gptq_awq_files import Scheme, write_quantized
+
+    root = tmp_path_factory.mktemp("gptq")
+    quant, _ = write_quantized(tiny_llama, root / "quant", root / "ref", Scheme("gptq", 32))
+    with caplog.at_level(logging.INFO, logger="loraplex"):
+        server = serve(lambda: make_engine(quant), http_port=0)
+        weights = server.engine.base.weights
+    assert weights.format == "gptq:int4" and 4 < weights.bits < 6
+    with server.client() as client:
+        info = client.server_info()
+    assert (info.weights_format, info.weights_bytes) == ("gptq:int4", weights.bytes)
+    cards = httpx.get(f"{server.http_url}/v1/models", timeout=30).json()["data"]
+    assert cards[0]["weights"]["format"] == "gptq:int4"
+    assert any("gptq:int4 weights" in r.getMessage() for r in caplog.records)
