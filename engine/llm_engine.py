@@ -15,6 +15,7 @@ from ..lora.peft_format import BaseShapes
 from ..lora.rank_pool import RankPool
 from ..lora.slots import SlotBuffers
 from ..lora.upload_store import UploadStore
+from .activation import activation_start
 from .base_model import BaseModel, load_base_model
 from .block_manager import BlockManager
 from .choices import choices_to_fork, report_choices, run_to_completion
@@ -189,6 +190,9 @@ class LLMEngine(EngineAdapters):
         if seq.adapter_id:  # a load in place since the request was checked moves it there
             adapter = self.lora.bind(seq.adapter_id, seq.adapter_name or "")
             seq.adapter_id, seq.adapter_version = adapter.adapter_id, adapter.version
+            # here, once bound: a load in place may have changed the invocation tokens
+            seq.adapter_start = activation_start(seq.prompt_token_ids,
+                                                 adapter.meta.invocation_tokens)
             self.lora.request_started(seq.adapter_id)
         self.requests[seq.request_id] = [seq]
         self.scheduler.add(seq)
