@@ -101,8 +101,9 @@ def test_activation_start_follows_peft(tiny_llama, tmp_path):
     assert activation_start([41], [41, 42]) == NEVER
 
 
-@pytest.mark.parametrize("arch,kernels", [("llama", "cpu"), ("llama", "torch"),
-                                          ("qwen2", "cpu"), ("gemma2", "cpu")])
+@pytest.mark.parametrize("arch,kernels", [
+    ("llama", "cpu"), ("llama", "torch"), ("qwen2", "cpu"), ("gemma2", "cpu"),
+    pytest.param("llama", "triton", marks=pytest.mark.triton)])  # Triton's interpreter
 def test_mixed_batch_equals_peft(tiny_models, adapters, arch, kernels, monkeypatch):
     """Every prompt on the aLoRA, the plain LoRA and the base model, in one batch: each
     equals PEFT's model of it token for token, logprobs within 2e-3."""
