@@ -18,6 +18,7 @@ import argparse
 import os
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -71,17 +72,60 @@ def make_adapters(base: Path, root: Path) -> dict[str, Path]:
     return paths
 
 
-def ttft(engine, prompt: list[int], adapter: str | None) -> tuple[float, int]:
-    """(seconds to the first token, prompt tokens computed) of one request."""
+Timer = Callable[[list[int], "str | None"], tuple[float, int]]
+
+
+def engine_timer(engine) -> Timer:
+    """(seconds to the first token, prompt tokens computed) of one request on ``engine``."""
     from ..engine.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_new_tokens=1)
-    before = engine.stats()["prompt_tokens_computed"]
-    start = time.perf_counter()
-    engine.add_request(prompt, params, adapter)
-    while engine.has_unfinished_requests():
-        engine.step()
-    return time.perf_counter() - start, engine.stats()["prompt_tokens_computed"] - before
+
+    def ttft(prompt: list[int], adapter: str | None) -> tuple[float, int]:
+        before = engine.stats()["prompt_tokens_computed"]
+        start = time.perf_counter()
+        engine.add_request(prompt, params, adapter)
+        while engine.has_unfinished_requests():
+            engine.step()
+        return time.perf_counter() - start, engine.stats()["prompt_tokens_computed"] - before
+
+    return ttft
+
+
+def client_timer(client) -> Timer:
+    """The same through a server: one unary Generate of one new token (its reply is the
+    first token), the tokens computed from its usage (prompt - cached prompt tokens)."""
+
+    def ttft(prompt: list[int], adapter: str | None) -> tuple[float, int]:
+        start = time.perf_counter()
+        reply = client.generate(prompt_token_ids=prompt, adapter=adapter or "",
+                                max_new_tokens=1, temperature=0.0)
+        seconds = time.perf_counter() - start
+        return seconds, reply.usage.prompt_tokens - reply.usage.cached_prompt_tokens
+
+    return ttft
+
+
+def measure(ttft: Timer, context: int, rounds: int) -> None:
+    """The rounds of the module's docstring, then the medians and the ratio printed."""
+    seen: dict[str, list[float]] = {"base": [], "alora": [], "plain": []}
+    computed: dict[str, int] = {}
+    ttft(random_prompts(1, 64, SHAPE["vocab_size"], seed=999)[0], "plain")  # warm-up
+    for r in range(rounds):
+        conversation = random_prompts(1, context, SHAPE["vocab_size"], seed=r)[0]
+        seconds, computed["base"] = ttft(conversation, None)
+        seen["base"].append(seconds)
+        prompt = conversation + INVOKE + TAIL
+        for name in (("alora", "plain") if r % 2 == 0 else ("plain", "alora")):
+            seconds, computed[name] = ttft(prompt, name)
+            seen[name].append(seconds)
+    med = {k: statistics.median(v) for k, v in seen.items()}
+    for name, times in seen.items():
+        print(f"{name:6s} TTFT median {1e3 * med[name]:8.1f} ms over {rounds} rounds "
+              f"({', '.join(f'{1e3 * s:.1f}' for s in times)}), "
+              f"{computed[name]} prompt tokens computed")
+    print(f"aLoRA after the cached {context}-token base conversation / plain LoRA "
+          f"recomputing it: {med['alora'] / med['plain']:.3f}x (target <= 0.2)")
 
 
 def main() -> None:
@@ -89,35 +133,32 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=2000)
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--server", action="store_true",
+                        help="through `loraplex serve` (a subprocess) over gRPC")
     parser.add_argument("--work-dir", type=Path, default=Path("/tmp/loraplex-alora-bench"))
     args = parser.parse_args()
-    from .. import LLMEngine
-
     base = make_model(args.work_dir)
     adapters = make_adapters(base, args.work_dir)
-    engine = LLMEngine(model=base, dtype=args.dtype, max_loras=2, max_lora_rank=8,
-                       max_model_len=4096, enable_prefix_caching=True,
-                       lora_modules={k: str(v) for k, v in adapters.items()})
-    kernels = os.environ.get("LORAPLEX_KERNELS") or engine.resolved.kernels
-    print(machine_line(kernels, str(engine.base.dtype).removeprefix("torch.")))
-    seen: dict[str, list[float]] = {"base": [], "alora": [], "plain": []}
-    computed: dict[str, int] = {}
-    ttft(engine, random_prompts(1, 64, SHAPE["vocab_size"], seed=999)[0], "plain")  # warm-up
-    for r in range(args.rounds):
-        conversation = random_prompts(1, args.context, SHAPE["vocab_size"], seed=r)[0]
-        seconds, computed["base"] = ttft(engine, conversation, None)
-        seen["base"].append(seconds)
-        prompt = conversation + INVOKE + TAIL
-        for name in (("alora", "plain") if r % 2 == 0 else ("plain", "alora")):
-            seconds, computed[name] = ttft(engine, prompt, name)
-            seen[name].append(seconds)
-    med = {k: statistics.median(v) for k, v in seen.items()}
-    for name, times in seen.items():
-        print(f"{name:6s} TTFT median {1e3 * med[name]:8.1f} ms over {args.rounds} rounds "
-              f"({', '.join(f'{1e3 * s:.1f}' for s in times)}), "
-              f"{computed[name]} prompt tokens computed")
-    print(f"aLoRA after the cached {args.context}-token base conversation / plain LoRA "
-          f"recomputing it: {med['alora'] / med['plain']:.3f}x (target <= 0.2)")
+    engine_fields = {"dtype": args.dtype, "max_loras": 2, "max_lora_rank": 8,
+                     "max_model_len": 4096}
+    if args.server:
+        from ..client import Client
+        from .server_process import serve_config, served
+
+        config = serve_config(base, adapters, **engine_fields)
+        with served(config, args.work_dir / "serve.log") as target, Client(target) as client:
+            info = client.server_info()
+            print(machine_line(os.environ.get("LORAPLEX_KERNELS", "the default"), info.dtype),
+                  f"(through loraplex serve over gRPC, device {info.device}; the server's "
+                  "threads: OMP_NUM_THREADS as here)")
+            measure(client_timer(client), args.context, args.rounds)
+        return
+    from .. import LLMEngine
+
+    engine = LLMEngine(model=base, lora_modules={k: str(v) for k, v in adapters.items()},
+                       **engine_fields)
+    print(machine_line(engine.resolved.kernels, str(engine.base.dtype).removeprefix("torch.")))
+    measure(engine_timer(engine), args.context, args.rounds)
 
 
 if __name__ == "__main__":

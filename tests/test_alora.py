@@ -208,3 +208,26 @@ def test_choices_keep_the_activation(tiny_llama, adapters):
     for choices, (oracle, key) in zip(outs, [(base, "absent"), (alora, "middle")]):
         want, _ = oracle.greedy(PROMPTS[key])
         assert [c.token_ids for c in choices] == [want, want]
+
+
+def test_a_load_in_place_between_check_and_engine_moves_the_start(tiny_llama, tmp_path):
+    """The start is computed once as the request is checked, for the load it names; a load
+    in place before the request reaches the engine thread recomputes it for the new load
+    (aLoRA -> plain LoRA: from 0; plain -> aLoRA: from the invocation)."""
+    alora = make_alora(tiny_llama, tmp_path / "a")
+    plain = make_adapter(tiny_llama, tmp_path / "p", target_modules=ALL_TARGETS)
+    engine = LLMEngine(model=tiny_llama, dtype="float32", max_loras=2, max_lora_rank=8,
+                       max_model_len=128, lora_modules={"x": str(alora)})
+    prompt = PROMPTS["middle"]
+    seq = engine.make_sequence(prompt, params(None), "x")
+    assert seq.adapter_start == len(CONVERSATION)
+    engine.add_adapter("x", str(plain), replace=True)
+    engine.add_sequence(seq)
+    assert seq.adapter_start == 0
+    seq = engine.make_sequence(prompt, params(None), "x")
+    assert seq.adapter_start == 0
+    engine.add_adapter("x", str(alora), replace=True)
+    engine.add_sequence(seq)
+    assert seq.adapter_start == len(CONVERSATION)
+    while engine.has_unfinished_requests():
+        engine.step()
