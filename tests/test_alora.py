@@ -231,3 +231,25 @@ def test_a_load_in_place_between_check_and_engine_moves_the_start(tiny_llama, tm
     assert seq.adapter_start == len(CONVERSATION)
     while engine.has_unfinished_requests():
         engine.step()
+
+
+def test_lora_scale_multiplies_the_activated_delta(tiny_llama, adapters):
+    """lora_scale on an aLoRA: PEFT's aLoRA with its scaling multiplied (scale_layer) from
+    the invocation on; scale 0 is the base model throughout."""
+    from peft.tuners.lora import LoraLayer
+
+    ad = adapters["llama"]["alora"]
+    engine = LLMEngine(model=tiny_llama, dtype="float32", max_loras=2, max_lora_rank=8,
+                       max_model_len=128, lora_modules={"judge": str(ad)})
+    prompt = PROMPTS["middle"]
+    scales = (2.0, 0.0)
+    outs = engine.generate([prompt] * 2, [
+        SamplingParams(temperature=0.0, max_new_tokens=NEW, min_new_tokens=NEW, lora_scale=s)
+        for s in scales], adapters=["judge"] * 2)
+    scaled = Oracle(tiny_llama, ad)
+    for module in scaled.model.modules():
+        if isinstance(module, LoraLayer):
+            module.scale_layer(2.0)
+    assert outs[0].token_ids == scaled.greedy(prompt)[0]
+    assert outs[0].token_ids != Oracle(tiny_llama, ad).greedy(prompt)[0]
+    assert outs[1].token_ids == Oracle(tiny_llama, None).greedy(prompt)[0]
