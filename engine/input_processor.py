@@ -15,7 +15,8 @@ Python API ``LLMEngine`` / ``AsyncEngine``) only translate their fields into a
 6. the fields against the engine (stop_token_ids, --max-logprobs, --max-num-seqs,
    logit_bias / allowed_token_ids in the vocabulary) and bad_words tokenized;
 7. the constraint's limits (engine/constraints.py; compiles nothing);
-8. the adapter: one lookup of the name (NOT_FOUND if unknown).
+8. the adapter: one lookup of the name (NOT_FOUND if unknown), and where its delta starts
+   to apply in the prompt (an activated LoRA's invocation: engine/activation.py).
 Only a request that passed all of them asks for its grammar (``compile`` /
 ``compile_async``): the compile is requested last (vLLM's ``grammar_init`` too), and the
 bounded compiler (structured/) keeps its limits, pending cap (429) and worker processes.
@@ -32,7 +33,8 @@ Invariants:
 - the worker starts with ``intra_op.serial_thread``: a check may run a torch op, and it
   must never start an OpenMP pool (kernel_backends/intra_op.py);
 - nothing here touches the engine's mutable state: it reads the model, the config, the
-  tokenizer and one dict lookup of the adapter name (safe beside the engine thread); the
+  tokenizer and one dict lookup of the adapter name, and of its load's meta (safe beside
+  the engine thread); the
   engine thread adds the request (``LLMEngine.add_sequence``), which binds the adapter to
   its newest load in place;
 - an EngineRequest and its SamplingParams are frozen: nothing downstream changes them.
