@@ -253,3 +253,19 @@ def test_lora_scale_multiplies_the_activated_delta(tiny_llama, adapters):
     assert outs[0].token_ids == scaled.greedy(prompt)[0]
     assert outs[0].token_ids != Oracle(tiny_llama, ad).greedy(prompt)[0]
     assert outs[1].token_ids == Oracle(tiny_llama, None).greedy(prompt)[0]
+
+
+def test_chunked_prefill_splits_at_the_invocation(tiny_llama, adapters):
+    """Prompts prefilled in chunks of 5 tokens, the invocation's start inside a chunk:
+    still PEFT's tokens and logprobs."""
+    ad = adapters["llama"]["alora"]
+    engine = LLMEngine(model=tiny_llama, dtype="float32", max_loras=2, max_lora_rank=8,
+                       max_model_len=128, block_size=4, max_num_batched_tokens=5,
+                       max_num_seqs=2, lora_modules={"judge": str(ad)})
+    keys = ["middle", "twice"]
+    outs = engine.generate([PROMPTS[k] for k in keys], params(), adapters=["judge"] * 2)
+    oracle = Oracle(tiny_llama, ad)
+    for key, out in zip(keys, outs):
+        tokens, lps = oracle.greedy(PROMPTS[key])
+        assert out.token_ids == tokens, key
+        assert [lp.logprob for lp in out.logprobs] == pytest.approx(lps, abs=2e-3)
