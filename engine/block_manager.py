@@ -6,7 +6,12 @@ again (free_blocks.py: plain blocks first, most recently freed first; then cache
 least recently freed first). The hash chain of a sequence is seeded with its adapter
 id, so two adapters (or two loads of one adapter) never share KV, and with its
 ``lora_scale`` when not 1, so two scales of one adapter never share KV either (a scale of 0
-runs the base model exactly, so it is keyed as the base model's and shares its KV).
+runs the base model exactly, so it is keyed as the base model's and shares its KV). An
+activated LoRA (``Sequence.adapter_start`` > 0) runs the base model before its invocation:
+its blocks wholly before ``adapter_start`` are keyed as the base model's (a base
+conversation's cached blocks serve it, and its own serve the base), the rest by adapter
+and ``adapter_start`` (the same tokens activated elsewhere in the block hold other KV),
+chained from that base-keyed prefix.
 """
 
 from __future__ import annotations
@@ -20,13 +25,15 @@ from .sequence import Sequence
 
 
 def block_hash(parent: bytes, adapter_id: int, tokens: list[int],
-               lora_scale: float = 1.0) -> bytes:
-    """Collision-resistant hash of a full block given its parent's hash (a scale of 1 hashes
-    as before the scale existed)."""
+               lora_scale: float = 1.0, adapter_start: int = 0) -> bytes:
+    """Collision-resistant hash of a full block given its parent's hash (a scale of 1 and
+    an adapter applying from position 0 hash as before either existed)."""
     h = hashlib.blake2b(parent, digest_size=16)
     h.update(adapter_id.to_bytes(8, "little", signed=True))
     if lora_scale != 1.0:
         h.update(struct.pack("<d", lora_scale))
+    if adapter_start:
+        h.update(b"start" + adapter_start.to_bytes(8, "little"))
     h.update(array("q", tokens).tobytes())
     return h.digest()
 
@@ -62,11 +69,14 @@ class BlockManager:
         bs = self.block_size
         scale = seq.params.lora_scale if seq.adapter_id else 1.0
         adapter_id = seq.adapter_id if scale else 0  # scale 0: the base model's KV
+        start = seq.adapter_start
         while len(hashes) < num_full_blocks:
             i = len(hashes)
             parent = hashes[-1] if hashes else b""
-            hashes.append(block_hash(parent, adapter_id, seq.token_slice(i * bs, (i + 1) * bs),
-                                     scale if adapter_id else 1.0))
+            # a block wholly before the adapter's first token holds the base model's KV
+            keyed = adapter_id if (i + 1) * bs > start else 0
+            hashes.append(block_hash(parent, keyed, seq.token_slice(i * bs, (i + 1) * bs),
+                                     scale if keyed else 1.0, start if keyed else 0))
         return hashes[:num_full_blocks]
 
     def match_prefix(self, seq: Sequence) -> None:

@@ -15,7 +15,8 @@ Python API ``LLMEngine`` / ``AsyncEngine``) only translate their fields into a
 6. the fields against the engine (stop_token_ids, --max-logprobs, --max-num-seqs,
    logit_bias / allowed_token_ids in the vocabulary) and bad_words tokenized;
 7. the constraint's limits (engine/constraints.py; compiles nothing);
-8. the adapter: one lookup of the name (NOT_FOUND if unknown).
+8. the adapter: one lookup of the name (NOT_FOUND if unknown), and where its delta starts
+   to apply in the prompt (an activated LoRA's invocation: engine/activation.py).
 Only a request that passed all of them asks for its grammar (``compile`` /
 ``compile_async``): the compile is requested last (vLLM's ``grammar_init`` too), and the
 bounded compiler (structured/) keeps its limits, pending cap (429) and worker processes.
@@ -32,7 +33,8 @@ Invariants:
 - the worker starts with ``intra_op.serial_thread``: a check may run a torch op, and it
   must never start an OpenMP pool (kernel_backends/intra_op.py);
 - nothing here touches the engine's mutable state: it reads the model, the config, the
-  tokenizer and one dict lookup of the adapter name (safe beside the engine thread); the
+  tokenizer and one dict lookup of the adapter name, and of its load's meta (safe beside
+  the engine thread); the
   engine thread adds the request (``LLMEngine.add_sequence``), which binds the adapter to
   its newest load in place;
 - an EngineRequest and its SamplingParams are frozen: nothing downstream changes them.
@@ -50,6 +52,7 @@ from typing import Any, Protocol, TypeVar
 
 from ..errors import AdapterNotFoundError, InvalidRequestError
 from ..kernel_backends import intra_op
+from .activation import activation_start
 from .bad_words import BadWords
 from .constraints import Constraints
 from .engine_config import EngineConfig
@@ -90,6 +93,10 @@ class EngineRequest:
     adapter_id: int | None  # 0 = the base model; None = unknown, to be resolved (bind)
     max_tokens: int  # prompt + generated never exceeds this
     bad_words: BadWords | None = None  # params.bad_words, tokenized and indexed
+    # the first position the adapter's delta applies to (activation.py: an activated LoRA's
+    # invocation start), for load ``adapter_id``: add_sequence recomputes it only if a load
+    # in place moved the request to another load
+    adapter_start: int = 0
     grammar: object | None = None  # the compiled constraint, attached last
 
 
@@ -142,7 +149,7 @@ class InputProcessor:
             request_id=inp.request_id if inp.request_id is not None else
             f"req-{next(self._ids)}", prompt_token_ids=ids, params=params,
             adapter_name=adapter_name, adapter_id=adapter_id, max_tokens=len(ids) + max_new,
-            bad_words=bad_words)
+            bad_words=bad_words, adapter_start=self.adapter_start(ids, adapter_id))
 
     def tokenize(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
@@ -208,7 +215,16 @@ class InputProcessor:
         assert name is not None
         if name not in self.engine.lora.names:
             raise self.engine.unknown_adapter(name)
-        return replace(request, adapter_id=self.engine.lora.lookup(name))
+        adapter_id = self.engine.lora.lookup(name)
+        return replace(request, adapter_id=adapter_id,
+                       adapter_start=self.adapter_start(request.prompt_token_ids, adapter_id))
+
+    def adapter_start(self, ids: list[int], adapter_id: int | None) -> int:
+        """Where load ``adapter_id``'s delta starts to apply in a request of prompt ``ids``
+        (activation.py: 0 but for an activated LoRA); a dict read of the load's meta (safe
+        beside the engine thread), once per request, off the engine thread."""
+        adapter = self.engine.lora.by_id.get(adapter_id) if adapter_id else None
+        return 0 if adapter is None else activation_start(ids, adapter.meta.invocation_tokens)
 
     # ---- the grammar, last --------------------------------------------------------------
     def compile(self, request: EngineRequest) -> EngineRequest:

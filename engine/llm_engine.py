@@ -15,6 +15,7 @@ from ..lora.peft_format import BaseShapes
 from ..lora.rank_pool import RankPool
 from ..lora.slots import SlotBuffers
 from ..lora.upload_store import UploadStore
+from .activation import activation_start
 from .base_model import BaseModel, load_base_model
 from .block_manager import BlockManager
 from .choices import choices_to_fork, report_choices, run_to_completion
@@ -152,6 +153,7 @@ class LLMEngine(EngineAdapters):
             request_id=request.request_id, prompt_token_ids=list(request.prompt_token_ids),
             params=request.params, adapter_name=request.adapter_name,
             adapter_id=request.adapter_id,  # add_sequence binds it and sets adapter_version
+            adapter_start=request.adapter_start,
             eos_token_ids=self.base.eos_token_ids, max_tokens=request.max_tokens,
             bad_words=request.bad_words)
         self.constraints.attach(seq, request.grammar)
@@ -188,6 +190,9 @@ class LLMEngine(EngineAdapters):
             raise InvalidRequestError(f"request_id {seq.request_id!r} is already in use")
         if seq.adapter_id:  # a load in place since the request was checked moves it there
             adapter = self.lora.bind(seq.adapter_id, seq.adapter_name or "")
+            if adapter.adapter_id != seq.adapter_id:  # the new load's invocation, if any
+                seq.adapter_start = activation_start(seq.prompt_token_ids,
+                                                     adapter.meta.invocation_tokens)
             seq.adapter_id, seq.adapter_version = adapter.adapter_id, adapter.version
             self.lora.request_started(seq.adapter_id)
         self.requests[seq.request_id] = [seq]

@@ -82,6 +82,16 @@ def num_kv_blocks(cfg: EngineConfig, config: PretrainedConfig, dtype: torch.dtyp
     return int(blocks)
 
 
+def _token_slots(slot: int, start: int, first: int, n: int) -> list[int]:
+    """The LoRA slots of positions ``first .. first + n - 1`` of a sequence on ``slot``
+    whose adapter applies from position ``start`` on (activated LoRA); -1 before it: the
+    base path, so those tokens' KV is exactly the base model's."""
+    if slot < 0 or start <= first:
+        return [slot] * n
+    base = min(n, start - first)
+    return [-1] * base + [slot] * (n - base)
+
+
 def _check_entry(seq: Sequence, n: int, block_size: int) -> None:
     """The kernels' preconditions for one sequence of the step, checked on the host once per
     step (a kernel fed less would read unwritten KV or mask whole rows into NaN): at least
@@ -159,7 +169,8 @@ class ModelRunner:
             slots += [bt[p // bs] * bs + p % bs for p in range(c, c + n)]
             scale = seq.params.lora_scale
             # scale 0 takes the base path: exactly the base model's output
-            token_slots += [adapter_slots[seq.adapter_id] if seq.adapter_id and scale else -1] * n
+            slot = adapter_slots[seq.adapter_id] if seq.adapter_id and scale else -1
+            token_slots += _token_slots(slot, seq.adapter_start, c, n)
             token_scales += [scale] * n
             if c + n == seq.num_tokens:  # all its tokens computed: the last one samples
                 sample_rows.append(len(ids) - 1)

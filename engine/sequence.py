@@ -30,6 +30,9 @@ class Sequence:
     adapter_name: str | None = None  # None = the base model
     adapter_id: int = 0  # 0 = base model; new for every adapter load
     adapter_version: int | None = None  # the adapter's version (rises with each load)
+    # the first position the adapter's delta applies to (activation.py): 0, or an activated
+    # LoRA's invocation start (activation.NEVER: nowhere); earlier tokens run the base model
+    adapter_start: int = 0
     eos_token_ids: frozenset[int] = frozenset()
     max_tokens: int = 0  # prompt + generated never exceeds this
     output_token_ids: list[int] = field(default_factory=list)
@@ -89,7 +92,7 @@ class Sequence:
         return Sequence(
             request_id=self.request_id, prompt_token_ids=self.prompt_token_ids,
             params=self.params, adapter_name=self.adapter_name, adapter_id=self.adapter_id,
-            eos_token_ids=self.eos_token_ids, max_tokens=self.max_tokens,
+            adapter_start=self.adapter_start, eos_token_ids=self.eos_token_ids, max_tokens=self.max_tokens,
             arrival_time=self.arrival_time, num_cached_tokens=self.num_cached_tokens,
             index=index, prompt_logprobs=self.prompt_logprobs, bad_words=self.bad_words,
             row_tokens=self.row_tokens,

@@ -34,7 +34,11 @@ ALL_NAMES = tuple(MODULE_PARENT)  # every module name some family's adapters may
 ALL_LINEAR = "all-linear"
 SUPPORTED = (f"supported target modules: {', '.join(LORA_TARGETS)} (Phi-3: "
              f"{', '.join(FUSED_TARGETS)})")
-SERVES = "loraplex serves plain LoRA and rsLoRA on the linear layers of the decoder"
+SERVES = ("loraplex serves plain LoRA, rsLoRA and activated LoRA (alora_invocation_tokens) on "
+          "the linear layers of the decoder")
+# PEFT's variants the engine serves: aLoRA is plain LoRA applied from its invocation on
+# (engine/activation.py finds where; the ModelRunner gives earlier tokens the base path)
+_SERVED_VARIANTS = ("alora_invocation_tokens",)
 # Config fields that change the forward pass beyond `scaling * (B(A(x)) + b)` (b: lora_B's
 # bias, ``lora_bias=True``), besides the ones PEFT
 # itself tags as LoRA variants (DoRA, aLoRA, KaSA, ...; see `_active_variants`).
@@ -89,7 +93,7 @@ def parse_lora_config(raw: bytes, where: str | Path) -> LoraConfig:
 
 def check_servable(config: LoraConfig, where: str | Path) -> None:
     """Refuse the features that the engine's ``base(x) + scaling * B(A(x))`` cannot express."""
-    variants = _active_variants(config)
+    variants = [v for v in _active_variants(config) if v not in _SERVED_VARIANTS]
     if variants:
         name = variants[0]
         raise AdapterError(f"{where}: the LoRA variant {name}={getattr(config, name)!r} is not "
@@ -103,6 +107,23 @@ def check_servable(config: LoraConfig, where: str | Path) -> None:
     if config.bias != "none":
         raise AdapterError(f"{where}: bias={config.bias!r} is not supported; only bias='none'")
     _check_target_names(config, where)
+
+
+def invocation_tokens(config: LoraConfig, vocab_size: int, where: str | Path
+                      ) -> tuple[int, ...] | None:
+    """An activated LoRA's invocation sequence (``alora_invocation_tokens``), None for any
+    other adapter (an empty list is none: PEFT then serves it as plain LoRA). Each must be
+    a token id of the base's vocabulary: a sequence that no prompt can hold would never
+    activate the adapter."""
+    tokens = config.alora_invocation_tokens
+    if not tokens:
+        return None
+    if not isinstance(tokens, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size
+            for t in tokens):
+        raise AdapterError(f"{where}: alora_invocation_tokens={tokens!r} must be a list of "
+                           f"token ids of the base model's vocabulary (0 to {vocab_size - 1})")
+    return tuple(tokens)
 
 
 def _active_variants(config: LoraConfig) -> list[str]:

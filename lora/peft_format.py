@@ -54,6 +54,7 @@ from .peft_checks import (
     check_servable,
     check_shapes,
     index_tensors,
+    invocation_tokens,
     plan_modules,
 )
 from .peft_files import (
@@ -139,6 +140,9 @@ class AdapterMeta:
     dtype: torch.dtype = torch.float32  # what read_peft_adapter holds A and B in
     root: Path | None = None  # every file read (now and after an eviction) lies under it
     shown: str = ""  # how messages name the directory ("" = the path)
+    # activated LoRA (PEFT's alora_invocation_tokens): its delta applies from the last
+    # occurrence of these tokens in the prompt on (engine/activation.py); None: everywhere
+    invocation_tokens: tuple[int, ...] | None = None
 
     @property
     def files(self) -> AdapterFiles:
@@ -195,7 +199,8 @@ def inspect_peft_adapter(path: str | Path, base: BaseShapes, max_lora_rank: int,
         dtypes=tuple(sorted(set(layout.dtypes))), lora_alpha=float(config.lora_alpha),
         use_rslora=bool(config.use_rslora),
         base_model_name_or_path=config.base_model_name_or_path, layout=layout, config=config_read,
-        dtype=dtype, root=root, shown=shown)
+        dtype=dtype, root=root, shown=shown,
+        invocation_tokens=invocation_tokens(config, base.vocab_size, where))
 
 
 def read_peft_adapter(path: str | Path, base: BaseShapes, max_lora_rank: int,

@@ -228,6 +228,8 @@ LOAD_CASES = [
     load("config-bias", INVALID, "bias='all'", path="@bias"),
     load("config-modules_to_save", INVALID, "modules_to_save", path="@modules-to-save"),
     load("config-target-embed_tokens", INVALID, "cannot be wrapped", path="@embed-target"),
+    load("alora-invocation-outside-vocab", INVALID, "alora_invocation_tokens",
+         path="@alora-vocab"),
     load("rank-over-limit", INVALID, "above max_lora_rank", path="@rank-32"),
     load("another-base-model", INVALID, "differs from the served base", path="@other-base"),
     load("wrong-shapes", INVALID, "has shape", path="@wrong-shape"),

@@ -63,6 +63,7 @@ BROKEN: dict[str, Callable[[Path, dict[str, Path]], None]] = {
     "bias": lambda d, x: edit_config(d, bias="all"),
     "modules-to-save": lambda d, x: edit_config(d, modules_to_save=["lm_head"]),
     "embed-target": lambda d, x: edit_config(d, target_modules=["q_proj", "embed_tokens"]),
+    "alora-vocab": lambda d, x: edit_config(d, alora_invocation_tokens=[41, 100000]),
     "other-base": lambda d, x: edit_config(d, base_model_name_or_path=str(x["other_base"])),
     "wrong-shape": lambda d, x: edit_tensors(d, _set("lora_A", lambda a: a[:, :32].clone())),
     "pickle-only": lambda d, x: (torch.save(load_file(d / WEIGHTS), d / "adapter_model.bin"),

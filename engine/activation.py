@@ -1,0 +1,30 @@
+"""Where an activated LoRA (PEFT's aLoRA, ``alora_invocation_tokens``) starts to apply.
+
+PEFT's rule (``peft.tuners.lora.variants.calculate_alora_offsets``, computed once from the
+prompt): the adapter's delta applies from the first token of the LAST occurrence of its
+invocation sequence in the prompt on, and to every generated token; the tokens before it
+are computed as by the base model, so their KV is the base model's. A prompt without the
+invocation sequence runs the base model throughout (PEFT's offset None), generated tokens
+included: ``NEVER``.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+
+NEVER = sys.maxsize  # an activation position no sequence reaches: the base model throughout
+
+
+def activation_start(prompt: Sequence[int], invocation: Sequence[int] | None) -> int:
+    """The first position the adapter's delta applies to: 0 for a plain adapter
+    (``invocation`` None), the start of the last occurrence of ``invocation`` in
+    ``prompt``, or NEVER when the prompt does not hold it."""
+    if not invocation:
+        return 0
+    k, first = len(invocation), invocation[0]
+    wanted = list(invocation)
+    for i in range(len(prompt) - k, -1, -1):  # from the end: the last occurrence wins
+        if prompt[i] == first and list(prompt[i:i + k]) == wanted:
+            return i
+    return NEVER
