@@ -1,9 +1,18 @@
 """The Triton backend (CUDA; on CPU through ``TRITON_INTERPRET=1`` in tests): segmented-
 gather LoRA shrink/expand (sgmv.py), the paged KV store and decode (attention.py) and
 prefill (attention_prefill.py). The decoder layer's elementwise ops run as the torch
-backend's (RoPE in torch, the store by the Triton kernel)."""
+backend's (RoPE in torch, the store by the Triton kernel).
+
+Batch-invariant mode (``TritonBackend(..., batch_invariant=True)``, or the environment
+variable ``LORAPLEX_BATCH_INVARIANT=1`` read here when the argument is left out): every
+kernel gives a row the same bits whatever else is in the batch. The LoRA kernels are so in
+both modes (fixed tiles, no split-K, one program per row block of one segment); the mode
+fixes the decode splits (INVARIANT_SPLIT_LEN absolute positions, reduced in order) and the
+prefill tile rows (INVARIANT_BLOCK_M). See docs/kernels.md."""
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -12,12 +21,38 @@ from ..torch import TorchBackend
 from . import attention, attention_prefill, sgmv
 from .triton_lora_segments import TritonLoRASegments
 
+ENV_BATCH_INVARIANT = "LORAPLEX_BATCH_INVARIANT"
+
+
+def invariant_from_env() -> bool:
+    """``LORAPLEX_BATCH_INVARIANT``: 1/true/yes/on turn the mode on; unset, empty, 0/false/
+    no/off leave it off; anything else is refused (a typo must not silently serve the
+    other mode)."""
+    value = os.environ.get(ENV_BATCH_INVARIANT, "").strip().lower()
+    if value in ("", "0", "false", "no", "off"):
+        return False
+    if value in ("1", "true", "yes", "on"):
+        return True
+    raise ValueError(f"{ENV_BATCH_INVARIANT}={value!r}; allowed: 1, true, yes, on, 0, false, "
+                     "no, off, or unset")
+
 
 class TritonBackend(TorchBackend):
     name = "triton"
     segments_type = TritonLoRASegments  # with the SGMV work list
     r_major_b = True  # an expand tile's lanes read neighbouring outputs
     rank_unit = 8  # slots 8 rank rows apart: 16-byte aligned in bf16 (vector loads)
+
+    def __init__(self, device: torch.device, dtype: torch.dtype,
+                 batch_invariant: bool | None = None):
+        super().__init__(device, dtype)
+        if batch_invariant is None:
+            batch_invariant = invariant_from_env()
+        self.batch_invariant = batch_invariant
+
+    def __repr__(self) -> str:
+        mode = ", batch_invariant" if self.batch_invariant else ""
+        return f"{type(self).__name__}({self.device}, {self.dtype}{mode})"
 
     def add_lora(self, out: torch.Tensor, x: torch.Tensor, lora_a: list[torch.Tensor],
                  lora_b: list[torch.Tensor], ranks: torch.Tensor, seg: LoRASegments) -> None:
@@ -36,7 +71,8 @@ class TritonBackend(TorchBackend):
                                window: int = 0, max_context_len: int = 0) -> torch.Tensor:
         return attention.paged_attention_decode(q, k_cache, v_cache, block_tables,
                                                 context_lens, scale, softcap, window,
-                                                max_context_len=max_context_len)
+                                                max_context_len=max_context_len,
+                                                batch_invariant=self.batch_invariant)
 
     def paged_attention_prefill(self, q: torch.Tensor, k_cache: torch.Tensor,
                                 v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -45,4 +81,4 @@ class TritonBackend(TorchBackend):
                                 window: int = 0, max_q_len: int = 0) -> torch.Tensor:
         return attention_prefill.paged_attention_prefill(
             q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, softcap,
-            window, max_q_len=max_q_len)
+            window, max_q_len=max_q_len, batch_invariant=self.batch_invariant)

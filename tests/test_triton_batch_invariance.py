@@ -1,0 +1,171 @@
+"""The Triton backend's batch-invariant mode (kernel_backends/triton, under the interpreter):
+a probe row's result is the same bits alone and beside other rows (other adapters, ranks,
+lengths, row offsets), decoded with or without split-KV, and prefilled whole or in chunks;
+and still the torch backend's answer (the oracle) within tolerance."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from loraplex.kernel_backends.torch import attention as reference
+from loraplex.kernel_backends.triton import (
+    ENV_BATCH_INVARIANT,
+    TritonBackend,
+    attention,
+    attention_prefill,
+    invariant_from_env,
+    sgmv,
+)
+from loraplex.kernel_backends.triton.triton_lora_segments import TritonLoRASegments
+
+from tests.kernel_fixtures import make_lora_pools, make_paged_cache
+
+pytestmark = pytest.mark.triton
+
+DEVICE = torch.device("cuda" if os.environ.get("TRITON_INTERPRET") == "0" else "cpu")
+HEAD_DIM = 40  # padded to 64 and masked by the kernels
+NUM_KV_HEADS = 2
+GQA = 3
+SPLIT_LEN = 64  # INVARIANT_SPLIT_LEN in these tests: contexts of a few hundred split
+TOL = {torch.float32: {"rtol": 1e-4, "atol": 1e-4}, torch.bfloat16: {"rtol": 2e-2, "atol": 2e-2}}
+
+
+@pytest.fixture
+def short_splits(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(attention, "INVARIANT_SPLIT_LEN", SPLIT_LEN)
+
+
+def _decode(q, k_cache, v_cache, tables, lens: list[int], rows: list[int], window: int,
+            softcap: float, max_context_len: int | None = None) -> torch.Tensor:
+    """Batch-invariant decode of the sequences ``rows`` (their q rows, table rows, lengths)."""
+    ctx = torch.tensor([lens[r] for r in rows], dtype=torch.int32, device=DEVICE)
+    return attention.paged_attention_decode(
+        q[rows], k_cache, v_cache, tables[rows], ctx, HEAD_DIM**-0.5, softcap, window,
+        max_context_len=max_context_len or max(lens[r] for r in rows), batch_invariant=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("softcap, window", [(0.0, 0), (5.0, 0), (0.0, 100)],
+                         ids=["plain", "softcap", "window"])
+def test_decode_rows_equal_alone_and_in_any_batch(short_splits: None, dtype: torch.dtype,
+                                                  softcap: float, window: int) -> None:
+    """Probes of 40 (one split) and 150 (three splits) positions decoded alone, beside
+    sequences of 1 to 300 positions (the batch splits), and with a longer host maximum (more
+    split programs, empty for them): the same bits each time, and the torch answer."""
+    lens = [40, 150, 1, 300, 64, 129]
+    k_cache, v_cache, tables = make_paged_cache(lens, 16, NUM_KV_HEADS, HEAD_DIM, dtype,
+                                                DEVICE, seed=7)
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(len(lens), NUM_KV_HEADS * GQA, HEAD_DIM, generator=g).to(dtype).to(DEVICE)
+    batch = _decode(q, k_cache, v_cache, tables, lens, [2, 0, 3, 1, 4, 5], window, softcap)
+    wider = _decode(q, k_cache, v_cache, tables, lens, [1, 0], window, softcap,
+                    max_context_len=700)
+    for probe, at_batch, at_wider in ((0, 1, 1), (1, 3, 0)):
+        alone = _decode(q, k_cache, v_cache, tables, lens, [probe], window, softcap)[0]
+        assert torch.equal(alone, batch[at_batch]), f"probe {probe} beside others"
+        assert torch.equal(alone, wider[at_wider]), f"probe {probe} with more splits"
+    ctx = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    want = reference.paged_attention_decode(q, k_cache, v_cache, tables, ctx,
+                                            HEAD_DIM**-0.5, softcap, window)
+    torch.testing.assert_close(batch, want[[2, 0, 3, 1, 4, 5]], **TOL[dtype])
+
+
+def test_invariant_decode_splits_only_by_absolute_positions(short_splits: None) -> None:
+    """The mode picks its splits itself: an explicit num_splits is refused."""
+    lens = [100]
+    k_cache, v_cache, tables = make_paged_cache(lens, 16, NUM_KV_HEADS, HEAD_DIM,
+                                                torch.float32, DEVICE)
+    q = torch.randn(1, NUM_KV_HEADS, HEAD_DIM).to(DEVICE)
+    ctx = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="num_splits"):
+        attention.paged_attention_decode(q, k_cache, v_cache, tables, ctx, 0.1,
+                                         max_context_len=100, num_splits=2,
+                                         batch_invariant=True)
+
+
+def _prefill(q_rows: torch.Tensor, k_cache, v_cache, tables, chunks: list[tuple[int, int, int]],
+             window: int) -> torch.Tensor:
+    """Batch-invariant prefill of ``chunks``: (table row, first position, end position),
+    each chunk's queries the rows first..end-1 of ``q_rows[table row]``."""
+    q = torch.cat([q_rows[s][lo:hi] for s, lo, hi in chunks])
+    qsl = torch.tensor([0] + torch.tensor([hi - lo for _, lo, hi in chunks]).cumsum(0).tolist(),
+                       dtype=torch.int32, device=DEVICE)
+    ctx = torch.tensor([hi for _, _, hi in chunks], dtype=torch.int32, device=DEVICE)
+    return attention_prefill.paged_attention_prefill(
+        q, k_cache, v_cache, tables[[s for s, _, _ in chunks]], qsl, ctx, HEAD_DIM**-0.5,
+        window=window, max_q_len=max(hi - lo for _, lo, hi in chunks), batch_invariant=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [0, 45])
+def test_prefill_rows_equal_whole_chunked_and_beside_others(dtype: torch.dtype,
+                                                             window: int) -> None:
+    """A 100-token prompt prefilled whole, in chunks of 30 / 47 / 23 (each chunk sees the
+    earlier ones as a cached prefix), and as one chunk beside two other sequences' chunks
+    of 5 and 70 tokens: every query row the same bits; the whole prompt the torch answer."""
+    lens = [100, 5, 90]
+    k_cache, v_cache, tables = make_paged_cache(lens, 16, NUM_KV_HEADS, HEAD_DIM, dtype,
+                                                DEVICE, seed=5)
+    g = torch.Generator().manual_seed(4)
+    q_rows = [torch.randn(n, NUM_KV_HEADS * GQA, HEAD_DIM, generator=g).to(dtype).to(DEVICE)
+              for n in lens]
+    whole = _prefill(q_rows, k_cache, v_cache, tables, [(0, 0, 100)], window)
+    chunked = torch.cat([_prefill(q_rows, k_cache, v_cache, tables, [(0, lo, hi)], window)
+                         for lo, hi in ((0, 30), (30, 77), (77, 100))])
+    beside = _prefill(q_rows, k_cache, v_cache, tables, [(1, 0, 5), (0, 30, 77), (2, 20, 90)],
+                      window)
+    assert torch.equal(whole, chunked)
+    assert torch.equal(whole[30:77], beside[5:52])
+    qsl = torch.tensor([0, 100], dtype=torch.int32, device=DEVICE)
+    ctx = torch.tensor([100], dtype=torch.int32, device=DEVICE)
+    want = reference.paged_attention_prefill(q_rows[0], k_cache, v_cache, tables[:1], qsl, ctx,
+                                             HEAD_DIM**-0.5, window=window)
+    torch.testing.assert_close(whole, want, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lora_rows_equal_alone_and_beside_other_adapters(dtype: torch.dtype) -> None:
+    """Five probe tokens of a rank-8 adapter through a fused 3-slice layer: alone, then
+    after 3 earlier tokens of their adapter (other offsets in the 16-row tiles) among tokens
+    of adapters of ranks 1 to 16 and base tokens, then split across two row blocks: the
+    probe rows of ``out`` are the same bits each time, and the adapters' own formula."""
+    outs, ranks = [72, 40, 40], [[8, 16, 1, 4], [8, 3, 16, 0], [8, 7, 2, 13]]
+    pools = make_lora_pools(96, outs, ranks, 16, dtype, DEVICE, seed=9, unit=8,
+                            r_major_b=True, first_unit=40, gap_units=1)
+    g = torch.Generator().manual_seed(6)
+    probe_x = torch.randn(5, 96, generator=g).to(dtype).to(DEVICE)
+    probe_base = torch.randn(5, sum(outs), generator=g).to(dtype).to(DEVICE)
+
+    def probe_out(before: list[int], after: list[int], lead: int) -> torch.Tensor:
+        """out rows of the probe placed after ``lead`` tokens of its own adapter."""
+        adapters = before + [0] * (lead + 5) + after
+        n = len(adapters)
+        x = torch.randn(n, 96, generator=g).to(dtype).to(DEVICE)
+        out = torch.randn(n, sum(outs), generator=g).to(dtype).to(DEVICE)
+        at = len(before) + lead
+        x[at : at + 5], out[at : at + 5] = probe_x, probe_base
+        slots = pools.token_slots(adapters)
+        seg = TritonLoRASegments.from_token_slots(slots, DEVICE)
+        sgmv.add_lora(out, x, pools.lora_a, pools.lora_b, pools.ranks, seg)
+        return out[at : at + 5]
+
+    alone = probe_out([], [], 0)
+    for before, after, lead in (([1, 2, -1, 3], [2, 1, -1], 3), ([3] * 20 + [1], [2] * 9, 13),
+                                ([-1, 2], [0, 1], 0)):
+        assert torch.equal(alone, probe_out(before, after, lead)), (before, after, lead)
+    want = probe_base.float() + pools.oracle(probe_x, pools.token_slots([0] * 5))
+    torch.testing.assert_close(alone.float(), want, **TOL[dtype])
+
+
+def test_backend_mode_from_argument_or_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(ENV_BATCH_INVARIANT, raising=False)
+    assert not TritonBackend(DEVICE, torch.float32).batch_invariant
+    assert TritonBackend(DEVICE, torch.float32, batch_invariant=True).batch_invariant
+    monkeypatch.setenv(ENV_BATCH_INVARIANT, "1")
+    assert TritonBackend(DEVICE, torch.float32).batch_invariant
+    assert not TritonBackend(DEVICE, torch.float32, batch_invariant=False).batch_invariant
+    monkeypatch.setenv(ENV_BATCH_INVARIANT, "maybe")
+    with pytest.raises(ValueError, match=ENV_BATCH_INVARIANT):
+        invariant_from_env()
