@@ -9,17 +9,25 @@ import os
 
 import pytest
 import torch
+import torch.nn.functional as F
+from loraplex import LLMEngine, SamplingParams
 from loraplex.kernel_backends.torch import attention as reference
+from loraplex.kernel_backends.torch import layer_ops
 from loraplex.kernel_backends.triton import (
     ENV_BATCH_INVARIANT,
     TritonBackend,
     attention,
     attention_prefill,
     invariant_from_env,
+    invariant_rows,
     sgmv,
 )
+from loraplex.kernel_backends.triton.invariant_matmul import invariant_linear
 from loraplex.kernel_backends.triton.triton_lora_segments import TritonLoRASegments
+from peft import PeftModel
+from transformers import AutoModelForCausalLM
 
+from tests.conftest import ALL_TARGETS, make_adapter
 from tests.kernel_fixtures import make_lora_pools, make_paged_cache
 
 pytestmark = pytest.mark.triton
@@ -169,3 +177,73 @@ def test_backend_mode_from_argument_or_environment(monkeypatch: pytest.MonkeyPat
     monkeypatch.setenv(ENV_BATCH_INVARIANT, "maybe")
     with pytest.raises(ValueError, match=ENV_BATCH_INVARIANT):
         invariant_from_env()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_invariant_linear_rows_equal_for_any_row_count(dtype: torch.dtype, bias: bool) -> None:
+    """Three probe rows through invariant_linear alone and at other offsets among 5 and 70
+    rows (two row tiles): the same bits; and F.linear's answer (K 96 and N 200 are no
+    multiples of the tiles)."""
+    g = torch.Generator().manual_seed(8)
+    w = torch.randn(200, 96, generator=g).to(dtype).to(DEVICE)
+    b = torch.randn(200, generator=g).to(dtype).to(DEVICE) if bias else None
+    probe = torch.randn(3, 96, generator=g).to(dtype).to(DEVICE)
+    alone = invariant_linear(probe, w, b)
+    for rows, at in ((5, 1), (70, 62)):
+        x = torch.randn(rows, 96, generator=g).to(dtype).to(DEVICE)
+        x[at : at + 3] = probe
+        assert torch.equal(invariant_linear(x, w, b)[at : at + 3], alone), (rows, at)
+    torch.testing.assert_close(alone, F.linear(probe, w, b), **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_invariant_rms_norm_and_logsumexp_rows_equal_for_any_row_count(
+        dtype: torch.dtype) -> None:
+    """RMSNorm of a probe row (1500 columns: two chunks) and the log-sum-exp of a logits row
+    alone and among 6 rows: the same bits; the torch backend's rms_norm and
+    torch.logsumexp within tolerance."""
+    g = torch.Generator().manual_seed(10)
+    weight = torch.randn(1500, generator=g).to(dtype).to(DEVICE)
+    rows = torch.randn(6, 1500, generator=g).to(dtype).to(DEVICE)
+    alone = invariant_rows.rms_norm(rows[4:5], weight, 1e-6)
+    assert torch.equal(invariant_rows.rms_norm(rows, weight, 1e-6)[4:5], alone)
+    torch.testing.assert_close(alone, layer_ops.rms_norm(rows[4:5], weight, 1e-6),
+                               **TOL[dtype])
+    logits = torch.randn(6, 1500, generator=g).to(DEVICE) * 4
+    logits[2, :700] = float("-inf")  # a masked row
+    lse = invariant_rows.logsumexp_rows(logits)
+    assert torch.equal(invariant_rows.logsumexp_rows(logits[2:3]), lse[2:3])
+    torch.testing.assert_close(lse, torch.logsumexp(logits, -1, keepdim=True), rtol=1e-5,
+                               atol=1e-5)
+
+
+def test_engine_probe_alone_equals_probe_in_a_batch(monkeypatch: pytest.MonkeyPatch,
+                                                    tiny_llama, tmp_path) -> None:
+    """Through the engine on the Triton backend in its batch-invariant mode (float32): a
+    probe request of an adapter gives the same tokens and the same logprob bits (sampled and
+    top 3) alone and beside requests of other adapters and lengths whose tokens change how
+    its prompt is chunked; its tokens are PEFT's greedy tokens."""
+    monkeypatch.setenv("LORAPLEX_KERNELS", "triton")
+    monkeypatch.setenv(ENV_BATCH_INVARIANT, "1")
+    adapters = {
+        "qv": make_adapter(tiny_llama, tmp_path / "qv", r=4, target_modules=["q_proj", "v_proj"]),
+        "all": make_adapter(tiny_llama, tmp_path / "all", r=16, target_modules=ALL_TARGETS,
+                            seed=1),
+    }
+    engine = LLMEngine(model=tiny_llama, dtype="float32", max_lora_rank=16, max_model_len=96,
+                       max_num_batched_tokens=24, enable_prefix_caching=False,
+                       lora_modules={k: str(v) for k, v in adapters.items()})
+    assert engine.runner.kernels.batch_invariant
+    params = SamplingParams(temperature=0.0, max_new_tokens=4, min_new_tokens=4, logprobs=3)
+    probe = list(range(30, 58))
+    alone = engine.generate([probe], params, adapters=["all"])[0]
+    batch = engine.generate([[7, 8, 9], list(range(60, 79)), probe, [5, 6]], params,
+                            adapters=["qv", None, "all", "all"])
+    assert batch[2].token_ids == alone.token_ids
+    assert batch[2].logprobs == alone.logprobs  # dataclass equality: every float's bits
+    model = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32), adapters["all"])
+    ref = model.eval().generate(torch.tensor([probe]), max_new_tokens=4, min_new_tokens=4,
+                                do_sample=False, pad_token_id=0)
+    assert alone.token_ids == ref[0, len(probe):].tolist()

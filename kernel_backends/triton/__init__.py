@@ -8,17 +8,22 @@ variable ``LORAPLEX_BATCH_INVARIANT=1`` read here when the argument is left out)
 kernel gives a row the same bits whatever else is in the batch. The LoRA kernels are so in
 both modes (fixed tiles, no split-K, one program per row block of one segment); the mode
 fixes the decode splits (INVARIANT_SPLIT_LEN absolute positions, reduced in order) and the
-prefill tile rows (INVARIANT_BLOCK_M). See docs/kernels.md."""
+prefill tile rows (INVARIANT_BLOCK_M), and replaces torch's M-dependent reductions: the
+linears and the logits head (cuBLAS) by invariant_matmul.py, RMSNorm and the logprobs'
+log-sum-exp by invariant_rows.py. See docs/kernels.md."""
 
 from __future__ import annotations
 
 import os
 
 import torch
+from torch import nn
 
 from ..lora_segments import LoRASegments
 from ..torch import TorchBackend
-from . import attention, attention_prefill, sgmv
+from ..torch.logprob_rows import logprob_rows
+from . import attention, attention_prefill, invariant_rows, sgmv
+from .invariant_matmul import use_invariant_linears
 from .triton_lora_segments import TritonLoRASegments
 
 ENV_BATCH_INVARIANT = "LORAPLEX_BATCH_INVARIANT"
@@ -53,6 +58,32 @@ class TritonBackend(TorchBackend):
     def __repr__(self) -> str:
         mode = ", batch_invariant" if self.batch_invariant else ""
         return f"{type(self).__name__}({self.device}, {self.dtype}{mode})"
+
+    def prepare_model(self, model: nn.Module, max_tokens: int, max_seqs: int) -> None:
+        if self.batch_invariant:  # cuBLAS's tiles and split-K follow M: not invariant
+            use_invariant_linears(model)
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        if self.batch_invariant:
+            return invariant_rows.rms_norm(x, weight, eps)
+        return super().rms_norm(x, weight, eps)
+
+    def add_rms_norm_(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                      eps: float) -> torch.Tensor:
+        if self.batch_invariant:
+            residual.add_(x)  # elementwise: invariant as it is
+            return invariant_rows.rms_norm(residual, weight, eps)
+        return super().add_rms_norm_(x, residual, weight, eps)
+
+    def logprob_rows(self, logits: torch.Tensor, tokens: torch.Tensor, k: int,
+                     normalize: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                               torch.Tensor]:
+        if not (self.batch_invariant and normalize):
+            return super().logprob_rows(logits, tokens, k, normalize)
+        # gather, compare-and-count and top-k are exact; only the log-sum-exp reduces
+        chosen, ranks, top_vals, top_ids = logprob_rows(logits, tokens, k, False)
+        lse = invariant_rows.logsumexp_rows(logits)  # [R, 1]
+        return chosen - lse[:, 0], ranks, top_vals - lse, top_ids
 
     def add_lora(self, out: torch.Tensor, x: torch.Tensor, lora_a: list[torch.Tensor],
                  lora_b: list[torch.Tensor], ranks: torch.Tensor, seg: LoRASegments) -> None:
