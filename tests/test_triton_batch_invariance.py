@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from loraplex import LLMEngine, SamplingParams
+from loraplex.benchmarks.invariance_cost import Cost
 from loraplex.kernel_backends.torch import attention as reference
 from loraplex.kernel_backends.torch import layer_ops
 from loraplex.kernel_backends.triton import (
@@ -24,8 +25,6 @@ from loraplex.kernel_backends.triton import (
 )
 from loraplex.kernel_backends.triton.invariant_matmul import invariant_linear
 from loraplex.kernel_backends.triton.triton_lora_segments import TritonLoRASegments
-from peft import PeftModel
-from transformers import AutoModelForCausalLM
 
 from tests.conftest import ALL_TARGETS, make_adapter
 from tests.kernel_fixtures import make_lora_pools, make_paged_cache
@@ -224,6 +223,9 @@ def test_engine_probe_alone_equals_probe_in_a_batch(monkeypatch: pytest.MonkeyPa
     probe request of an adapter gives the same tokens and the same logprob bits (sampled and
     top 3) alone and beside requests of other adapters and lengths whose tokens change how
     its prompt is chunked; its tokens are PEFT's greedy tokens."""
+    from peft import PeftModel  # here: the GPU check runs this file without peft
+    from transformers import AutoModelForCausalLM
+
     monkeypatch.setenv("LORAPLEX_KERNELS", "triton")
     monkeypatch.setenv(ENV_BATCH_INVARIANT, "1")
     adapters = {
@@ -247,3 +249,16 @@ def test_engine_probe_alone_equals_probe_in_a_batch(monkeypatch: pytest.MonkeyPa
     ref = model.eval().generate(torch.tensor([probe]), max_new_tokens=4, min_new_tokens=4,
                                 do_sample=False, pad_token_id=0)
     assert alone.token_ids == ref[0, len(probe):].tolist()
+
+
+def test_invariance_cost_verdict_fails_on_a_row_that_moves() -> None:
+    """benchmarks/invariance_cost.py's verdict (gpu_check's): FAIL when an op's probe row
+    differs alone and in the batch, or from the default op beyond tolerance."""
+    cost = Cost(DEVICE, torch.float32, timed=False)
+    cost.same("equal", torch.ones(3), torch.ones(3))
+    cost.close("close", torch.ones(3), torch.ones(3) + 1e-6)
+    assert cost.verdict().startswith("PASS")
+    cost.same("moved", torch.ones(3), torch.ones(3) + 1e-6)
+    cost.close("far", torch.ones(3), torch.zeros(3))
+    assert cost.verdict().startswith("FAIL")
+    assert [f.split(":")[0] for f in cost.failures] == ["moved", "far"]
