@@ -117,7 +117,9 @@ def _decode_kernel(
         last = tl.minimum(first + split_len, ctx)
     for n0 in range(lo, last, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
-        mask_n = (offs_n < last) & (offs_n >= first)
+        mask_n = offs_n < last
+        if ALIGNED:  # the first tile may start before the window
+            mask_n = mask_n & (offs_n >= first)
         k = load_kv(k_cache_ptr, table, offs_n, mask_n, kv_head, offs_d, mask_d,
                      block_size, stride_cb, stride_co, stride_ch, stride_cd).to(tl.float32)
         v = load_kv(v_cache_ptr, table, offs_n, mask_n, kv_head, offs_d, mask_d,
