@@ -222,7 +222,8 @@ def test_engine_probe_alone_equals_probe_in_a_batch(monkeypatch: pytest.MonkeyPa
     """Through the engine on the Triton backend in its batch-invariant mode (float32): a
     probe request of an adapter gives the same tokens and the same logprob bits (sampled and
     top 3) alone and beside requests of other adapters and lengths whose tokens change how
-    its prompt is chunked; its tokens are PEFT's greedy tokens."""
+    its prompt is chunked, its first block then a prefix-cache hit; its tokens are PEFT's
+    greedy tokens."""
     from peft import PeftModel  # here: the GPU check runs this file without peft
     from transformers import AutoModelForCausalLM
 
@@ -234,7 +235,7 @@ def test_engine_probe_alone_equals_probe_in_a_batch(monkeypatch: pytest.MonkeyPa
                             seed=1),
     }
     engine = LLMEngine(model=tiny_llama, dtype="float32", max_lora_rank=16, max_model_len=96,
-                       max_num_batched_tokens=24, enable_prefix_caching=False,
+                       max_num_batched_tokens=24,
                        lora_modules={k: str(v) for k, v in adapters.items()})
     assert engine.runner.kernels.batch_invariant
     params = SamplingParams(temperature=0.0, max_new_tokens=4, min_new_tokens=4, logprobs=3)
@@ -242,6 +243,7 @@ def test_engine_probe_alone_equals_probe_in_a_batch(monkeypatch: pytest.MonkeyPa
     alone = engine.generate([probe], params, adapters=["all"])[0]
     batch = engine.generate([[7, 8, 9], list(range(60, 79)), probe, [5, 6]], params,
                             adapters=["qv", None, "all", "all"])
+    assert batch[2].num_cached_tokens > 0 and alone.num_cached_tokens == 0
     assert batch[2].token_ids == alone.token_ids
     assert batch[2].logprobs == alone.logprobs  # dataclass equality: every float's bits
     model = PeftModel.from_pretrained(
