@@ -5,6 +5,7 @@ and still the torch backend's answer (the oracle) within tolerance."""
 
 from __future__ import annotations
 
+import itertools
 import os
 
 import pytest
@@ -264,3 +265,34 @@ def test_invariance_cost_verdict_fails_on_a_row_that_moves() -> None:
     cost.close("far", torch.ones(3), torch.zeros(3))
     assert cost.verdict().startswith("FAIL")
     assert [f.split(":")[0] for f in cost.failures] == ["moved", "far"]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_random_batch_compositions_keep_a_probes_decode_and_prefill_bits(
+        short_splits: None, seed: int) -> None:
+    """Random batches (2 to 5 other sequences of 1 to 260 positions, the probe at a random
+    place, a random window) and a random chunking of the probe's prompt: its decode row and
+    its prompt rows are the bits it has alone and whole."""
+    g = torch.Generator().manual_seed(100 + seed)
+    others = torch.randint(1, 261, (int(torch.randint(2, 6, (1,), generator=g)),),
+                           generator=g).tolist()
+    probe_len = int(torch.randint(1, 200, (1,), generator=g))
+    at = int(torch.randint(0, len(others) + 1, (1,), generator=g))
+    lens = others[:at] + [probe_len] + others[at:]
+    window = [0, 37][int(torch.randint(0, 2, (1,), generator=g))]
+    k_cache, v_cache, tables = make_paged_cache(lens, 16, NUM_KV_HEADS, HEAD_DIM,
+                                                torch.float32, DEVICE, seed=seed)
+    q = torch.randn(len(lens), NUM_KV_HEADS * GQA, HEAD_DIM, generator=g).to(DEVICE)
+    alone = _decode(q, k_cache, v_cache, tables, lens, [at], window, 0.0)
+    batch = _decode(q, k_cache, v_cache, tables, lens, list(range(len(lens))), window, 0.0)
+    assert torch.equal(alone[0], batch[at]), (lens, at, window)
+    q_rows = [torch.randn(n, NUM_KV_HEADS * GQA, HEAD_DIM, generator=g).to(DEVICE)
+              for n in lens]
+    cuts = sorted({0, probe_len, *torch.randint(1, probe_len + 1, (2,), generator=g).tolist()})
+    whole = _prefill(q_rows, k_cache, v_cache, tables, [(at, 0, probe_len)], window)
+    chunks = [(at, lo, hi) for lo, hi in itertools.pairwise(cuts)]
+    neighbour = (at + 1) % len(lens)
+    chunked = torch.cat([_prefill(q_rows, k_cache, v_cache, tables,
+                                  [(neighbour, 0, lens[neighbour]), chunk], window)
+                         [lens[neighbour]:] for chunk in chunks])
+    assert torch.equal(whole, chunked), (lens, at, window, cuts)
