@@ -15,6 +15,7 @@ from loraplex import LLMEngine, SamplingParams
 from loraplex.benchmarks.invariance_cost import Cost
 from loraplex.kernel_backends.torch import attention as reference
 from loraplex.kernel_backends.torch import layer_ops
+from loraplex.kernel_backends.torch.quantized_linear import quantized_linear
 from loraplex.kernel_backends.triton import (
     ENV_BATCH_INVARIANT,
     TritonBackend,
@@ -26,6 +27,7 @@ from loraplex.kernel_backends.triton import (
 )
 from loraplex.kernel_backends.triton.invariant_matmul import invariant_linear
 from loraplex.kernel_backends.triton.triton_lora_segments import TritonLoRASegments
+from loraplex.kernel_backends.weight_quantization import quantize_weight
 
 from tests.conftest import ALL_TARGETS, make_adapter
 from tests.kernel_fixtures import make_lora_pools, make_paged_cache
@@ -195,6 +197,20 @@ def test_invariant_linear_rows_equal_for_any_row_count(dtype: torch.dtype, bias:
         x[at : at + 3] = probe
         assert torch.equal(invariant_linear(x, w, b)[at : at + 3], alone), (rows, at)
     torch.testing.assert_close(alone, F.linear(probe, w, b), **TOL[dtype])
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_invariant_quantized_linear_rows_equal_for_any_row_count(method: str) -> None:
+    """The backend's quantized linear in the mode: a probe row alone and among 40 rows gives
+    the same bits; and the torch twin's answer (dequantize, then F.linear)."""
+    g = torch.Generator().manual_seed(12)
+    weight = quantize_weight(torch.randn(72, 256, generator=g).to(DEVICE), method)
+    backend = TritonBackend(DEVICE, torch.float32, batch_invariant=True)
+    x = torch.randn(40, 256, generator=g).to(DEVICE)
+    alone = backend.quantized_linear(x[17:18], weight)
+    assert torch.equal(backend.quantized_linear(x, weight)[17:18], alone)
+    torch.testing.assert_close(alone, quantized_linear(x[17:18], weight),
+                               **TOL[torch.float32])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

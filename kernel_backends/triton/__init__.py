@@ -20,10 +20,11 @@ import torch
 from torch import nn
 
 from ..lora_segments import LoRASegments
-from ..torch import TorchBackend
+from ..quantized_weight import QuantizedWeight
+from ..torch import TorchBackend, quantized_linear
 from ..torch.logprob_rows import logprob_rows
 from . import attention, attention_prefill, invariant_rows, sgmv
-from .invariant_matmul import use_invariant_linears
+from .invariant_matmul import invariant_linear, use_invariant_linears
 from .triton_lora_segments import TritonLoRASegments
 
 ENV_BATCH_INVARIANT = "LORAPLEX_BATCH_INVARIANT"
@@ -62,6 +63,12 @@ class TritonBackend(TorchBackend):
     def prepare_model(self, model: nn.Module, max_tokens: int, max_seqs: int) -> None:
         if self.batch_invariant:  # cuBLAS's tiles and split-K follow M: not invariant
             use_invariant_linears(model)
+
+    def quantized_linear(self, x: torch.Tensor, weight: QuantizedWeight,
+                         bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self.batch_invariant:  # the torch twin's dequantized tiles, multiplied invariantly
+            return quantized_linear.quantized_linear(x, weight, bias, linear=invariant_linear)
+        return super().quantized_linear(x, weight, bias)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         if self.batch_invariant:
