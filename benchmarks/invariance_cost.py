@@ -8,8 +8,9 @@ bit for bit on the device (a probe row alone vs in the batch; a prompt whole vs 
 
 Ops: the linears (cuBLAS F.linear vs invariant_matmul at Llama-3-8B's shapes and the
 logits head), RMSNorm and the logprobs' log-sum-exp (torch vs invariant_rows), decode
-attention (decode_splits' choice vs INVARIANT_SPLIT_LEN splits) and prefill (16/64-row vs
-INVARIANT_BLOCK_M tiles). The LoRA kernels are the same in both modes (no row of theirs
+attention (decode_splits' choice vs INVARIANT_SPLIT_LEN splits, and vs the "rescore"
+mode's decode through the prefill kernel) and prefill (16/64-row vs INVARIANT_BLOCK_M
+tiles; a decoded token's row checked equal to its prompt row). The LoRA kernels are the same in both modes (no row of theirs
 depends on the batch) and cost nothing extra. The last line is the verdict: ``PASS | op
 ratio ...`` (invariant time / default time) or ``FAIL | ...`` when an invariant op is not
 bitwise invariant or disagrees with the default op beyond the dtype's tolerance.
@@ -111,11 +112,19 @@ class Cost:
                     q[rows], k, v, tables[rows], cl[rows], d**-0.5,
                     max_context_len=max(lens[rows]), batch_invariant=inv)
 
+            def rescore(rows: slice = slice(None)) -> torch.Tensor:
+                return attention_prefill.decode_as_prefill(q[rows], k, v, tables[rows],
+                                                           cl[rows], d**-0.5)
+
             name = f"decode B={batch} ctx≈{ctx}"
             got = run(True)
             self.close(name, got, run(False))
             self.same(name, run(True, slice(batch - 1, batch)), got[-1:])
             self.time("decode", name, lambda: run(False), lambda: run(True))
+            got = rescore()
+            self.close(name + " as prefill", got, run(False))
+            self.same(name + " as prefill", rescore(slice(batch - 1, batch)), got[-1:])
+            self.time("decode_rescore", name + " as prefill", lambda: run(False), rescore)
 
     def prefill(self, heads: tuple[int, int, int, int], cases: list[tuple[int, int, int]]
                 ) -> None:
@@ -139,6 +148,10 @@ class Cost:
                 q[-3:], k, v, tables[-1:], qsl[:2].clamp(max=3), cl[-1:], d**-0.5,
                 max_q_len=3, batch_invariant=True)
             self.same(name + " chunked", tail, got[-3:])
+            # the rescore mode's promise: a decoded token's row is its prompt row's bits
+            last = attention_prefill.decode_as_prefill(q[-1:], k, v, tables[-1:], cl[-1:],
+                                                       d**-0.5)
+            self.same(name + " decoded last token", last, got[-1:])
             self.time("prefill", name, lambda: run(False), lambda: run(True))
 
     def verdict(self) -> str:

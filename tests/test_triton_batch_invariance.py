@@ -10,7 +10,6 @@ import os
 
 import pytest
 import torch
-import torch.nn.functional as F
 from loraplex import LLMEngine, SamplingParams
 from loraplex.benchmarks.invariance_cost import Cost
 from loraplex.kernel_backends.torch import attention as reference
@@ -21,11 +20,10 @@ from loraplex.kernel_backends.triton import (
     TritonBackend,
     attention,
     attention_prefill,
-    invariant_from_env,
+    invariance_from_env,
     invariant_rows,
     sgmv,
 )
-from loraplex.kernel_backends.triton.invariant_matmul import invariant_linear
 from loraplex.kernel_backends.triton.triton_lora_segments import TritonLoRASegments
 from loraplex.kernel_backends.weight_quantization import quantize_weight
 
@@ -172,31 +170,42 @@ def test_lora_rows_equal_alone_and_beside_other_adapters(dtype: torch.dtype) -> 
 def test_backend_mode_from_argument_or_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(ENV_BATCH_INVARIANT, raising=False)
     assert not TritonBackend(DEVICE, torch.float32).batch_invariant
-    assert TritonBackend(DEVICE, torch.float32, batch_invariant=True).batch_invariant
+    backend = TritonBackend(DEVICE, torch.float32, invariance="batch")
+    assert backend.batch_invariant and not backend.decode_as_prefill
     monkeypatch.setenv(ENV_BATCH_INVARIANT, "1")
-    assert TritonBackend(DEVICE, torch.float32).batch_invariant
-    assert not TritonBackend(DEVICE, torch.float32, batch_invariant=False).batch_invariant
+    assert TritonBackend(DEVICE, torch.float32).invariance == "batch"
+    assert not TritonBackend(DEVICE, torch.float32, invariance="off").batch_invariant
+    monkeypatch.setenv(ENV_BATCH_INVARIANT, "rescore")
+    backend = TritonBackend(DEVICE, torch.float32)
+    assert backend.batch_invariant and backend.decode_as_prefill
     monkeypatch.setenv(ENV_BATCH_INVARIANT, "maybe")
     with pytest.raises(ValueError, match=ENV_BATCH_INVARIANT):
-        invariant_from_env()
+        invariance_from_env()
+    with pytest.raises(ValueError, match="invariance="):
+        TritonBackend(DEVICE, torch.float32, invariance="on")
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("bias", [False, True])
-def test_invariant_linear_rows_equal_for_any_row_count(dtype: torch.dtype, bias: bool) -> None:
-    """Three probe rows through invariant_linear alone and at other offsets among 5 and 70
-    rows (two row tiles): the same bits; and F.linear's answer (K 96 and N 200 are no
-    multiples of the tiles)."""
-    g = torch.Generator().manual_seed(8)
-    w = torch.randn(200, 96, generator=g).to(dtype).to(DEVICE)
-    b = torch.randn(200, generator=g).to(dtype).to(DEVICE) if bias else None
-    probe = torch.randn(3, 96, generator=g).to(dtype).to(DEVICE)
-    alone = invariant_linear(probe, w, b)
-    for rows, at in ((5, 1), (70, 62)):
-        x = torch.randn(rows, 96, generator=g).to(dtype).to(DEVICE)
-        x[at : at + 3] = probe
-        assert torch.equal(invariant_linear(x, w, b)[at : at + 3], alone), (rows, at)
-    torch.testing.assert_close(alone, F.linear(probe, w, b), **TOL[dtype])
+@pytest.mark.parametrize("window", [0, 45])
+def test_decode_as_prefill_rows_equal_the_prompts_rows(window: int) -> None:
+    """The "rescore" mode's decode: each of three sequences' last token decoded (one row
+    each, beside each other) is bitwise that token's row of its whole prompt's prefill;
+    and the torch decode's answer."""
+    lens = [100, 37, 70]
+    k_cache, v_cache, tables = make_paged_cache(lens, 16, NUM_KV_HEADS, HEAD_DIM,
+                                                torch.float32, DEVICE, seed=11)
+    g = torch.Generator().manual_seed(13)
+    q_rows = [torch.randn(n, NUM_KV_HEADS * GQA, HEAD_DIM, generator=g).to(DEVICE)
+              for n in lens]
+    q = torch.stack([rows[-1] for rows in q_rows])
+    ctx = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    got = attention_prefill.decode_as_prefill(q, k_cache, v_cache, tables, ctx,
+                                              HEAD_DIM**-0.5, window=window)
+    for s, n in enumerate(lens):
+        whole = _prefill(q_rows, k_cache, v_cache, tables, [(s, 0, n)], window)
+        assert torch.equal(got[s], whole[-1]), s
+    want = reference.paged_attention_decode(q, k_cache, v_cache, tables, ctx, HEAD_DIM**-0.5,
+                                            window=window)
+    torch.testing.assert_close(got, want, **TOL[torch.float32])
 
 
 @pytest.mark.parametrize("method", ["int8", "int4"])
@@ -205,7 +214,7 @@ def test_invariant_quantized_linear_rows_equal_for_any_row_count(method: str) ->
     the same bits; and the torch twin's answer (dequantize, then F.linear)."""
     g = torch.Generator().manual_seed(12)
     weight = quantize_weight(torch.randn(72, 256, generator=g).to(DEVICE), method)
-    backend = TritonBackend(DEVICE, torch.float32, batch_invariant=True)
+    backend = TritonBackend(DEVICE, torch.float32, invariance="batch")
     x = torch.randn(40, 256, generator=g).to(DEVICE)
     alone = backend.quantized_linear(x[17:18], weight)
     assert torch.equal(backend.quantized_linear(x, weight)[17:18], alone)
@@ -312,3 +321,25 @@ def test_random_batch_compositions_keep_a_probes_decode_and_prefill_bits(
                                   [(neighbour, 0, lens[neighbour]), chunk], window)
                          [lens[neighbour]:] for chunk in chunks])
     assert torch.equal(whole, chunked), (lens, at, window, cuts)
+
+
+def test_engine_decode_logprobs_equal_a_rescore_in_rescore_mode(
+        monkeypatch: pytest.MonkeyPatch, tiny_llama, tmp_path) -> None:
+    """``LORAPLEX_BATCH_INVARIANT=rescore`` (float32, an adapter on every linear): the
+    logprobs a greedy request reports for its sampled tokens are bitwise the
+    prompt_logprobs of the same sequence sent back as a prompt (echo)."""
+    monkeypatch.setenv("LORAPLEX_KERNELS", "triton")
+    monkeypatch.setenv(ENV_BATCH_INVARIANT, "rescore")
+    adapter = make_adapter(tiny_llama, tmp_path / "all", r=16, target_modules=ALL_TARGETS,
+                           seed=1)
+    engine = LLMEngine(model=tiny_llama, dtype="float32", max_lora_rank=16, max_model_len=96,
+                       max_num_batched_tokens=24, lora_modules={"all": str(adapter)})
+    probe = list(range(30, 58))
+    out = engine.generate([probe], SamplingParams(temperature=0.0, max_new_tokens=4,
+                                                  min_new_tokens=4, logprobs=0),
+                          adapters=["all"])[0]
+    echo = engine.generate([probe + out.token_ids],
+                           SamplingParams(temperature=0.0, max_new_tokens=1, prompt_logprobs=0),
+                           adapters=["all"])[0]
+    assert [lp.logprob for lp in out.logprobs] == \
+        [lp.logprob for lp in echo.prompt_logprobs[len(probe):]]

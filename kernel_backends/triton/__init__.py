@@ -3,14 +3,17 @@ gather LoRA shrink/expand (sgmv.py), the paged KV store and decode (attention.py
 prefill (attention_prefill.py). The decoder layer's elementwise ops run as the torch
 backend's (RoPE in torch, the store by the Triton kernel).
 
-Batch-invariant mode (``TritonBackend(..., batch_invariant=True)``, or the environment
-variable ``LORAPLEX_BATCH_INVARIANT=1`` read here when the argument is left out): every
-kernel gives a row the same bits whatever else is in the batch. The LoRA kernels are so in
-both modes (fixed tiles, no split-K, one program per row block of one segment); the mode
-fixes the decode splits (INVARIANT_SPLIT_LEN absolute positions, reduced in order) and the
-prefill tile rows (INVARIANT_BLOCK_M), and replaces torch's M-dependent reductions: the
-linears and the logits head (cuBLAS) by invariant_matmul.py, RMSNorm and the logprobs'
-log-sum-exp by invariant_rows.py. See docs/kernels.md."""
+Batch-invariant modes (``TritonBackend(..., invariance="batch" | "rescore")``, or the
+environment variable ``LORAPLEX_BATCH_INVARIANT=1`` (= batch) or ``=rescore``, read here
+when the argument is left out): every kernel gives a row the same bits whatever else is in
+the batch. The LoRA kernels are so in every mode (fixed tiles, no split-K, one program per
+row block of one segment); "batch" fixes the decode splits (INVARIANT_SPLIT_LEN absolute
+positions, reduced in order) and the prefill tile rows (INVARIANT_BLOCK_M), and replaces
+torch's M-dependent reductions: the linears and the logits head (cuBLAS) by
+invariant_matmul.py, RMSNorm and the logprobs' log-sum-exp by invariant_rows.py.
+"rescore" also decodes through the prefill kernel (a decode step is a one-token prefill),
+so a sampled token's logprob is bitwise the one a re-score of the sequence (``echo`` with
+``prompt_logprobs``) reports. See docs/kernels.md."""
 
 from __future__ import annotations
 
@@ -30,17 +33,22 @@ from .triton_lora_segments import TritonLoRASegments
 ENV_BATCH_INVARIANT = "LORAPLEX_BATCH_INVARIANT"
 
 
-def invariant_from_env() -> bool:
-    """``LORAPLEX_BATCH_INVARIANT``: 1/true/yes/on turn the mode on; unset, empty, 0/false/
-    no/off leave it off; anything else is refused (a typo must not silently serve the
-    other mode)."""
+INVARIANCE_MODES = ("off", "batch", "rescore")
+
+
+def invariance_from_env() -> str:
+    """``LORAPLEX_BATCH_INVARIANT``: 1/true/yes/on/batch -> "batch"; rescore -> "rescore";
+    unset, empty, 0/false/no/off -> "off"; anything else is refused (a typo must not
+    silently serve another mode)."""
     value = os.environ.get(ENV_BATCH_INVARIANT, "").strip().lower()
     if value in ("", "0", "false", "no", "off"):
-        return False
-    if value in ("1", "true", "yes", "on"):
-        return True
-    raise ValueError(f"{ENV_BATCH_INVARIANT}={value!r}; allowed: 1, true, yes, on, 0, false, "
-                     "no, off, or unset")
+        return "off"
+    if value in ("1", "true", "yes", "on", "batch"):
+        return "batch"
+    if value == "rescore":
+        return "rescore"
+    raise ValueError(f"{ENV_BATCH_INVARIANT}={value!r}; allowed: 1 (or true, yes, on, "
+                     "batch), rescore, 0 (or false, no, off), or unset")
 
 
 class TritonBackend(TorchBackend):
@@ -50,14 +58,19 @@ class TritonBackend(TorchBackend):
     rank_unit = 8  # slots 8 rank rows apart: 16-byte aligned in bf16 (vector loads)
 
     def __init__(self, device: torch.device, dtype: torch.dtype,
-                 batch_invariant: bool | None = None):
+                 invariance: str | None = None):
         super().__init__(device, dtype)
-        if batch_invariant is None:
-            batch_invariant = invariant_from_env()
-        self.batch_invariant = batch_invariant
+        if invariance is None:
+            invariance = invariance_from_env()
+        if invariance not in INVARIANCE_MODES:
+            raise ValueError(f"invariance={invariance!r}; allowed: "
+                             f"{', '.join(INVARIANCE_MODES)}")
+        self.invariance = invariance
+        self.batch_invariant = invariance != "off"  # every op's rows independent
+        self.decode_as_prefill = invariance == "rescore"  # decode = a re-score's bits
 
     def __repr__(self) -> str:
-        mode = ", batch_invariant" if self.batch_invariant else ""
+        mode = "" if self.invariance == "off" else f", invariance={self.invariance}"
         return f"{type(self).__name__}({self.device}, {self.dtype}{mode})"
 
     def prepare_model(self, model: nn.Module, max_tokens: int, max_seqs: int) -> None:
@@ -107,6 +120,9 @@ class TritonBackend(TorchBackend):
                                v_cache: torch.Tensor, block_tables: torch.Tensor,
                                context_lens: torch.Tensor, scale: float, softcap: float = 0.0,
                                window: int = 0, max_context_len: int = 0) -> torch.Tensor:
+        if self.decode_as_prefill:
+            return attention_prefill.decode_as_prefill(q, k_cache, v_cache, block_tables,
+                                                       context_lens, scale, softcap, window)
         return attention.paged_attention_decode(q, k_cache, v_cache, block_tables,
                                                 context_lens, scale, softcap, window,
                                                 max_context_len=max_context_len,

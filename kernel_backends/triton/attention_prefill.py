@@ -140,3 +140,31 @@ def paged_attention_prefill(
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", SOFTCAP=softcap > 0.0,
     )
     return out
+
+
+_ROWS: dict[torch.device, torch.Tensor] = {}  # 0, 1, 2, ...: query_start_loc of one-token rows
+
+
+def decode_as_prefill(
+    q: torch.Tensor,  # [B, Hq, D], one new token per sequence
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    block_tables: torch.Tensor,  # [B, max_blocks] int32
+    context_lens: torch.Tensor,  # [B] int32, tokens in the cache incl. the current one
+    scale: float,
+    softcap: float = 0.0,
+    window: int = 0,
+) -> torch.Tensor:  # [B, Hq, D]
+    """Decode attention as the batch-invariant prefill of one new token per sequence: the
+    same program, tiles and order that prefill gives that token's position, so a decoded
+    token's attention output is bitwise its re-score's (the sequence sent back as a prompt).
+    It reads each KV head once per query head (the decode kernel: once per group) and
+    never splits a context."""
+    batch = q.shape[0]
+    rows = _ROWS.get(q.device)
+    if rows is None or rows.shape[0] <= batch:
+        rows = _ROWS[q.device] = torch.arange(max(2 * batch, 64) + 1, dtype=torch.int32,
+                                              device=q.device)
+    return paged_attention_prefill(q, k_cache, v_cache, block_tables, rows[: batch + 1],
+                                   context_lens, scale, softcap, window, max_q_len=1,
+                                   batch_invariant=True)
