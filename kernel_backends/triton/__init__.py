@@ -31,8 +31,6 @@ from .invariant_matmul import invariant_linear, use_invariant_linears
 from .triton_lora_segments import TritonLoRASegments
 
 ENV_BATCH_INVARIANT = "LORAPLEX_BATCH_INVARIANT"
-
-
 INVARIANCE_MODES = ("off", "batch", "rescore")
 
 
