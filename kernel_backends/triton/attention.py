@@ -254,8 +254,9 @@ def paged_attention_decode(
 
     ``batch_invariant``: a sequence's result depends on its own q, cache, context and window
     only: splits of INVARIANT_SPLIT_LEN absolute positions (as many as the longest context
-    needs; none when it fits one), BLOCK_N tiles aligned to absolute positions, and a
-    reduction of the sequence's own splits in a fixed order (``num_splits`` is refused)."""
+    needs, one at least, always through the split kernel and its reduction), BLOCK_N tiles
+    aligned to absolute positions, and a reduction of the sequence's own splits in a fixed
+    order (``num_splits`` is refused)."""
     batch, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     assert k_cache.stride() == v_cache.stride(), "k and v caches must share a layout"
@@ -272,12 +273,14 @@ def paged_attention_decode(
             max_context_len = int(context_lens.max())
         split_len = INVARIANT_SPLIT_LEN
         num_splits = triton.cdiv(max(max_context_len, 1), split_len)
+        # always the split kernel and the reduction, even for one split: a sequence then
+        # runs the same compiled code whatever the batch's longest context
     else:
         span = min(max_context_len, window) if window > 0 else max_context_len
         if num_splits <= 0:
             num_splits = decode_splits(batch * num_kv_heads, span, _num_sms(q.device))
         split_len = triton.cdiv(triton.cdiv(max(span, 1), num_splits), block_n) * block_n
-    split = num_splits > 1
+    split = num_splits > 1 or batch_invariant
     part = torch.empty((batch, num_heads, num_splits, head_dim + 2) if split else (1,),
                        dtype=torch.float32, device=q.device)
     d_pad = triton.next_power_of_2(head_dim)

@@ -26,7 +26,7 @@ TILES = {torch.float32: (32, 64, 32), torch.float16: (64, 128, 64),
 GROUP_M = 8  # row blocks that walk the weight's column blocks together (L2 reuse only)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # one compiled kernel for every row count (M = 1 too)
 def _linear_kernel(
     x_ptr, w_ptr, bias_ptr, y_ptr,  # x [M, K], w [N, K], bias [N], y [M, N]
     M, N, K, stride_xm, stride_xk, stride_wn, stride_wk, stride_ym, stride_yn,
