@@ -3,7 +3,9 @@
 # benchmarks/kernels.py (every benchmarked shape checked against its torch twin, then timed
 # against the HBM roofline; FAIL on a mismatch, a NaN or a register spill). The W4A16 int4
 # linear (tests/test_kernels_w4a16.py; Llama-3-8B's layers in groups of 128) is also timed
-# against a dense F.linear in bf16 on the same weight, before and after it.
+# against a dense F.linear in bf16 on the same weight, before and after it. Then
+# benchmarks/invariance_cost.py (the batch-invariant mode: each op it changes timed against
+# its default form, and checked bit for bit on the device; FAIL when a row is not invariant).
 # For the GPU machine (torch + triton preinstalled, no package registry); < 5 minutes.
 #
 #   bash benchmarks/gpu_check.sh            # on the GPU machine
@@ -31,7 +33,8 @@ else
     > "$LOG/env.txt" 2>&1
   cat "$LOG/env.txt"
   export TRITON_INTERPRET=0
-  TESTS=(tests/test_kernels_sgmv.py tests/test_kernels_attention.py tests/test_kernels_w4a16.py)
+  TESTS=(tests/test_kernels_sgmv.py tests/test_kernels_attention.py tests/test_kernels_w4a16.py
+         tests/test_triton_batch_invariance.py -k "not engine")
   BENCH=()
   # No registry: no deps and no isolated build env (it would fetch setuptools).
   if ! "$PY" -m pip install --no-deps --no-build-isolation -e . > "$LOG/install.log" 2>&1; then
@@ -46,7 +49,7 @@ export LORAPLEX_KERNELS=triton
   || fail "cannot import loraplex.kernel_backends.triton (see $LOG/import.log)"
 "$PY" -c 'import pytest' 2> /dev/null || fail "pytest is not installed: the kernel tests cannot run"
 
-timeout 150 "$PY" -m pytest -q -p no:cacheprovider "${TESTS[@]}" > "$LOG/tests.log" 2>&1
+timeout 200 "$PY" -m pytest -q -p no:cacheprovider "${TESTS[@]}" > "$LOG/tests.log" 2>&1
 tests_status=$?
 tail -3 "$LOG/tests.log"
 
@@ -55,6 +58,12 @@ bench_status=$?
 cat "$LOG/bench.log"
 verdict=$(tail -1 "$LOG/bench.log")
 
+timeout 150 "$PY" -m loraplex.benchmarks.invariance_cost "${BENCH[@]}" > "$LOG/invariance.log" 2>&1
+invariance_status=$?
+cat "$LOG/invariance.log"
+invariance=$(tail -1 "$LOG/invariance.log")
+
 (( tests_status == 0 )) || fail "kernel tests exit $tests_status (see $LOG/tests.log); bench: $verdict"
 (( bench_status == 0 )) || fail "bench exit $bench_status: $verdict"
-echo "gpu_check: $verdict"
+(( invariance_status == 0 )) || fail "batch-invariant mode exit $invariance_status: $invariance"
+echo "gpu_check: $verdict | batch-invariant mode: $invariance"

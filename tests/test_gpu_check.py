@@ -27,6 +27,7 @@ def test_dry_run_passes(tmp_path: Path) -> None:
     assert last.startswith("gpu_check: PASS | % of HBM roofline: shrink=")
     for kernel in ("expand", "decode", "prefill", "store_kv", "w4a16"):
         assert f"{kernel}=" in last
+    assert "| batch-invariant mode: PASS | invariant/default: linear≤" in last
 
 
 def test_missing_pytest_fails(tmp_path: Path) -> None:

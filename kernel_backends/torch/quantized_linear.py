@@ -12,6 +12,8 @@ checks that.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -139,11 +141,14 @@ def dequantize(weight: QuantizedWeight, dtype: torch.dtype = torch.float32,
 
 
 def quantized_linear(x: torch.Tensor, weight: QuantizedWeight,
-                     bias: torch.Tensor | None = None) -> torch.Tensor:
+                     bias: torch.Tensor | None = None,
+                     linear: Callable[..., torch.Tensor] = F.linear) -> torch.Tensor:
     """``y = x @ dequantize(W)ᵀ + bias``: x ``[..., in]`` -> ``[..., out]``, in x's dtype.
 
     W is dequantized into x's dtype (the serving dtype) a tile of output rows at a time (at
     most ``TILE_ELEMENTS`` weights), so no full-size float copy of a large weight is held.
+    ``linear`` multiplies each tile (the Triton backend's batch-invariant mode passes its
+    invariant_linear).
     """
     out_features, in_features = weight.shape
     if x.shape[-1] != in_features:
@@ -151,10 +156,10 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedWeight,
                          f"expects {in_features}")
     tile = max(1, TILE_ELEMENTS // in_features)
     if tile >= out_features:
-        return F.linear(x, dequantize(weight, x.dtype), bias)
+        return linear(x, dequantize(weight, x.dtype), bias)
     y = x.new_empty(*x.shape[:-1], out_features)
     for start in range(0, out_features, tile):
         rows = slice(start, min(start + tile, out_features))
         w = dequantize(weight, x.dtype, rows)  # [tile, in]
-        y[..., rows] = F.linear(x, w, None if bias is None else bias[rows])
+        y[..., rows] = linear(x, w, None if bias is None else bias[rows])
     return y

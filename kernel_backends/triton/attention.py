@@ -69,14 +69,19 @@ def _decode_kernel(
     stride_qb, stride_qh, stride_qd, stride_ob, stride_oh, stride_od, stride_tb,
     stride_cb, stride_co, stride_ch, stride_cd,
     G_PAD: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-    SOFTCAP: tl.constexpr, SPLIT: tl.constexpr,
+    SOFTCAP: tl.constexpr, SPLIT: tl.constexpr, ALIGNED: tl.constexpr,
 ):
     """out[b, h] = softmax(cap(scale · q[b, h] K[b]ᵀ)) V[b] for the `group` query heads of
     one kv head, over the last `window` positions (window > 0) or all. Shapes: q, out
     [B, Hq, D]; caches [NB, bs, Hkv, D]; tables [B, max_blocks].
     SPLIT (flash-decoding): program (b, kv head, j) covers only positions j · split_len ..
     (j + 1) · split_len - 1 of that span and stores its unnormalised acc, its max m and
-    its sum l (log2 units) for _decode_reduce_kernel."""
+    its sum l (log2 units) for _decode_reduce_kernel.
+    ALIGNED (batch-invariant mode): split j covers the absolute positions j · split_len ..
+    (j + 1) · split_len - 1 and the tiles start at multiples of BLOCK_N, masked below the
+    window's first position, so a sequence's tiles, splits and their order depend on its
+    own context and window only (never on the batch); splits wholly outside the sequence's
+    span store nothing (the reduction reads its own splits only)."""
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     ctx = tl.load(ctx_ptr + b)
@@ -97,12 +102,24 @@ def _decode_kernel(
     if window > 0:
         first = tl.maximum(ctx - window, 0)
     last = ctx
-    if SPLIT:
+    lo = first
+    if ALIGNED:
+        lo = first // BLOCK_N * BLOCK_N
+        if SPLIT:
+            j_lo = tl.program_id(2) * split_len
+            if (j_lo >= ctx) | (j_lo + split_len <= first):
+                return  # outside this sequence's span: the reduction never reads it
+            lo = tl.maximum(lo, j_lo)
+            last = tl.minimum(j_lo + split_len, ctx)
+    elif SPLIT:
         first = first + tl.program_id(2) * split_len
+        lo = first
         last = tl.minimum(first + split_len, ctx)
-    for n0 in range(first, last, BLOCK_N):
+    for n0 in range(lo, last, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < last
+        if ALIGNED:  # the first tile may start before the window
+            mask_n = mask_n & (offs_n >= first)
         k = load_kv(k_cache_ptr, table, offs_n, mask_n, kv_head, offs_d, mask_d,
                      block_size, stride_cb, stride_co, stride_ch, stride_cd).to(tl.float32)
         v = load_kv(v_cache_ptr, table, offs_n, mask_n, kv_head, offs_d, mask_d,
@@ -156,10 +173,50 @@ def _decode_reduce_kernel(part_ptr, out_ptr, head_dim, num_splits, stride_ob, st
              out.to(out_ptr.dtype.element_ty), mask=offs_d < head_dim)
 
 
+@triton.jit
+def _decode_reduce_aligned_kernel(part_ptr, ctx_ptr, out_ptr, window, head_dim, num_splits,
+                                  split_len, stride_ob, stride_oh, stride_od,
+                                  D_PAD: tl.constexpr):
+    """The batch-invariant reduction: out[b, h] = Σ_j acc_j · 2^(m_j - m) / Σ_j l_j ·
+    2^(m_j - m) over the splits j of sequence b's own span only (first // split_len ..
+    (ctx - 1) // split_len), summed one after the other in j order: the same additions
+    whatever the batch's longest context (num_splits). One split gives acc / l, the bits
+    of the unsplit kernel (0 + x · 1 = x)."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    ctx = tl.load(ctx_ptr + b)
+    first = 0
+    if window > 0:
+        first = tl.maximum(ctx - window, 0)
+    j_first = first // split_len
+    j_end = (ctx + split_len - 1) // split_len
+    offs_d = tl.arange(0, D_PAD)
+    mask_d = offs_d < head_dim
+    base = (b * tl.num_programs(1) + h) * num_splits
+    one = tl.arange(0, 1)  # [1]-shaped scalars: loop-carried values keep one type
+    m_max = tl.full([1], float("-inf"), tl.float32)
+    for j in range(j_first, j_end):  # max is exact in any order
+        m_max = tl.maximum(m_max, tl.load(part_ptr + (base + j) * (head_dim + 2) + head_dim
+                                          + one))
+    total = tl.zeros([1], tl.float32)
+    acc = tl.zeros([D_PAD], tl.float32)
+    for j in range(j_first, j_end):
+        row = (base + j) * (head_dim + 2)
+        m_j = tl.load(part_ptr + row + head_dim + one)
+        w = tl.where(m_j == float("-inf"), 0.0, tl.exp2(m_j - m_max))  # [1]
+        total += tl.load(part_ptr + row + head_dim + 1 + one) * w
+        acc += tl.load(part_ptr + row + offs_d, mask=mask_d, other=0.0) * w
+    out = acc / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_d * stride_od,
+             out.to(out_ptr.dtype.element_ty), mask=mask_d)
+
 
 
 SPLIT_MIN_LEN = 512  # positions a split covers at least
 MAX_SPLITS = 32
+# batch-invariant mode: every split covers these absolute positions (a multiple of both
+# BLOCK_N choices), whatever the batch, the GPU or the longest context
+INVARIANT_SPLIT_LEN = 512
 
 
 def decode_splits(programs: int, span: int, num_sms: int) -> int:
@@ -188,24 +245,42 @@ def paged_attention_decode(
     window: int = 0,
     max_context_len: int = 0,  # max(context_lens) as the host knows it (0: no split)
     num_splits: int = 0,  # 0: decode_splits' choice
+    batch_invariant: bool = False,
 ) -> torch.Tensor:  # [B, Hq, D]
     """out[b] = softmax(cap(scale · q[b] K[b]ᵀ)) V[b] over the context_lens[b] cached tokens
     (the last ``window`` of them when window > 0); the torch backend's semantics. Long
     contexts with few (sequence, KV head) programs split the context (flash-decoding) and
-    reduce the partial softmaxes in a second launch."""
+    reduce the partial softmaxes in a second launch.
+
+    ``batch_invariant``: a sequence's result depends on its own q, cache, context and window
+    only: splits of INVARIANT_SPLIT_LEN absolute positions (as many as the longest context
+    needs, one at least, always through the split kernel and its reduction), BLOCK_N tiles
+    aligned to absolute positions, and a reduction of the sequence's own splits in a fixed
+    order (``num_splits`` is refused)."""
     batch, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     assert k_cache.stride() == v_cache.stride(), "k and v caches must share a layout"
+    if batch_invariant and num_splits > 0:
+        raise ValueError("batch-invariant decode chooses its own splits; num_splits "
+                         f"must be 0, got {num_splits}")
     out = torch.empty_like(q)
     if batch == 0:
         return out
     group = num_heads // num_kv_heads
-    span = min(max_context_len, window) if window > 0 else max_context_len
-    if num_splits <= 0:
-        num_splits = decode_splits(batch * num_kv_heads, span, _num_sms(q.device))
     block_n = 32 if head_dim <= 64 else 16  # the [G, BLOCK_N, D] product stays in registers
-    split_len = triton.cdiv(triton.cdiv(max(span, 1), num_splits), block_n) * block_n
-    split = num_splits > 1
+    if batch_invariant:
+        if max_context_len <= 0:  # a caller without the host's figure: one device read
+            max_context_len = int(context_lens.max())
+        split_len = INVARIANT_SPLIT_LEN
+        num_splits = triton.cdiv(max(max_context_len, 1), split_len)
+        # always the split kernel and the reduction, even for one split: a sequence then
+        # runs the same compiled code whatever the batch's longest context
+    else:
+        span = min(max_context_len, window) if window > 0 else max_context_len
+        if num_splits <= 0:
+            num_splits = decode_splits(batch * num_kv_heads, span, _num_sms(q.device))
+        split_len = triton.cdiv(triton.cdiv(max(span, 1), num_splits), block_n) * block_n
+    split = num_splits > 1 or batch_invariant
     part = torch.empty((batch, num_heads, num_splits, head_dim + 2) if split else (1,),
                        dtype=torch.float32, device=q.device)
     d_pad = triton.next_power_of_2(head_dim)
@@ -214,9 +289,14 @@ def paged_attention_decode(
         scale, float(softcap), int(window), group, head_dim, block_size, split_len,
         *q.stride(), *out.stride(), block_tables.stride(0), *k_cache.stride(),
         G_PAD=triton.next_power_of_2(group), D_PAD=d_pad, BLOCK_N=block_n,
-        SOFTCAP=softcap > 0.0, SPLIT=split,
+        SOFTCAP=softcap > 0.0, SPLIT=split, ALIGNED=batch_invariant,
     )
-    if split:
+    if split and batch_invariant:
+        _decode_reduce_aligned_kernel[(batch, num_heads)](
+            part, context_lens, out, int(window), head_dim, num_splits, split_len,
+            *out.stride(), D_PAD=d_pad,
+        )
+    elif split:
         _decode_reduce_kernel[(batch, num_heads)](
             part, out, head_dim, num_splits, *out.stride(),
             S_PAD=triton.next_power_of_2(num_splits), D_PAD=d_pad,

@@ -14,9 +14,16 @@ from .paged_kv import load_kv, soft_cap_log2
 BLOCK_N = 32  # context positions per inner step
 
 
-def block_m(max_q_len: int) -> int:
+INVARIANT_BLOCK_M = 64  # query rows per program in the batch-invariant mode, always
+
+
+def block_m(max_q_len: int, batch_invariant: bool = False) -> int:
     """Query rows per program: 64 (tensor-core sized tiles) where some sequence has that
-    many new tokens, else 16 (tl.dot's minimum), so short chunks waste no rows."""
+    many new tokens, else 16 (tl.dot's minimum), so short chunks waste no rows. The
+    batch-invariant mode always takes INVARIANT_BLOCK_M: a row's tile shape (and so the
+    dot products' instruction layout) never depends on the other sequences' lengths."""
+    if batch_invariant:
+        return INVARIANT_BLOCK_M
     return 64 if max_q_len >= 64 else 16
 
 
@@ -100,11 +107,19 @@ def paged_attention_prefill(
     softcap: float = 0.0,
     window: int = 0,
     max_q_len: int = 0,  # the most new tokens of one sequence (0: read from the device)
+    batch_invariant: bool = False,
 ) -> torch.Tensor:  # [T, Hq, D]
     """Causal attention: sequence s's new tokens sit at positions
     context_lens[s] - q_len_s ... context_lens[s] - 1 and see every earlier position (the
     last ``window`` ones when window > 0); the torch backend's semantics. The engine passes
-    ``max_q_len`` from the host, so the launch reads nothing back from the device."""
+    ``max_q_len`` from the host, so the launch reads nothing back from the device.
+
+    Every query row visits the context in BLOCK_N tiles aligned to absolute positions (0,
+    BLOCK_N, ...: a cached prefix or an earlier chunk changes none of them), and the tiles
+    past a row's own position are fully masked (m, l and acc pass through them bit for bit).
+    ``batch_invariant`` also fixes the rows per program (INVARIANT_BLOCK_M), so a query's
+    result is the same bits whether its prompt came whole, chunked or after a cache hit,
+    and whatever else is in the batch."""
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     assert k_cache.stride() == v_cache.stride(), "k and v caches must share a layout"
@@ -114,7 +129,7 @@ def paged_attention_prefill(
         return out
     if max_q_len <= 0:  # a caller without the host's figure: one device read
         max_q_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
-    rows = block_m(max_q_len)
+    rows = block_m(max_q_len, batch_invariant)
     grid = (num_seqs, triton.cdiv(max_q_len, rows), num_heads)
     _prefill_kernel[grid](
         q, k_cache, v_cache, out, block_tables, query_start_loc, context_lens,
@@ -125,3 +140,31 @@ def paged_attention_prefill(
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", SOFTCAP=softcap > 0.0,
     )
     return out
+
+
+_ROWS: dict[torch.device, torch.Tensor] = {}  # 0, 1, 2, ...: query_start_loc of one-token rows
+
+
+def decode_as_prefill(
+    q: torch.Tensor,  # [B, Hq, D], one new token per sequence
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    block_tables: torch.Tensor,  # [B, max_blocks] int32
+    context_lens: torch.Tensor,  # [B] int32, tokens in the cache incl. the current one
+    scale: float,
+    softcap: float = 0.0,
+    window: int = 0,
+) -> torch.Tensor:  # [B, Hq, D]
+    """Decode attention as the batch-invariant prefill of one new token per sequence: the
+    same program, tiles and order that prefill gives that token's position, so a decoded
+    token's attention output is bitwise its re-score's (the sequence sent back as a prompt).
+    It reads each KV head once per query head (the decode kernel: once per group) and
+    never splits a context."""
+    batch = q.shape[0]
+    rows = _ROWS.get(q.device)
+    if rows is None or rows.shape[0] <= batch:
+        rows = _ROWS[q.device] = torch.arange(max(2 * batch, 64) + 1, dtype=torch.int32,
+                                              device=q.device)
+    return paged_attention_prefill(q, k_cache, v_cache, block_tables, rows[: batch + 1],
+                                   context_lens, scale, softcap, window, max_q_len=1,
+                                   batch_invariant=True)
