@@ -99,6 +99,7 @@ class LLMEngine(EngineAdapters):
                                  move_slot=self.slot_buffers.move,
                                  max_concurrent_reads=cfg.max_adapter_reads,
                                  on_drop=self._dropped)
+        self.runner.rows_of = self.lora.token_rows  # adapters' own embedding / head rows
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs,
                                    cfg.max_num_batched_tokens, self.lora,
                                    cfg.adapter_starvation_steps)
