@@ -231,3 +231,34 @@ def test_refuses_what_is_not_served(tiny_models, made, tmp_path, case):
         with pytest.raises(AdapterError) as at_inspect:
             inspect_peft_adapter(ad, shapes, 8)
         assert str(at_inspect.value) == str(at_read.value)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_token_rows_over_a_quantized_gguf_base(arch, made, tiny_models, tmp_path, monkeypatch):
+    """A GGUF base served as stored (Q8_0 embedding: the rows are replaced after the
+    quantized lookup; llama's Q8_0 head, qwen2's head tied to the quantized embedding):
+    each kind, mixed with the base in one batch, equals transformers' GGUF loader + PEFT,
+    greedy tokens and logprobs within 5e-3 (the quantized suite's tolerance)."""
+    from loraplex.engine.models.quant_modules import QuantizedEmbedding
+
+    from tests.gguf_files import write_gguf
+    from tests.test_quantized_serving import ATOL, gguf_oracle
+
+    monkeypatch.setenv("LORAPLEX_KERNELS", "cpu")
+    model_dir, adapters = tiny_models(arch), {k: made(arch)[k] for k in KINDS}
+    path = write_gguf(model_dir, tmp_path / f"{arch}.gguf")
+    engine = LLMEngine(model=str(path), dtype="float32", max_loras=4, max_lora_rank=8,
+                       max_model_len=112,
+                       lora_modules={n: str(p) for n, p in adapters.items()})
+    assert isinstance(engine.base.model.model.embed_tokens, QuantizedEmbedding)
+    oracle = gguf_oracle(path, model_dir, adapters)
+    items = [(name, prompt) for prompt in PROMPTS for name in [*adapters, None]]
+    outs = engine.generate([p for _, p in items], greedy(), adapters=[a for a, _ in items])
+    for (name, prompt), out in zip(items, outs):
+        ref = oracle(name, prompt + out.token_ids)  # row j predicts token j + 1
+        for j, (tok, lp) in enumerate(zip(out.token_ids, out.logprobs)):
+            row = ref[len(prompt) - 1 + j]
+            allowed = row.clone()
+            allowed[2] = -torch.inf  # min_new_tokens holds EOS back
+            assert tok == int(allowed.argmax()), (arch, name, prompt, j)
+            assert lp.logprob == pytest.approx(row[tok].item(), abs=ATOL), (arch, name, j)
