@@ -95,8 +95,8 @@ class LLMEngine(EngineAdapters):
                                  read=lambda meta: self.read_adapter(
                                      meta.path, meta.name, meta, root=meta.root,
                                      shown=meta.shown),
-                                 load_slot=self._load_slot, clear_slot=self.slot_buffers.clear,
-                                 move_slot=self.slot_buffers.move,
+                                 load_slot=self._load_slot, clear_slot=self._clear_slot,
+                                 move_slot=self._move_slot,
                                  max_concurrent_reads=cfg.max_adapter_reads,
                                  on_drop=self._dropped)
         self.runner.rows_of = self.lora.token_rows  # adapters' own embedding / head rows

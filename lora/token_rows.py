@@ -45,6 +45,7 @@ from peft import LoraConfig
 from .adapter_files import AdapterFiles, real_path
 from .peft_checks import FLOAT_DTYPES, AdapterError, Header
 from .peft_files import ITEMSIZE, WEIGHTS_NAME, ContentKey, SafetensorsHeader, content_key
+from .tensor_layout import TORCH_DTYPES, StaleLayout
 
 EMBED, HEAD = "embed_tokens", "lm_head"
 SERVED = ("loraplex serves modules_to_save of embed_tokens and lm_head, and "
@@ -251,8 +252,6 @@ class TokenLayout:
     def read(self, files: AdapterFiles, dtype: torch.dtype) -> TokenRows:
         """The TokenRows, read from the file (only these tensors' bytes); AdapterError if
         the file changed since it was inspected (``stale``) or is cut short."""
-        from .tensor_layout import TORCH_DTYPES, StaleLayout
-
         tensors = {}
         path = files.label(WEIGHTS_NAME)
         with files.open(WEIGHTS_NAME) as f:
@@ -285,7 +284,9 @@ def _count(shape: Iterable[int]) -> int:
 
 class DeviceRows:
     """The device copies of the TokenRows of the adapters in device slots: one per slot at
-    most, replaced when another adapter takes the slot; on the CPU the host copy itself."""
+    most, made at the first step that needs it, replaced when another adapter takes the
+    slot, dropped when its adapter leaves the device, moved with it (the engine's
+    clear_slot / move_slot); on the CPU the host copy itself."""
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -296,6 +297,16 @@ class DeviceRows:
         if held is None or held[0] is not host:
             self.copies[slot] = held = (host, host.to(self.device))
         return held[1]
+
+    def drop(self, slot: int) -> None:
+        """The slot's adapter left the device: its copy goes too."""
+        self.copies.pop(slot, None)
+
+    def move(self, src: int, dst: int) -> None:
+        """The slot's adapter moved (compaction): its copy follows."""
+        held = self.copies.pop(src, None)
+        if held is not None:
+            self.copies[dst] = held
 
     @property
     def nbytes(self) -> int:

@@ -145,7 +145,26 @@ def test_rows_follow_their_adapter_through_one_slot(tiny_models, made, monkeypat
     for name in ("tokens", "plain", "head", "tokens", "plain"):
         assert engine.generate([prompt], greedy(), adapters=[name])[0].token_ids == want[name]
     assert engine.lora.host.loads >= 5
+    assert engine.runner.token_rows.slots.copies == {}  # dropped with "head" before "plain"
     engine.check()
+
+
+def test_device_copies_one_per_slot_dropped_and_moved_with_it():
+    """DeviceRows on another device (meta): one copy per slot, made once, replaced when
+    another adapter takes the slot, moved by compaction, dropped on eviction; counted."""
+    from loraplex.lora.token_rows import DeviceRows, ReplacedRows, TokenRows
+
+    rows = ReplacedRows(torch.tensor([3, 9]), torch.ones(2, 64))
+    a, b = TokenRows(rows, rows), TokenRows(None, ReplacedRows(None, torch.ones(384, 64)))
+    copies = DeviceRows(torch.device("meta"))
+    first = copies.get(0, a)
+    assert first.embed.rows.device.type == "meta" and first.head is first.embed  # tied: once
+    assert copies.get(0, a) is first and copies.nbytes == a.nbytes == 2 * 64 * 4 + 16
+    assert copies.get(0, b) is not first and copies.nbytes == 384 * 64 * 4
+    copies.move(0, 7)
+    assert set(copies.copies) == {7} and copies.get(7, b).head.rows.shape == (384, 64)
+    copies.drop(7)
+    assert copies.copies == {} and copies.nbytes == 0
 
 
 def test_host_bytes_of_trainable_tokens_are_their_rows(tiny_models, made):
