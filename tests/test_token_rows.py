@@ -97,13 +97,15 @@ def greedy() -> SamplingParams:
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma2"])
 def test_token_rows_mixed_in_one_batch_equal_peft(tiny_models, made, arch, monkeypatch,
                                                    tmp_path):
-    """Every kind, a plain LoRA adapter and the base in one batch (each prompt on each):
-    tokens equal PEFT's, logprobs within 2e-3; every kind changes the answer (its rows
-    matter: PEFT without them, i.e. the plain LoRA of the same adapter, differs)."""
+    """Every kind, a plain LoRA adapter and the base in one batch (each prompt on each;
+    steps of 24 tokens, so prompts are split across steps): tokens equal PEFT's, logprobs
+    within 2e-3; every kind changes the answer (its rows matter: PEFT without them, i.e.
+    the plain LoRA of the same adapter, differs)."""
     monkeypatch.setenv("LORAPLEX_KERNELS", "cpu")
     base, adapters = tiny_models(arch), made(arch)
     engine = LLMEngine(model=base, dtype="float32", max_loras=len(adapters), max_lora_rank=8,
-                       max_model_len=128, lora_modules={n: str(p) for n, p in adapters.items()})
+                       max_model_len=128, max_num_batched_tokens=24,  # prompts split
+                       lora_modules={n: str(p) for n, p in adapters.items()})
     items = [(name, prompt) for prompt in PROMPTS for name in [*adapters, None]]
     outs = engine.generate([p for _, p in items], greedy(), adapters=[a for a, _ in items])
     want = {}
@@ -119,6 +121,27 @@ def test_token_rows_mixed_in_one_batch_equal_peft(tiny_models, made, arch, monke
                     zip(peft_run(base, lora, p)[1], want[kind, tuple(p)][1]))
         assert moved > 0.05, (kind, "its rows change nothing: the test cannot see them")
     engine.check()
+
+
+def test_prompt_logprobs_use_the_adapters_head_rows(tiny_models, made):
+    """prompt_logprobs (every prompt position through the head, in chunks of its own)
+    of each kind and the base in one batch equal PEFT's log-softmax over the prompt."""
+    base, adapters = tiny_models("qwen2"), made("qwen2")
+    engine = LLMEngine(model=base, dtype="float32", max_loras=4, max_lora_rank=8,
+                       max_model_len=128, lora_modules={k: str(adapters[k]) for k in KINDS})
+    prompt = PROMPTS[2]
+    names = [*KINDS, None]
+    params = SamplingParams(temperature=0.0, max_new_tokens=1, prompt_logprobs=0)
+    outs = engine.generate([prompt] * len(names), params, adapters=names)
+    for name, out in zip(names, outs):
+        model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+        if name is not None:
+            model = PeftModel.from_pretrained(model, adapters[name])
+        with torch.no_grad():
+            ref = torch.log_softmax(model.eval()(torch.tensor([prompt])).logits[0].float(), -1)
+        want = [ref[p - 1, prompt[p]].item() for p in range(1, len(prompt))]
+        got = [lp.logprob for lp in out.prompt_logprobs[1:]]
+        assert got == pytest.approx(want, abs=2e-3), name
 
 
 def _lora_only(adapter: Path, out: Path) -> Path:
