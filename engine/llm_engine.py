@@ -324,8 +324,9 @@ class LLMEngine(EngineAdapters):
         self.block_manager.reset_prefix_cache()
 
     def memory_use(self) -> MemoryUse:
-        """What the LoRA pools and the KV cache reserve and have committed, read now."""
-        return memory_use(self.slot_buffers, self.base.model)
+        """What the LoRA pools and the KV cache reserve and have committed, and the device
+        copies of adapters' token rows, read now."""
+        return memory_use(self.slot_buffers, self.base.model, self.runner.token_rows.slots.nbytes)
 
     def check(self) -> None:
         """Assert the books of the adapter cache and pool and of the KV blocks (the engine

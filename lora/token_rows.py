@@ -313,7 +313,7 @@ class DeviceRows:
         """Bytes of the device copies (0 on the CPU: they are the host copies)."""
         if self.device.type == "cpu":
             return 0
-        return sum(d.nbytes for _, d in self.copies.values())
+        return sum(d.nbytes for _, d in list(self.copies.values()))  # any thread reads it
 
 
 Group = tuple[TokenRows, torch.Tensor]  # an adapter's rows, the flat rows it applies to

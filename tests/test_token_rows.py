@@ -209,6 +209,13 @@ def test_host_bytes_of_trainable_tokens_are_their_rows(tiny_models, made):
     assert sum(held.values()) == meta.size_bytes
     full = inspect_peft_adapter(made("llama")["both"], shapes, 8)
     assert full.size_bytes == plain.size_bytes + 2 * 384 * 64 * 4  # two whole tables
+    # the host tier counts what it holds: the whole tables of "both", the rows of "tokens"
+    engine = LLMEngine(model=base, dtype="float32", max_loras=2, max_lora_rank=8,
+                       max_model_len=64, lora_modules={"both": str(full.path),
+                                                       "tokens": str(meta.path)})
+    engine.generate([PROMPTS[0]] * 2, greedy(), adapters=["both", "tokens"])
+    assert engine.lora.host.held_bytes == full.size_bytes + meta.size_bytes
+    assert engine.memory_use().token_rows == 0  # on the CPU the host copies serve
 
 
 def test_tied_base_ties_the_trainable_rows_to_the_head(tiny_models, made):
