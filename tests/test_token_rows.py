@@ -311,3 +311,37 @@ def test_token_rows_over_a_quantized_gguf_base(arch, made, tiny_models, tmp_path
             allowed[2] = -torch.inf  # min_new_tokens holds EOS back
             assert tok == int(allowed.argmax()), (arch, name, prompt, j)
             assert lp.logprob == pytest.approx(row[tok].item(), abs=ATOL), (arch, name, j)
+
+
+def test_lora_scale_scales_the_lora_not_the_rows(tiny_models, made):
+    """lora_scale 0.5 on a trainable-token adapter equals PEFT with its LoRA layers scaled
+    by 0.5 (``scale_layer``) and its rows as trained; lora_scale 0 is the base model
+    exactly, rows included (as the prefix cache keys it)."""
+    from peft.tuners.lora import LoraLayer
+
+    base, adapter = tiny_models("qwen2"), made("qwen2")["tokens"]
+    engine = LLMEngine(model=base, dtype="float32", max_loras=2, max_lora_rank=8,
+                       max_model_len=128, lora_modules={"tokens": str(adapter)})
+    prompt = PROMPTS[0]
+
+    def params(scale: float) -> SamplingParams:
+        return SamplingParams(temperature=0.0, max_new_tokens=NEW, min_new_tokens=NEW,
+                              logprobs=0, lora_scale=scale)
+
+    half, zero, plain = engine.generate([prompt] * 3, [params(0.5), params(0.0), greedy()],
+                                        adapters=["tokens", "tokens", None])
+    assert zero.token_ids == plain.token_ids
+    assert [lp.logprob for lp in zero.logprobs] == [lp.logprob for lp in plain.logprobs]
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(
+        base, dtype=torch.float32), adapter).eval()
+    for module in model.modules():
+        if isinstance(module, LoraLayer):
+            module.scale_layer(0.5)
+    with torch.no_grad():
+        ids = model.generate(torch.tensor([prompt]), max_new_tokens=NEW, min_new_tokens=NEW,
+                             do_sample=False, pad_token_id=0)
+        logits = model(ids).logits[0, len(prompt) - 1:-1].float()
+    new = ids[0, len(prompt):]
+    assert half.token_ids == new.tolist()
+    want = torch.log_softmax(logits, -1).gather(1, new[:, None])[:, 0].tolist()
+    assert [lp.logprob for lp in half.logprobs] == pytest.approx(want, abs=2e-3)
