@@ -219,8 +219,9 @@ class ModelRunner:
         pending = self.grammar_bitmask.start(_matchers(seqs))  # forks included
         hidden = self.model(self.meta.input_ids, self.meta.positions)
         for seq, row, first, count in inputs.prompt_lp:
-            self._prompt_logprobs(hidden, seq, row, first, count,
-                                  inputs.head_rows.get(seq.adapter_id))
+            self._prompt_logprobs(hidden, seq, row, first, count,  # scale 0: the base's
+                                  inputs.head_rows.get(seq.adapter_id)
+                                  if seq.params.lora_scale else None)
         if not inputs.sample_rows:
             return [], SamplerOutput([], [])
         n = len(inputs.sample_rows)

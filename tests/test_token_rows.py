@@ -326,12 +326,17 @@ def test_lora_scale_scales_the_lora_not_the_rows(tiny_models, made):
 
     def params(scale: float) -> SamplingParams:
         return SamplingParams(temperature=0.0, max_new_tokens=NEW, min_new_tokens=NEW,
-                              logprobs=0, lora_scale=scale)
+                              logprobs=0, prompt_logprobs=0, lora_scale=scale)
 
-    half, zero, plain = engine.generate([prompt] * 3, [params(0.5), params(0.0), greedy()],
-                                        adapters=["tokens", "tokens", None])
+    half, zero, plain, one = engine.generate(
+        [prompt] * 4, [params(0.5), params(0.0), params(1.0), params(1.0)],
+        adapters=["tokens", "tokens", None, "tokens"])  # one step: scales 0 and 1 together
     assert zero.token_ids == plain.token_ids
     assert [lp.logprob for lp in zero.logprobs] == [lp.logprob for lp in plain.logprobs]
+    assert [lp.logprob for lp in zero.prompt_logprobs[1:]] == \
+        [lp.logprob for lp in plain.prompt_logprobs[1:]]
+    assert [lp.logprob for lp in one.prompt_logprobs[1:]] != \
+        [lp.logprob for lp in plain.prompt_logprobs[1:]]
     model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(
         base, dtype=torch.float32), adapter).eval()
     for module in model.modules():
