@@ -62,6 +62,14 @@ class EngineAdapters:
         self.slot_buffers.load(slot, weights)
         self._observe_adapter_load("device", time.perf_counter() - start)
 
+    def _clear_slot(self, slot: int) -> None:
+        self.slot_buffers.clear(slot)
+        self.runner.token_rows.slots.drop(slot)  # its device copy of token rows, if any
+
+    def _move_slot(self, src: int, dst: int, rows: int) -> None:
+        self.slot_buffers.move(src, dst, rows)
+        self.runner.token_rows.slots.move(src, dst)
+
     def _observe_adapter_load(self, tier: str, seconds: float) -> None:
         for observe in self.adapter_load_observers:
             observe(tier, seconds)

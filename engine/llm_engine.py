@@ -96,10 +96,11 @@ class LLMEngine(EngineAdapters):
                                  read=lambda meta: self.read_adapter(
                                      meta.path, meta.name, meta, root=meta.root,
                                      shown=meta.shown),
-                                 load_slot=self._load_slot, clear_slot=self.slot_buffers.clear,
-                                 move_slot=self.slot_buffers.move,
+                                 load_slot=self._load_slot, clear_slot=self._clear_slot,
+                                 move_slot=self._move_slot,
                                  max_concurrent_reads=cfg.max_adapter_reads,
                                  on_drop=self._dropped)
+        self.runner.rows_of = self.lora.token_rows  # adapters' own embedding / head rows
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs,
                                    cfg.max_num_batched_tokens, self.lora,
                                    cfg.adapter_starvation_steps)
@@ -328,8 +329,9 @@ class LLMEngine(EngineAdapters):
         self.block_manager.reset_prefix_cache()
 
     def memory_use(self) -> MemoryUse:
-        """What the LoRA pools and the KV cache reserve and have committed, read now."""
-        return memory_use(self.slot_buffers, self.base.model)
+        """What the LoRA pools and the KV cache reserve and have committed, and the device
+        copies of adapters' token rows, read now."""
+        return memory_use(self.slot_buffers, self.base.model, self.runner.token_rows.slots.nbytes)
 
     def check(self) -> None:
         """Assert the books of the adapter cache and pool and of the KV blocks (the engine

@@ -26,22 +26,28 @@ class MemoryUse:
     lora_committed: int  # of which backed by memory now
     kv_reserved: int  # bytes of the KV cache (every attention layer's K and V)
     kv_committed: int
+    # device copies of adapters' own embedding / head rows (lora/token_rows.py; 0 on the
+    # CPU, where they are the host copies)
+    token_rows: int = 0
 
     def describe(self) -> str:
+        rows = f"; adapters' token rows {_size(self.token_rows)}" if self.token_rows else ""
         return (f"LoRA pool {_size(self.lora_reserved)} reserved, "
                 f"{_size(self.lora_committed)} committed; KV cache "
-                f"{_size(self.kv_reserved)} reserved, {_size(self.kv_committed)} committed")
+                f"{_size(self.kv_reserved)} reserved, {_size(self.kv_committed)} committed"
+                f"{rows}")
 
 
 def kv_tensors(model: nn.Module) -> list[torch.Tensor]:
     return [t for attn in model.attention_layers() for t in (attn.k_cache, attn.v_cache)]
 
 
-def memory_use(slot_buffers: SlotBuffers, model: nn.Module) -> MemoryUse:
-    """Measured now: the page counts are read from the OS (cheap; any thread)."""
+def memory_use(slot_buffers: SlotBuffers, model: nn.Module, token_rows: int = 0) -> MemoryUse:
+    """Measured now: the page counts are read from the OS (cheap; any thread);
+    ``token_rows``: the bytes of the device copies of adapters' token rows."""
     lora, kv = slot_buffers.pool_tensors(), kv_tensors(model)
     return MemoryUse(host_pages.reserved_bytes(lora), host_pages.committed_bytes(lora),
-                     host_pages.reserved_bytes(kv), host_pages.committed_bytes(kv))
+                     host_pages.reserved_bytes(kv), host_pages.committed_bytes(kv), token_rows)
 
 
 def _size(n: int) -> str:

@@ -7,7 +7,7 @@ refills it in place every step (fixed addresses)."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +18,7 @@ from ..kernel_backends.attention_metadata import AttentionMetadata
 from ..kernel_backends.backend import KernelBackend
 from ..kernel_backends.staged_buffer import StagedBuffer
 from ..kernel_backends.step_metadata import StepMetadata, bind_step
+from ..lora.token_rows import TokenRows, TokenRowsStep, fix_logits
 from ..structured.bitmask import StepBitmask
 from ..structured.matcher import ConstraintMatcher
 from .engine_config import DEFAULT_CPU_KV_BYTES, EngineConfig
@@ -36,6 +37,9 @@ class StepInputs:
 
     sample_rows: list[int]  # rows of the flat batch whose logits are sampled
     sample_seqs: list[Sequence]
+    # adapter id -> (slot, rows, its seqs' sample rows) of the step's adapters with their
+    # own token rows (lora/token_rows.py)
+    head_rows: dict[int, tuple[int, TokenRows, list[int]]]
     # (seq, first flat row, first position): rows whose logits give seq's prompt logprobs
     prompt_lp: list[tuple[Sequence, int, int, int]]  # (seq, row, position, count)
 
@@ -141,6 +145,10 @@ class ModelRunner:
             kernels.lora_segments(tokens, seqs), device)
         bind_step(model, self.meta)
         self.sample_rows = StagedBuffer((seqs,), torch.int64, device)
+        # adapters' own embedding / head rows (lora/token_rows.py): the engine sets rows_of
+        self.rows_of: Callable[[int], TokenRows | None] = lambda adapter_id: None
+        self.token_rows = TokenRowsStep(device)
+        model.model.embed_tokens.register_forward_hook(self.token_rows.embed_hook)
 
     def prepare(self, batch: ScheduledBatch, adapter_slots: Mapping[int, int]) -> StepInputs:
         """The step's inputs; ``adapter_slots`` maps the adapter id of every sequence in the
@@ -156,6 +164,8 @@ class ModelRunner:
         sample_seqs: list[Sequence] = []
         prompt_lp: list[tuple[Sequence, int, int, int]] = []
         starts = [0]
+        # adapter id -> (slot, its rows, its tokens' flat rows, its sample rows' indices)
+        with_rows: dict[int, tuple[int, TokenRows, list[int], list[int]]] = {}
         for seq, n in prefills + decodes:
             _check_entry(seq, n, self.block_size)
             c = seq.num_computed_tokens
@@ -172,7 +182,12 @@ class ModelRunner:
             slot = adapter_slots[seq.adapter_id] if seq.adapter_id and scale else -1
             token_slots += _token_slots(slot, seq.adapter_start, c, n)
             token_scales += [scale] * n
+            group = self._rows_group(with_rows, seq, adapter_slots)
+            if group is not None:
+                group[2].extend(range(len(ids) - n, len(ids)))
             if c + n == seq.num_tokens:  # all its tokens computed: the last one samples
+                if group is not None:
+                    group[3].append(len(sample_rows))
                 sample_rows.append(len(ids) - 1)
                 sample_seqs.append(seq)
             starts.append(len(ids))
@@ -182,7 +197,24 @@ class ModelRunner:
         meta.attn.fill(slots, [s.block_table for s, _ in entries],
                        [s.num_computed_tokens + n for s, n in entries], starts, len(prefills))
         meta.lora.fill(token_slots, token_scales)
-        return StepInputs(sample_rows=sample_rows, sample_seqs=sample_seqs, prompt_lp=prompt_lp)
+        self.token_rows.set_tokens((slot, rows, at) for slot, rows, at, _ in with_rows.values())
+        return StepInputs(sample_rows=sample_rows, sample_seqs=sample_seqs, prompt_lp=prompt_lp,
+                          head_rows={a: (slot, rows, sampled)
+                                     for a, (slot, rows, _, sampled) in with_rows.items()})
+
+    def _rows_group(self, groups: dict[int, tuple[int, TokenRows, list[int], list[int]]],
+                    seq: Sequence, adapter_slots: Mapping[int, int]
+                    ) -> tuple[int, TokenRows, list[int], list[int]] | None:
+        """The group of ``seq``'s adapter if it has its own token rows (None: the base's
+        rows; lora_scale 0 is the base model, rows included, as the prefix cache keys it)."""
+        if not seq.adapter_id or not seq.params.lora_scale:
+            return None
+        if seq.adapter_id not in groups:
+            rows = self.rows_of(seq.adapter_id)
+            if rows is None:
+                return None
+            groups[seq.adapter_id] = (adapter_slots[seq.adapter_id], rows, [], [])
+        return groups[seq.adapter_id]
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch, adapter_slots: Mapping[int, int]
@@ -198,13 +230,16 @@ class ModelRunner:
         pending = self.grammar_bitmask.start(_matchers(seqs))  # forks included
         hidden = self.model(self.meta.input_ids, self.meta.positions)
         for seq, row, first, count in inputs.prompt_lp:
-            self._prompt_logprobs(hidden, seq, row, first, count)
+            self._prompt_logprobs(hidden, seq, row, first, count,  # scale 0: the base's
+                                  inputs.head_rows.get(seq.adapter_id)
+                                  if seq.params.lora_scale else None)
         if not inputs.sample_rows:
             return [], SamplerOutput([], [])
         n = len(inputs.sample_rows)
         self.sample_rows.np[:n] = inputs.sample_rows
         rows = self.sample_rows.upload(n)
-        logits = self.model.compute_logits(hidden[rows])  # [N, vocab] float32
+        fix = fix_logits(self.token_rows.head_groups(inputs.head_rows.values()))
+        logits = self.model.compute_logits(hidden[rows], fix)  # [N, vocab] float32
         if forks:
             logits = logits.index_select(0, torch.tensor(expand, device=self.device))
         mask = None if pending is None else \
@@ -212,14 +247,17 @@ class ModelRunner:
         return seqs, self.sampler(logits, seqs, mask)
 
     def _prompt_logprobs(self, hidden: torch.Tensor, seq: Sequence, row: int, first: int,
-                         count: int) -> None:
+                         count: int, rows: tuple[int, TokenRows, list[int]] | None) -> None:
         """Append the logprobs of prompt tokens first+1 .. first+count to ``seq``'s, from
-        the hidden rows ``row`` .. ``row + count - 1`` (raw values: no sampling happened)."""
+        the hidden rows ``row`` .. ``row + count - 1`` (raw values: no sampling happened);
+        ``rows``: its adapter's own token rows, if any (slot, rows, -)."""
         k = seq.params.prompt_logprobs
         prompt = seq.prompt_token_ids
         for off in range(0, count, PROMPT_LOGPROB_ROWS):
             m = min(PROMPT_LOGPROB_ROWS, count - off)
-            logits = self.model.compute_logits(hidden[row + off: row + off + m])
+            fix = None if rows is None else fix_logits(self.token_rows.head_groups(
+                [(rows[0], rows[1], list(range(m)))]))
+            logits = self.model.compute_logits(hidden[row + off: row + off + m], fix)
             targets = torch.tensor(prompt[first + off + 1: first + off + m + 1],
                                    dtype=torch.int64, device=self.device)
             seq.prompt_logprobs.extend(token_logprobs(self.sampler.kernels, logits, targets,

@@ -60,6 +60,7 @@ from .rank_pool import RankPool
 
 if TYPE_CHECKING:
     from .peft_format import AdapterMeta, LoRAWeights
+    from .token_rows import TokenRows
 
 
 class AdapterCache:
@@ -293,6 +294,12 @@ class AdapterCache:
     def slot_of(self, adapter_id: int) -> int:
         """The slot of a resident adapter (one ``acquire`` placed)."""
         return self.device.slots[self.by_id[adapter_id]]
+
+    def token_rows(self, adapter_id: int) -> TokenRows | None:
+        """A resident adapter's own embedding / head rows (lora/token_rows.py); None when it
+        has none (held in host memory: host ⊇ device)."""
+        weights = self.host.weights(self.by_id[adapter_id])
+        return None if weights is None else weights.tokens
 
     # ---- reporting ----------------------------------------------------------------------
     def state_of(self, a: CachedAdapter) -> str:

@@ -54,6 +54,12 @@ class HostTier:
     def weights(self, a: CachedAdapter) -> LoRAWeights | None:
         return self.copies.get(a)
 
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of the host copies: each adapter's ``size_bytes`` (A, B, biases and its own
+        embedding / head rows, whole tables included)."""
+        return sum(w.size_bytes for w in self.copies.values())
+
     def reading(self, a: CachedAdapter) -> bool:
         return a in self.reads
 

@@ -46,7 +46,6 @@ _UNSERVABLE_FIELDS = {
     "use_qalora": "QA-LoRA (use_qalora)",
     "layer_replication": "layer replication (layer_replication)",
     "target_parameters": "LoRA on parameters (target_parameters)",
-    "trainable_token_indices": "trainable tokens (trainable_token_indices)",
 }
 
 Plan = dict[tuple[int, str], tuple[int, float]]  # (layer, module) -> (r, alpha)
@@ -101,9 +100,7 @@ def check_servable(config: LoraConfig, where: str | Path) -> None:
     for name, what in _UNSERVABLE_FIELDS.items():
         if getattr(config, name, None):
             raise AdapterError(f"{where}: {what} is not supported; {SERVES}")
-    if config.modules_to_save:
-        raise AdapterError(f"{where}: modules_to_save={sorted(config.modules_to_save)} is not "
-                           "supported (it replaces whole base modules); it must be empty")
+    # modules_to_save and trainable_token_indices: lora/token_rows.py (check_token_config)
     if config.bias != "none":
         raise AdapterError(f"{where}: bias={config.bias!r} is not supported; only bias='none'")
     _check_target_names(config, where)

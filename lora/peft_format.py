@@ -67,6 +67,14 @@ from .peft_files import (
     safetensors_header,
 )
 from .tensor_layout import StaleLayout, TensorLayout
+from .token_rows import (
+    TokenLayout,
+    TokenRows,
+    check_token_config,
+    check_token_tensors,
+    held_bytes,
+    is_token_tensor,
+)
 from .weight_bounds import check_bounds
 
 if TYPE_CHECKING:
@@ -88,6 +96,7 @@ class BaseShapes:
     name_or_path: str  # the base model dir or name, for base_model_name_or_path checks
     hidden_size: int
     vocab_size: int
+    tied: bool = False  # the head is the embedding (tie_word_embeddings); not compared
 
     @classmethod
     def from_hf_config(cls, config: transformers.PretrainedConfig, name_or_path: str) -> BaseShapes:
@@ -110,13 +119,14 @@ class BaseShapes:
                        "down_proj": modules["down_proj"]}
         return cls(num_layers=config.num_hidden_layers, modules=modules,
                    model_type=config.model_type, name_or_path=str(name_or_path),
-                   hidden_size=hidden, vocab_size=config.vocab_size)
+                   hidden_size=hidden, vocab_size=config.vocab_size,
+                   tied=bool(getattr(config, "tie_word_embeddings", False)))
 
     def differences(self, other: BaseShapes) -> list[str]:
         """'field: ours vs theirs' for every field but name_or_path that differs."""
         return [f"{f.name}: {getattr(self, f.name)} vs {getattr(other, f.name)}"
                 for f in fields(self)
-                if f.name != "name_or_path" and getattr(self, f.name) != getattr(other, f.name)]
+                if f.name not in ("name_or_path", "tied") and getattr(self, f.name) != getattr(other, f.name)]
 
 
 @dataclass(frozen=True)
@@ -143,6 +153,8 @@ class AdapterMeta:
     # activated LoRA (PEFT's alora_invocation_tokens): its delta applies from the last
     # occurrence of these tokens in the prompt on (engine/activation.py); None: everywhere
     invocation_tokens: tuple[int, ...] | None = None
+    # its own embedding / head rows (modules_to_save, trainable tokens): lora/token_rows.py
+    tokens: TokenLayout | None = field(default=None, repr=False, compare=False)
 
     @property
     def files(self) -> AdapterFiles:
@@ -159,6 +171,8 @@ class LoRAWeights:
     # (layer_idx, "q_proj") -> lora_B's bias [out] with the scaling multiplied in
     # (``lora_bias=True``; empty for a plain LoRA)
     biases: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)
+    # its own embedding and head rows (None: the base's; lora/token_rows.py)
+    tokens: TokenRows | None = None
 
     name = property(lambda self: self.meta.name)
     path = property(lambda self: self.meta.path)
@@ -182,25 +196,39 @@ def inspect_peft_adapter(path: str | Path, base: BaseShapes, max_lora_rank: int,
     config, config_read = lora_config(files)
     where = files.label()
     check_servable(config, where)
+    token_plan = check_token_config(config, base.vocab_size, where)
     _check_same_base(config.base_model_name_or_path, base, files)
     plan = plan_modules(config, base.num_layers, max_lora_rank, where, tuple(base.modules))
     header = _header(files)
     weights_file = files.label(WEIGHTS_NAME)
-    keys = index_tensors(list(header.tensors), weights_file)
+    keys = index_tensors(_lora_names(header, bool(token_plan)), weights_file)
     check_pairs(keys, plan, base.num_layers, weights_file)
     check_shapes(header.tensors, keys, plan, base.modules, weights_file)
     check_biases(keys, bool(config.lora_bias), weights_file)
     check_dtypes(header.tensors, keys, weights_file)
     layout = TensorLayout.of(header, keys, plan, base.modules, bool(config.use_rslora))
+    tokens = None
+    if token_plan:
+        names = check_token_tensors(header.tensors, token_plan, base.vocab_size,
+                                    base.hidden_size, weights_file)
+        tokens = TokenLayout.of(header, token_plan, names, base.tied)
+    size = layout.held_bytes(dtype) + (held_bytes(token_plan, base.vocab_size,
+                                                  base.hidden_size, dtype) if tokens else 0)
     return AdapterMeta(
         name=name or files.dir.name, path=files.dir, rank=max(layout.ranks.values()),
         ranks=layout.ranks, target_modules=sorted({m for _, m in layout.ranks}),
-        size_bytes=layout.held_bytes(dtype), file_bytes=header.file_bytes,
+        size_bytes=size, file_bytes=header.file_bytes,
         dtypes=tuple(sorted(set(layout.dtypes))), lora_alpha=float(config.lora_alpha),
         use_rslora=bool(config.use_rslora),
         base_model_name_or_path=config.base_model_name_or_path, layout=layout, config=config_read,
-        dtype=dtype, root=root, shown=shown,
+        dtype=dtype, root=root, shown=shown, tokens=tokens,
         invocation_tokens=invocation_tokens(config, base.vocab_size, where))
+
+
+def _lora_names(header: SafetensorsHeader, with_tokens: bool) -> list[str]:
+    """The tensor names that must be LoRA A / B (all, unless the config asks for token
+    tensors: then those of embed_tokens and lm_head are checked by token_rows.py)."""
+    return [n for n in header.tensors if not (with_tokens and is_token_tensor(n))]
 
 
 def read_peft_adapter(path: str | Path, base: BaseShapes, max_lora_rank: int,
@@ -225,14 +253,22 @@ def read_peft_adapter(path: str | Path, base: BaseShapes, max_lora_rank: int,
                                     shown=shown)
         layers, biases = _load(meta)
     check_bounds(meta.name, layers, dtype)
-    return LoRAWeights(meta, layers, biases)
+    if meta.tokens is None:
+        return LoRAWeights(meta, layers, biases)
+    tokens = meta.tokens.read(meta.files, dtype)
+    # A and B are views of the whole data section, token tensors included: hold copies of
+    # their own, so that host memory holds the token rows once (``size_bytes``)
+    layers = {p: (a.clone(), b.clone()) for p, (a, b) in layers.items()}
+    biases = {p: b.clone() for p, b in biases.items()}
+    return LoRAWeights(meta, layers, biases, tokens)
 
 
 def _load(meta: AdapterMeta) -> tuple[dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]],
                                       dict[tuple[int, str], torch.Tensor]]:
     files = meta.files
     return meta.layout.load_all(files, lambda: index_tensors(
-        list(safetensors_header(files).tensors), files.label(WEIGHTS_NAME)), meta.dtype)
+        _lora_names(safetensors_header(files), meta.tokens is not None),
+        files.label(WEIGHTS_NAME)), meta.dtype)
 
 
 def _adapter_files(path: str | Path, root: Path | None, shown: str) -> AdapterFiles:

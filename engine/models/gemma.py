@@ -21,7 +21,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from ...kernel_backends.backend import KernelBackend
-from .llama import Attention, LlamaForCausalLM, RMSNorm
+from .llama import Attention, LlamaForCausalLM, LogitsFix, RMSNorm
 from .rope import RotaryEmbedding, layer_windows
 
 Rope = tuple[torch.Tensor, torch.Tensor]
@@ -133,8 +133,9 @@ class GemmaForCausalLM(LlamaForCausalLM):
                 if isinstance(module, RMSNorm):
                     module.weight.add_(1.0)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, vocab] float32
-        logits = super().compute_logits(hidden)
+    def compute_logits(self, hidden: torch.Tensor, fix: LogitsFix | None = None
+                       ) -> torch.Tensor:  # [N, vocab] float32
+        logits = super().compute_logits(hidden, fix)
         if self.final_softcap > 0.0:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return logits

@@ -9,6 +9,8 @@ PEFT's terms. Every kernel runs through the KernelBackend the model is built wit
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -21,6 +23,9 @@ from .rope import RotaryEmbedding, head_dim_of, layer_windows
 
 __all__ = ["Attention", "DecoderLayer", "LlamaForCausalLM", "RMSNorm", "RotaryEmbedding",
            "head_dim_of", "kv_heads_of"]
+
+
+LogitsFix = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (hidden, logits) -> logits
 
 
 def kv_heads_of(config: PretrainedConfig) -> int:
@@ -185,10 +190,15 @@ class LlamaForCausalLM(nn.Module):
         the step metadata bound to them, filled for these tokens."""
         return self.model(input_ids, positions)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, vocab] float32
+    def compute_logits(self, hidden: torch.Tensor, fix: LogitsFix | None = None
+                       ) -> torch.Tensor:  # [N, vocab] float32
+        """The head's logits of ``hidden``; ``fix(hidden, logits)``, when given, puts the
+        rows' adapters' own head rows in (lora/token_rows.py), before any soft-cap."""
         if self.logits_head is not None:
-            return self.logits_head(hidden).float()
-        return F.linear(hidden, self.head_weight()).float()
+            logits = self.logits_head(hidden).float()
+        else:
+            logits = F.linear(hidden, self.head_weight()).float()
+        return logits if fix is None else fix(hidden, logits)
 
     def build_rotary(self, device: torch.device) -> None:
         """(Re)compute the RoPE tables on ``device`` (after the model was built on meta)."""

@@ -230,6 +230,12 @@ LOAD_CASES = [
     load("config-target-embed_tokens", INVALID, "cannot be wrapped", path="@embed-target"),
     load("alora-invocation-outside-vocab", INVALID, "alora_invocation_tokens",
          path="@alora-vocab"),
+    # an adapter's own token rows (issue 46): other modules_to_save, another vocabulary
+    load("config-modules_to_save-norm", INVALID, "modules_to_save=['norm'] is not supported",
+         path="@modules-to-save-norm"),
+    load("modules_to_save-other-vocabulary", INVALID,
+         "its vocabulary of 388 tokens differs from the base model's 384",
+         path="@head-other-vocab"),
     load("rank-over-limit", INVALID, "above max_lora_rank", path="@rank-32"),
     load("another-base-model", INVALID, "differs from the served base", path="@other-base"),
     load("wrong-shapes", INVALID, "has shape", path="@wrong-shape"),

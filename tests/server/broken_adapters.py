@@ -85,6 +85,21 @@ BROKEN: dict[str, Callable[[Path, dict[str, Path]], None]] = {
 }
 
 
+# ---- an adapter's own token rows (issue 46 item 1): what is not served ----------------------
+def _head_of_vocab(rows: int) -> Callable[[dict[str, torch.Tensor]], None]:
+    """An lm_head table (modules_to_save) of ``rows`` rows, the base's width."""
+    def edit(t: dict[str, torch.Tensor]) -> None:
+        t["base_model.model.lm_head.weight"] = torch.zeros(rows, t[_first(t)].shape[1])
+    return edit
+
+
+BROKEN.update({
+    "modules-to-save-norm": lambda d, x: edit_config(d, modules_to_save=["norm"]),
+    "head-other-vocab": lambda d, x: (edit_config(d, modules_to_save=["lm_head"]),
+                                      edit_tensors(d, _head_of_vocab(388))),
+})
+
+
 # ---- weights that overflow the serving dtype once applied (issue 42 item 9) ----------------
 def _fill(value: float, first_only: bool) -> Callable[[dict[str, torch.Tensor]], None]:
     """Every tensor (or the first module's A and B) set to ``value``: each value finite."""
