@@ -28,6 +28,7 @@ GGUF file's tensors are read as QuantizedWeights by ``engine/gguf_tensors.py``.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -115,6 +116,9 @@ class QuantizedWeight:
         fmt = self.format
         if self.input_perm is not None:
             self._check(self.input_perm, torch.int64, (inp,), "input_perm")
+            if self.input_perm.device != self.data.device:
+                raise ValueError(f"input_perm on {self.input_perm.device}, the data on "
+                                 f"{self.data.device}")
         if out <= 0 or inp <= 0:
             raise ValueError(f"{fmt.name} weight shape {self.shape}: both sizes must be > 0")
         if fmt.is_gguf:
@@ -155,6 +159,14 @@ class QuantizedWeight:
             got = "None" if t is None else f"{t.dtype} {tuple(t.shape)}"
             raise ValueError(f"{self.format.name} weight {self.shape}: {name} must be "
                              f"{dtype} {shape}, got {got}")
+
+    def to(self, device: torch.device) -> QuantizedWeight:
+        """The weight with every tensor (input_perm too) on ``device`` (itself if there)."""
+        if self.data.device == device:
+            return self
+        return dataclasses.replace(self, **{
+            f: t.to(device) for f in ("data", "scales", "zeros", "input_perm")
+            if (t := getattr(self, f)) is not None})
 
     @property
     def out_features(self) -> int:

@@ -20,6 +20,7 @@ GPTQ checkpoint.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -102,6 +103,34 @@ def test_act_order_g_idx_that_scatters_inputs_is_sorted_by_group(group, inp, chu
     assert not torch.equal(order, torch.arange(inp))  # the groups really are scattered
     assert weight.format.block == chunk and torch.equal(weight.input_perm, order)
     assert torch.equal(dequantize(weight), linear.weight[:, order])
+
+
+def test_a_g_idx_whose_sorted_groups_miss_runs_of_32_is_refused():
+    """Groups of 40, 24, 32, 32 inputs (no run of 32 inputs a group even sorted): refused,
+    named."""
+    gen = torch.Generator().manual_seed(6)
+    g_idx = torch.repeat_interleave(torch.arange(4, dtype=torch.int32),
+                                    torch.tensor([40, 24, 32, 32]))
+    g_idx = g_idx[torch.randperm(128, generator=gen)]
+    linear = random_linear(32, 128, Scheme("gptq", 32), gen, g_idx=g_idx)
+    with pytest.raises(UnsupportedQuantizationError,
+                       match="GPTQ linear 'layer': the groups of g_idx, sorted, do not fall"):
+        loaded(Scheme("gptq", 32), linear)
+
+
+def test_an_act_order_weight_moves_with_its_perm():
+    """``QuantizedWeight.to`` moves the input_perm with the data (set_rows puts a weight on
+    the backend's device); a perm on another device than the data is refused."""
+    gen = torch.Generator().manual_seed(7)
+    g_idx = act_order_g_idx(torch.randperm(64, generator=gen), 32)
+    weight = loaded(Scheme("gptq", 32), random_linear(32, 64, Scheme("gptq", 32), gen,
+                                                      g_idx=g_idx))
+    moved = weight.to(torch.device("meta"))
+    assert {t.device.type for t in (moved.data, moved.scales, moved.zeros,
+                                    moved.input_perm)} == {"meta"}
+    assert weight.to(torch.device("cpu")) is weight
+    with pytest.raises(ValueError, match="input_perm on meta"):
+        dataclasses.replace(weight, input_perm=moved.input_perm)
 
 
 @pytest.mark.parametrize("kernels", ["torch", "cpu",

@@ -64,8 +64,10 @@ class QuantizedLinear(nn.Module):
                              f"of a linear [{self.out_features}, {self.in_features}]")
         if isinstance(weight, torch.Tensor):
             weight = weight.to(self.ops.device, self.ops.dtype).contiguous()
-        elif weight.input_perm is not None:
-            weight = self._share_perm(weight)
+        else:  # a checkpoint's weights are read on the CPU (GPTQ / AWQ repacked there)
+            weight = weight.to(self.ops.device)
+            if weight.input_perm is not None:
+                weight = self._share_perm(weight)
         self.parts = sorted([p for p in self.parts if p[0] != start] + [(start, weight)],
                             key=lambda p: p[0])
 
@@ -79,18 +81,13 @@ class QuantizedLinear(nn.Module):
         return row == self.out_features
 
     def _share_perm(self, weight: QuantizedWeight) -> QuantizedWeight:
-        """``weight`` with its input_perm on its data's device, the very tensor of another
-        part's when equal (q/k/v, gate/up read one x: one gather serves them all)."""
-        perm = weight.input_perm.to(weight.device)
+        """``weight`` with its input_perm the very tensor of another part's when equal
+        (q/k/v, gate/up read one x: one gather serves them all)."""
         for _, other in self.parts:
             theirs = getattr(other, "input_perm", None)
-            if theirs is not None and theirs.device == perm.device and torch.equal(theirs,
-                                                                                   perm):
-                perm = theirs
-                break
-        if perm is weight.input_perm:
-            return weight
-        return dataclasses.replace(weight, input_perm=perm)
+            if theirs is not None and torch.equal(theirs, weight.input_perm):
+                return dataclasses.replace(weight, input_perm=theirs)
+        return weight
 
     def _run(self, x: torch.Tensor, weight: Part, bias: torch.Tensor | None,
              gathered: dict[int, torch.Tensor]) -> torch.Tensor:
