@@ -17,6 +17,9 @@ A weight ``W [out_features, in_features]`` is kept in one of these formats (``FO
   16, engine/models/gptq_awq.py); ``W[o, i] = (q[o, i] - zeros[o, g]) * scales[o, g]``,
   ``g = i // group_size``.
 
+Any format may carry an ``input_perm``: its stored columns are the inputs in that order
+(``W_stored = W[:, input_perm]``), and ``x @ Wᵀ = x[..., input_perm] @ W_storedᵀ``.
+
 This module is data only: the shapes, the sizes and their checks. The torch twin that
 dequantizes and multiplies is ``kernel_backends/torch/quantized_linear.py``; the
 quantize-on-load of ``int8`` / ``int4`` is ``kernel_backends/weight_quantization.py``; a
@@ -25,6 +28,7 @@ GGUF file's tensors are read as QuantizedWeights by ``engine/gguf_tensors.py``.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -102,10 +106,19 @@ class QuantizedWeight:
     data: torch.Tensor  # the packed values (GGUF: the blocks' bytes)
     scales: torch.Tensor | None = None  # int8: [out]; int4: [out, groups]
     zeros: torch.Tensor | None = None  # int4: [out, groups], uint8 zero points
+    # int64 [in]: stored column k holds input input_perm[k] (a GPTQ act-order checkpoint,
+    # sorted by group at load); the weight multiplies x[..., input_perm]. The kernels
+    # multiply the stored columns as they are: the caller gathers x (QuantizedLinear).
+    input_perm: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         out, inp = self.shape
         fmt = self.format
+        if self.input_perm is not None:
+            self._check(self.input_perm, torch.int64, (inp,), "input_perm")
+            if self.input_perm.device != self.data.device:
+                raise ValueError(f"input_perm on {self.input_perm.device}, the data on "
+                                 f"{self.data.device}")
         if out <= 0 or inp <= 0:
             raise ValueError(f"{fmt.name} weight shape {self.shape}: both sizes must be > 0")
         if fmt.is_gguf:
@@ -147,6 +160,14 @@ class QuantizedWeight:
             raise ValueError(f"{self.format.name} weight {self.shape}: {name} must be "
                              f"{dtype} {shape}, got {got}")
 
+    def to(self, device: torch.device) -> QuantizedWeight:
+        """The weight with every tensor (input_perm too) on ``device`` (itself if there)."""
+        if self.data.device == device:
+            return self
+        return dataclasses.replace(self, **{
+            f: t.to(device) for f in ("data", "scales", "zeros", "input_perm")
+            if (t := getattr(self, f)) is not None})
+
     @property
     def out_features(self) -> int:
         return self.shape[0]
@@ -161,7 +182,8 @@ class QuantizedWeight:
 
     @property
     def nbytes(self) -> int:
-        """The bytes the weight holds (packed values, scales, zero points)."""
+        """The bytes the weight holds (packed values, scales, zero points; an input_perm,
+        shared by the linears that read one x and 8 bytes an input, is not counted)."""
         return sum(t.numel() * t.element_size()
                    for t in (self.data, self.scales, self.zeros) if t is not None)
 

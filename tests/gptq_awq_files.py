@@ -23,6 +23,9 @@ import transformers as tf
 from safetensors.torch import load_file, save_file
 
 AWQ_ORDER_MAP = [0, 2, 4, 6, 1, 3, 5, 7]  # AutoAWQ's order_map
+# the linears that read one x: AutoGPTQ quantizes them on one Hessian, hence one act-order
+SHARED_INPUT = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "gate_up",
+                "up_proj": "gate_up"}
 
 
 def gptq_pack(intweight: torch.Tensor, zeros: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -75,10 +78,11 @@ class Scheme:
     group_size: int  # -1: per channel
     checkpoint_format: str = "gptq"  # gptq | gptq_v2 (GPTQ only)
     sym: bool = False  # GPTQ sym: every zero point 8
+    desc_act: bool = False  # GPTQ act-order: g_idx scatters each group's inputs
 
     def config(self) -> dict:
         if self.method == "gptq":
-            cfg = tf.GPTQConfig(bits=4, group_size=self.group_size, desc_act=False,
+            cfg = tf.GPTQConfig(bits=4, group_size=self.group_size, desc_act=self.desc_act,
                                 sym=self.sym, checkpoint_format=self.checkpoint_format)
         else:
             cfg = tf.AwqConfig(bits=4, group_size=self.group_size, zero_point=True,
@@ -94,11 +98,24 @@ class PackedLinear:
     weight: torch.Tensor  # [out, in] float32
 
 
+def act_order_g_idx(perm: torch.Tensor, group_size: int) -> torch.Tensor:
+    """AutoGPTQ's act-order g_idx (gptq.py ``fasterquant``, static_groups=False): inputs are
+    quantized in ``perm``'s order (there: argsort of the Hessian's diagonal, descending),
+    group ``k // group_size`` for the k-th quantized, then put back in input order:
+    ``g_idx = [k // group_size for k in range(columns)][invperm]``."""
+    invperm = torch.argsort(perm)
+    return (torch.arange(perm.shape[0], dtype=torch.int32) // group_size)[invperm]
+
+
 def random_linear(out: int, inp: int, scheme: Scheme, gen: torch.Generator,
                   g_idx: torch.Tensor | None = None) -> PackedLinear:
-    """Random int4 values, zero points and fp16 scales, packed as ``scheme`` stores them."""
+    """Random int4 values, zero points and fp16 scales, packed as ``scheme`` stores them
+    (``g_idx``: GPTQ's, default the scheme's: ``i // group_size``, or for ``desc_act`` an
+    act-order one of a random perm)."""
     group = inp if scheme.group_size == -1 else scheme.group_size
     groups = -(-inp // group)
+    if g_idx is None and scheme.desc_act:
+        g_idx = act_order_g_idx(torch.randperm(inp, generator=gen), group)
     if g_idx is None:
         g_idx = torch.arange(inp, dtype=torch.int32) // group
     q = torch.randint(0, 16, (inp, out), generator=gen)
@@ -128,10 +145,20 @@ def write_quantized(model_dir: Path, out: Path, ref: Path, scheme: Scheme, seed:
     gen = torch.Generator().manual_seed(seed)
     state = load_file(str(model_dir / "model.safetensors"))
     packed, dense = {}, {}
+    g_idxs: dict[str, torch.Tensor] = {}  # act-order: one per x (q/k/v share, gate/up too)
     for name, w in state.items():
         if (name.endswith("proj.weight") and ".layers." in name) or (
                 head and name == "lm_head.weight"):
-            linear = random_linear(w.shape[0], w.shape[1], scheme, gen)
+            g_idx = None
+            if scheme.desc_act:
+                group = w.shape[1] if scheme.group_size == -1 else scheme.group_size
+                attr = name.split(".")[-2]
+                key = f"{name.rsplit('.', 2)[0]}.{SHARED_INPUT.get(attr, attr)}"
+                if key not in g_idxs:
+                    perm = torch.randperm(w.shape[1], generator=gen)
+                    g_idxs[key] = act_order_g_idx(perm, group)
+                g_idx = g_idxs[key].clone()  # each linear stores its own
+            linear = random_linear(w.shape[0], w.shape[1], scheme, gen, g_idx=g_idx)
             prefix = name.removesuffix(".weight")
             packed |= {f"{prefix}.{k}": v.contiguous() for k, v in linear.tensors.items()}
             dense[name] = linear.weight

@@ -10,12 +10,17 @@ against oracles nobody here wrote: the checkpoints are packed by the published p
   the formula's float weights with PEFT adapters, base and adapters mixed in one batch, on
   Llama, Qwen2 and Gemma 2.
 
-And the refusals: other bits, AWQ versions, GPTQ formats (marlin), act-order g_idx that
-scatters inputs, --quantization on a GPTQ checkpoint.
+GPTQ act-order (``desc_act=True``, AutoGPTQ's g_idx scattering each group's inputs) is
+served with the inputs sorted by group (``input_perm``), checked against the formula per
+linear on every backend and end to end on Llama and Qwen2.
+
+And the refusals: other bits, AWQ versions, GPTQ formats (marlin), --quantization on a
+GPTQ checkpoint.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -23,12 +28,13 @@ import pytest
 import torch
 from loraplex.engine.models.gptq_awq import CheckpointQuantization, checkpoint_quantization
 from loraplex.engine.models.quant_modules import QuantizedLinear
+from loraplex.kernel_backends import select_backend
 from loraplex.kernel_backends.quantized_weight import UnsupportedQuantizationError
 from loraplex.kernel_backends.torch.quantized_linear import dequantize
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
 from tests.conftest import make_adapter, make_tiny_model
-from tests.gptq_awq_files import Scheme, random_linear, write_quantized
+from tests.gptq_awq_files import Scheme, act_order_g_idx, random_linear, write_quantized
 from tests.test_quantized_serving import (
     ADAPTERS,
     PHI3_LENGTHS,
@@ -81,12 +87,78 @@ def test_act_order_g_idx_keeping_chunks_whole_loads():
     assert torch.equal(dequantize(weight), linear.weight)
 
 
-def test_act_order_g_idx_that_scatters_inputs_is_refused():
+@pytest.mark.parametrize(("group", "inp", "chunk"), [(32, 128, 32), (64, 128, 64),
+                                                     (128, 256, 128), (32, 96, 32)])
+def test_act_order_g_idx_that_scatters_inputs_is_sorted_by_group(group, inp, chunk):
+    """AutoGPTQ's act-order g_idx (each group's inputs scattered over the row): loaded with
+    the inputs sorted by group: ``input_perm = argsort(g_idx, stable)``, the stored columns
+    the formula's weight in that order (``w[:, i] = scale[g_idx[i]] * (q[:, i] -
+    z[g_idx[i]])``), groups contiguous in the checkpoint's group size."""
     gen = torch.Generator().manual_seed(3)
-    g_idx = (torch.randperm(128, generator=gen) // 32).to(torch.int32)
+    perm = torch.randperm(inp, generator=gen)
+    g_idx = act_order_g_idx(perm, group)
+    linear = random_linear(64, inp, Scheme("gptq", group, desc_act=True), gen, g_idx=g_idx)
+    weight = loaded(Scheme("gptq", group), linear)
+    order = torch.argsort(g_idx, stable=True)
+    assert not torch.equal(order, torch.arange(inp))  # the groups really are scattered
+    assert weight.format.block == chunk and torch.equal(weight.input_perm, order)
+    assert torch.equal(dequantize(weight), linear.weight[:, order])
+
+
+def test_a_g_idx_whose_sorted_groups_miss_runs_of_32_is_refused():
+    """Groups of 40, 24, 32, 32 inputs (no run of 32 inputs a group even sorted): refused,
+    named."""
+    gen = torch.Generator().manual_seed(6)
+    g_idx = torch.repeat_interleave(torch.arange(4, dtype=torch.int32),
+                                    torch.tensor([40, 24, 32, 32]))
+    g_idx = g_idx[torch.randperm(128, generator=gen)]
     linear = random_linear(32, 128, Scheme("gptq", 32), gen, g_idx=g_idx)
-    with pytest.raises(UnsupportedQuantizationError, match="desc_act=True act-order"):
+    with pytest.raises(UnsupportedQuantizationError,
+                       match="GPTQ linear 'layer': the groups of g_idx, sorted, do not fall"):
         loaded(Scheme("gptq", 32), linear)
+
+
+def test_an_act_order_weight_moves_with_its_perm():
+    """``QuantizedWeight.to`` moves the input_perm with the data (set_rows puts a weight on
+    the backend's device); a perm on another device than the data is refused."""
+    gen = torch.Generator().manual_seed(7)
+    g_idx = act_order_g_idx(torch.randperm(64, generator=gen), 32)
+    weight = loaded(Scheme("gptq", 32), random_linear(32, 64, Scheme("gptq", 32), gen,
+                                                      g_idx=g_idx))
+    moved = weight.to(torch.device("meta"))
+    assert {t.device.type for t in (moved.data, moved.scales, moved.zeros,
+                                    moved.input_perm)} == {"meta"}
+    assert weight.to(torch.device("cpu")) is weight
+    with pytest.raises(ValueError, match="input_perm on meta"):
+        dataclasses.replace(weight, input_perm=moved.input_perm)
+
+
+@pytest.mark.parametrize("kernels", ["torch", "cpu",
+                                     pytest.param("triton", marks=pytest.mark.triton)])
+def test_act_order_linear_equals_x_times_the_formula(kernels):
+    """A fused QuantizedLinear of three act-order parts, two of one perm and one of its own,
+    on each backend (cpu: the C++ kernel at 1 row, the twin at 40): ``x @ Wᵀ`` with W the
+    formula's weight in input order (float64 reference); the equal perms share one
+    tensor."""
+    ops = select_backend(torch.device("cpu"), torch.float32, kernels)
+    gen = torch.Generator().manual_seed(5)
+    inp, scheme = 128, Scheme("gptq", 32, desc_act=True)
+    shared = act_order_g_idx(torch.randperm(inp, generator=gen), 32)
+    own = act_order_g_idx(torch.randperm(inp, generator=gen), 32)
+    linears = [random_linear(rows, inp, scheme, gen, g_idx=g)
+               for rows, g in ((32, shared), (32, own), (32, shared))]
+    module = QuantizedLinear(inp, 96, False, ops)
+    start = 0
+    for linear in linears:
+        module.set_rows(slice(start, start + linear.weight.shape[0]), loaded(scheme, linear))
+        start += linear.weight.shape[0]
+    perms = [w.input_perm for w in module.weights]
+    assert perms[0] is perms[2] and perms[1] is not perms[0]
+    w = torch.cat([lin.weight for lin in linears]).double()
+    for rows in (1, 40):
+        x = torch.randn(rows, inp, generator=gen)
+        torch.testing.assert_close(module(x).double(), x.double() @ w.T, rtol=1e-4,
+                                   atol=1e-4)
 
 
 def test_misshapen_scales_are_named():
@@ -144,6 +216,28 @@ def test_served_equals_transformers_on_the_formula(arch, checkpoints):
     assert engine.base.weights.format == f"{method}:int4"
     floats = {n for n, _ in model.named_parameters()}
     assert not any(n.endswith("proj.weight") for n in floats), floats
+    check_against(engine, adapters, formula_oracle(ref, adapters))
+
+
+ACT_ORDER = {"llama": Scheme("gptq", 32, desc_act=True),
+             "qwen2": Scheme("gptq", 64, "gptq_v2", desc_act=True)}
+
+
+@pytest.mark.parametrize("arch", list(ACT_ORDER))
+def test_act_order_served_equals_transformers_on_the_formula(arch, checkpoints):
+    """GPTQ desc_act=True with AutoGPTQ's scattering g_idx, one act-order per x (q/k/v
+    share one, gate/up one, o_proj and down_proj their own): served with the inputs
+    sorted by group, one gather per x (q/k/v's three parts hold one perm tensor); greedy
+    tokens and logprobs equal transformers + PEFT on the formula's weights (adapters on
+    the unpermuted x), base and adapters mixed in one batch."""
+    quant, ref, adapters = checkpoints(arch, ACT_ORDER[arch])
+    engine = engine_for(quant)
+    layer = engine.base.model.model.layers[0]
+    qkv, o = layer.self_attn.qkv_proj.base, layer.self_attn.o_proj.base
+    perms = [w.input_perm for w in qkv.weights]
+    assert perms[0] is not None and all(p is perms[0] for p in perms)
+    assert not torch.equal(perms[0], torch.arange(qkv.in_features))  # really scattered
+    assert o.weights[0].input_perm is not None
     check_against(engine, adapters, formula_oracle(ref, adapters))
 
 

@@ -22,10 +22,15 @@ and a zero point; int32 words hold 8 nibbles, nibble j at bits 4j..4j+3):
 The int4 format keeps groups of 32, 64 or 128 contiguous inputs. A checkpoint's groups are
 mapped onto the largest such size ``t`` that divides ``in_features`` and on each chunk of
 which ``g_idx`` is constant (its scale and zero point are repeated for each chunk): group
-sizes 32-128 map as they are, -1 (per channel) and 256+ repeat the row's / group's pair,
-and ``desc_act=True`` loads when its ``g_idx`` happens to keep chunks whole. A ``g_idx``
-that scatters inputs (act-order proper) is refused: serving it needs the activations
-permuted, which loraplex does not do. Other bits, AWQ versions and packings (GEMV, Marlin,
+sizes 32-128 map as they are, -1 (per channel) and 256+ repeat the row's / group's pair.
+
+GPTQ ``desc_act=True`` (act-order): a ``g_idx`` that keeps chunks whole loads as it is; one
+that scatters a group's inputs across the row (what AutoGPTQ's act-order writes: ``g_idx[i]
+= invperm[i] // group_size``) is served by sorting the inputs by group at load: ``perm =
+argsort(g_idx, stable)``, the weight's columns repacked in that order (groups contiguous)
+and ``perm`` kept as the QuantizedWeight's ``input_perm``; QuantizedLinear gathers
+``x[..., perm]`` before the kernel (engine/models/quant_modules.py), and LoRA, which wraps
+the QuantizedLinear, sees x unpermuted. Other bits, AWQ versions and packings (GEMV, Marlin,
 BitBLAS, llm-awq, ...) are refused by name (UnsupportedQuantizationError), at config time,
 before anything is allocated.
 """
@@ -39,6 +44,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors import safe_open
 from transformers import PretrainedConfig
@@ -53,6 +59,7 @@ from ...kernel_backends.quantized_weight import (
 METHODS = ("gptq", "awq")
 GPTQ_FORMATS = {"gptq": 1, "gptq_v2": 0}  # checkpoint_format -> added to the stored zero
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble j of an AWQ word holds output 8c + AWQ_ORDER[j]
+NIBBLES = np.uint32(0x0F0F0F0F)  # the low nibble of each byte of a word
 PARTS = ("qweight", "qzeros", "scales", "g_idx")  # the checkpoint tensors of one linear
 
 
@@ -98,12 +105,23 @@ class CheckpointQuantization:
             raise ValueError(f"qzeros holds {tuple(zeros.shape)} zero points, expected "
                              f"{(groups, out)}")
         g_idx = self._g_idx(parts.get("g_idx"), inp, groups)
+        perm = None
+        if _chunk_size(g_idx) is None:  # act-order: sort the inputs by group
+            perm = torch.argsort(g_idx, stable=True)
+            g_idx = g_idx[perm]
+            packed = _columns(packed, perm)
         chunk = _chunk_size(g_idx)
+        if chunk is None:
+            raise UnsupportedQuantizationError(
+                f"the groups of g_idx, sorted, do not fall on runs of {min(INT4_GROUP_SIZES)} "
+                f"inputs (in_features={inp}): loraplex serves int4 groups of "
+                f"{'/'.join(map(str, INT4_GROUP_SIZES))} contiguous inputs only")
         of_chunk = g_idx[::chunk].long()  # the checkpoint group of each int4 group
         zeros = zeros.to(torch.int16) + self.zero_offset  # 0..16
         return QuantizedWeight(int4_format(chunk), (out, inp), packed,
                                scales=scales.float()[of_chunk].T.contiguous(),
-                               zeros=zeros[of_chunk].T.to(torch.uint8).contiguous())
+                               zeros=zeros[of_chunk].T.to(torch.uint8).contiguous(),
+                               input_perm=perm)
 
     def _g_idx(self, g_idx: torch.Tensor | None, inp: int, groups: int) -> torch.Tensor:
         """The group of each input: the checkpoint's ``g_idx`` (GPTQ) or ``i //
@@ -131,25 +149,33 @@ def _gptq_bytes(qweight: torch.Tensor) -> torch.Tensor:
 
 def _awq_bytes(qweight: torch.Tensor) -> torch.Tensor:
     """AWQ's ``qweight [in, out / 8]`` -> the int4 ``data [out, in / 2]``: output 8c + k of
-    word ``[i, c]`` is nibble ``AWQ_ORDER.index(k)``; inputs 2b and 2b + 1 share a byte."""
+    word ``[i, c]`` is nibble ``AWQ_ORDER.index(k)``; inputs 2b and 2b + 1 share a byte.
+    Whole-array word ops: with ``e`` / ``o`` the words of inputs 2b / 2b + 1, byte m of
+    ``lo = e & M | (o & M) << 4`` (M = 0x0F0F0F0F) is the int4 byte of nibble 2m, byte m of
+    ``hi = e >> 4 & M | o & ~M`` that of nibble 2m + 1; each nibble's bytes then go to
+    their output row (eight strided byte copies)."""
+    if sys.byteorder != "little":  # the byte views below read words little-endian
+        raise UnsupportedQuantizationError("AWQ repacking needs a little-endian host")
     inp, words = qweight.shape
-    pairs = qweight.reshape(inp // 2, 2, words)
-    even, odd = pairs[:, 0].contiguous(), pairs[:, 1].contiguous()  # inputs 2b, 2b + 1
-    packed = torch.empty(8, inp // 2, words, dtype=torch.uint8)  # [k, b, c]
-    for k in range(8):
-        shift = 4 * AWQ_ORDER.index(k)
-        high = ((odd >> shift) & 0x0F) << 4
-        packed[k] = ((even >> shift) & 0x0F).bitwise_or_(high)
-    return packed.permute(2, 0, 1).reshape(words * 8, inp // 2)  # [8c + k, b], one copy
+    if inp % 2:
+        raise ValueError(f"qweight [{inp}, {words}]: in_features must be even")
+    pairs = qweight.T.contiguous().numpy().view(np.uint32).reshape(words, inp // 2, 2)
+    e, o = pairs[:, :, 0], pairs[:, :, 1]  # [c, b]
+    lo = ((e & NIBBLES) | ((o & NIBBLES) << 4)).view(np.uint8).reshape(words, inp // 2, 4)
+    hi = (((e >> 4) & NIBBLES) | (o & ~NIBBLES)).view(np.uint8).reshape(words, inp // 2, 4)
+    packed = np.empty((words, 8, inp // 2), dtype=np.uint8)  # [c, k, b]
+    for j in range(8):
+        packed[:, AWQ_ORDER[j]] = (hi if j % 2 else lo)[:, :, j // 2]
+    return torch.from_numpy(packed.reshape(words * 8, inp // 2))
 
 
 def _nibbles(words: torch.Tensor) -> torch.Tensor:
-    """int32 ``[a, b]`` -> uint8 ``[a, b, 8]``: nibble j of each word at ``[..., j]`` (one
-    int32 temporary the size of ``words`` at a time, not eight)."""
-    out = torch.empty(*words.shape, 8, dtype=torch.uint8)
-    for j in range(8):
-        out[..., j] = (words >> (4 * j)) & 0x0F
-    return out
+    """int32 ``[a, b]`` -> uint8 ``[a, b, 8]``: nibble j of each word at ``[..., j]`` (byte
+    j // 2 of the little-endian word, its low nibble for even j)."""
+    if sys.byteorder != "little":  # the byte view below reads words little-endian
+        raise UnsupportedQuantizationError("GPTQ / AWQ repacking needs a little-endian host")
+    b = words.contiguous().view(torch.uint8).reshape(*words.shape, 4)
+    return torch.stack((b & 0x0F, b >> 4), dim=-1).reshape(*words.shape, 8)
 
 
 def _awq_order(nibbles: torch.Tensor) -> torch.Tensor:
@@ -159,19 +185,26 @@ def _awq_order(nibbles: torch.Tensor) -> torch.Tensor:
     return nibbles[..., inverse].reshape(nibbles.shape[0], -1)
 
 
-def _chunk_size(g_idx: torch.Tensor) -> int:
+def _chunk_size(g_idx: torch.Tensor) -> int | None:
     """The largest int4 group size t that divides ``in`` with ``g_idx`` constant on each
-    chunk of t inputs; UnsupportedQuantizationError when none is (act-order scatters)."""
+    chunk of t inputs; None when none is (act-order scatters a group's inputs)."""
     inp = g_idx.shape[0]
     for t in sorted(INT4_GROUP_SIZES, reverse=True):
         if inp % t == 0 and bool((g_idx.reshape(-1, t) == g_idx[::t, None]).all()):
             return t
-    raise UnsupportedQuantizationError(
-        f"g_idx puts inputs of one run of {min(INT4_GROUP_SIZES)} in different groups "
-        f"(desc_act=True act-order, or in_features={inp} not a multiple of "
-        f"{min(INT4_GROUP_SIZES)}): loraplex serves int4 groups of "
-        f"{'/'.join(map(str, INT4_GROUP_SIZES))} contiguous inputs only; quantize with "
-        f"desc_act=False")
+    return None
+
+
+def _columns(packed: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
+    """The int4 ``data [out, in / 2]`` with its input columns in ``perm``'s order (column
+    k of the result is input ``perm[k]``): unpacked to one nibble a byte, gathered,
+    packed again (numpy: its column gather is ~3x torch's index_select here)."""
+    data = packed.numpy()
+    nibbles = np.empty((data.shape[0], data.shape[1] * 2), dtype=np.uint8)
+    nibbles[:, 0::2] = data & 0x0F
+    nibbles[:, 1::2] = data >> 4
+    nibbles = np.take(nibbles, perm.numpy(), axis=1)
+    return torch.from_numpy(nibbles[:, 0::2] | (nibbles[:, 1::2] << 4))
 
 
 def checkpoint_quantization(config: PretrainedConfig) -> CheckpointQuantization | None:

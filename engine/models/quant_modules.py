@@ -11,10 +11,17 @@ A fused linear (q/k/v, gate/up) holds one weight per checkpoint tensor, each for
 of the output (a Q4_K_M file mixes Q4_K and Q6_K among them); the outputs are concatenated.
 LoRA wraps a QuantizedLinear as it wraps an ``nn.Linear`` (it reads ``in_features`` and
 calls ``base(x)``).
+
+A weight with an ``input_perm`` (a GPTQ act-order checkpoint, its columns sorted by group:
+engine/models/gptq_awq.py) is multiplied by ``x[..., input_perm]``, gathered here before
+the backend's kernel (so every backend serves it) once per distinct perm of a forward:
+parts with equal perms share one tensor (``set_rows``). The LoRA wrapper hands the
+unpermuted x to both this module and its adapters.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from dataclasses import dataclass
 
@@ -57,6 +64,10 @@ class QuantizedLinear(nn.Module):
                              f"of a linear [{self.out_features}, {self.in_features}]")
         if isinstance(weight, torch.Tensor):
             weight = weight.to(self.ops.device, self.ops.dtype).contiguous()
+        else:  # a checkpoint's weights are read on the CPU (GPTQ / AWQ repacked there)
+            weight = weight.to(self.ops.device)
+            if weight.input_perm is not None:
+                weight = self._share_perm(weight)
         self.parts = sorted([p for p in self.parts if p[0] != start] + [(start, weight)],
                             key=lambda p: p[0])
 
@@ -69,18 +80,34 @@ class QuantizedLinear(nn.Module):
             row += weight.shape[0]
         return row == self.out_features
 
-    def _run(self, x: torch.Tensor, weight: Part, bias: torch.Tensor | None) -> torch.Tensor:
+    def _share_perm(self, weight: QuantizedWeight) -> QuantizedWeight:
+        """``weight`` with its input_perm the very tensor of another part's when equal
+        (q/k/v, gate/up read one x: one gather serves them all)."""
+        for _, other in self.parts:
+            theirs = getattr(other, "input_perm", None)
+            if theirs is not None and torch.equal(theirs, weight.input_perm):
+                return dataclasses.replace(weight, input_perm=theirs)
+        return weight
+
+    def _run(self, x: torch.Tensor, weight: Part, bias: torch.Tensor | None,
+             gathered: dict[int, torch.Tensor]) -> torch.Tensor:
         if isinstance(weight, torch.Tensor):
             return F.linear(x, weight, bias)
+        perm = weight.input_perm
+        if perm is not None:  # the stored columns are the inputs in perm's order
+            if id(perm) not in gathered:
+                gathered[id(perm)] = x.index_select(-1, perm)
+            x = gathered[id(perm)]
         return self.ops.quantized_linear(x, weight, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gathered: dict[int, torch.Tensor] = {}  # id(input_perm) -> x[..., input_perm]
         if len(self.parts) == 1:
-            return self._run(x, self.parts[0][1], self.bias)
+            return self._run(x, self.parts[0][1], self.bias, gathered)
         outs = []
         for start, weight in self.parts:
             bias = None if self.bias is None else self.bias[start:start + weight.shape[0]]
-            outs.append(self._run(x, weight, bias))
+            outs.append(self._run(x, weight, bias, gathered))
         return torch.cat(outs, dim=-1)
 
     @property
