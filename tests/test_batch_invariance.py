@@ -23,8 +23,13 @@ import random
 import struct
 
 import pytest
+import torch
 from loraplex import LLMEngine, SamplingParams
 from loraplex.kernel_backends import cpu as cpu_backend
+from loraplex.kernel_backends.cpu import attention as cpu_attention
+from loraplex.kernel_backends.torch import attention as reference
+
+from tests.kernel_fixtures import make_paged_cache
 
 DRAWS = 12  # batch compositions per dtype (each: 1 + 0..5 neighbours, several steps)
 NEW = 6
@@ -32,6 +37,57 @@ DTYPES = ["float32", "bfloat16"]
 
 needs_cpu = pytest.mark.skipif(not cpu_backend.available(),
                                reason="the CPU kernels do not build here")
+
+
+# ---- the cause, at the attention kernel ----------------------------------------------------
+
+@needs_cpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("softcap", "window"), [(0.0, 0), (30.0, 0), (0.0, 50)])
+def test_a_positions_attention_is_the_same_bits_in_every_split(dtype, softcap, window):
+    """A sequence of 150 tokens (past two 64-position key chunks), its queries computed as one
+    prefill, in chunked-prefill pieces over the cached prefix (17, 1, 64, 2, ...), and one
+    token at a time as decodes, beside another sequence: each position's output is the same
+    bits every way (the decode kernel's two-pass softmax was not), and near the oracle."""
+    from loraplex.kernel_backends.cpu import extension
+
+    ext = extension.load()
+    total, other = 150, 70
+    k_cache, v_cache, tables = make_paged_cache([total, other], 16, 2, 64, dtype, seed=3)
+    q = torch.randn(total + other, 4, 64, generator=torch.Generator().manual_seed(4)).to(dtype)
+    qa, qb = q[:total], q[total:]
+    scale = 64**-0.5
+    b_then_a = tables[[1, 0]].contiguous()
+
+    def pieces(cuts: list[int]) -> torch.Tensor:
+        """Sequence a's rows, in steps ending at ``cuts``, each beside all of sequence b."""
+        rows, start = [], 0
+        for end in cuts:
+            n = end - start
+            qs = torch.cat([qb, qa[start:end]])
+            qsl = torch.tensor([0, other, other + n], dtype=torch.int32)
+            lens = torch.tensor([other, end], dtype=torch.int32)
+            out = cpu_attention.paged_attention_prefill(ext, qs, k_cache, v_cache, b_then_a,
+                                                        qsl, lens, scale, softcap, window, True)
+            rows.append(out[other:])
+            start = end
+        return torch.cat(rows)
+
+    whole = pieces([total])
+    want = reference.paged_attention_prefill(qa, k_cache, v_cache, tables[:1],
+                                             torch.tensor([0, total], dtype=torch.int32),
+                                             torch.tensor([total], dtype=torch.int32), scale,
+                                             softcap, window)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(whole.float(), want.float(), rtol=tol, atol=tol)
+    for cuts in ([17, 18, 82, 84, 150], [1, 2, 3, 64, 65, 128, 149, 150]):
+        assert torch.equal(pieces(cuts), whole), cuts
+    decodes = torch.cat([  # token t alone: a decode with context t + 1
+        cpu_attention.paged_attention_decode(ext, qa[t:t + 1], k_cache, v_cache, tables[:1],
+                                             torch.tensor([t + 1], dtype=torch.int32), scale,
+                                             softcap, window, True)
+        for t in range(total)])
+    assert torch.equal(decodes, whole)
 
 
 @pytest.fixture(scope="module")
