@@ -32,6 +32,10 @@ class KernelBackend(ABC):
     def __init__(self, device: torch.device, dtype: torch.dtype):
         self.device = device
         self.dtype = dtype
+        # --batch-invariant (docs/sampling.md): a backend that keeps a row's bits whatever its
+        # batch reads it (the CPU backend: prepare_model's layout, the attention kernel);
+        # the engine sets it from EngineConfig before prepare_model
+        self.batch_invariant = True
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.device}, {self.dtype})"

@@ -257,6 +257,23 @@ def test_torch_backend_is_not_batch_invariant(tiny_llama, adapters, monkeypatch)
     assert run_draws(tiny_llama, adapters, "float32", seed=45) != []
 
 
+def test_batch_invariant_is_on_or_off():
+    from loraplex.engine.engine_config import EngineConfig
+
+    assert EngineConfig().batch_invariant == "on"
+    assert EngineConfig(batch_invariant="off").batch_invariant == "off"
+    with pytest.raises(ValueError, match="batch_invariant"):
+        EngineConfig(batch_invariant="yes")
+
+
+@needs_cpu
+def test_off_is_what_ran_before(tiny_llama, adapters, monkeypatch):
+    """--batch-invariant off (the layouts measured fastest, the decode kernel): the echo
+    re-score differs, as it did before issue 45; the test above can fail."""
+    monkeypatch.setenv("LORAPLEX_KERNELS", "cpu")
+    assert rescore_mismatches(tiny_llama, adapters, "float32", batch_invariant="off") != []
+
+
 def test_the_draws_cover_the_cases():
     """The fixed draws reach every dimension the guarantee names."""
     rng = random.Random(45)

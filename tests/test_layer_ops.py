@@ -134,14 +134,14 @@ def test_the_engine_runs_every_layer_kernel(kernels, tiny_models: Callable[[str]
     proxy.panel_gemm_available = staticmethod(kernels.panel_gemm_available)
     monkeypatch.setattr(extension, "load", lambda: proxy)
     monkeypatch.setitem(packed_linear.GEMM_LAYOUT, cpu_isa(), "panels")
-    # batch invariance off: the decode kernel serves decodes (else the tiled kernel does)
-    monkeypatch.setenv("LORAPLEX_BATCH_INVARIANT", "0")
     twins = [k for k in KERNELS if k not in WITHOUT_TWIN]
     for name in twins:
         fail = (lambda *a, name=name: pytest.fail(f"the twin of {name} ran"))
         monkeypatch.setattr(TWIN_MODULES.get(name, reference), name, fail)
         monkeypatch.setattr(TorchBackend, name, fail)  # the cpu backend's super() calls
-    engine = LLMEngine(model=tiny_models("qwen3"), dtype="float32", max_model_len=128)
+    # --batch-invariant off: the decode kernel serves decodes (else the tiled kernel does)
+    engine = LLMEngine(model=tiny_models("qwen3"), dtype="float32", max_model_len=128,
+                       batch_invariant="off")
     assert engine.base.kernels.name == "cpu"
     outs = engine.generate([[5, 6, 7], [9, 10]], SamplingParams(temperature=0.0,
                                                                 max_new_tokens=3))

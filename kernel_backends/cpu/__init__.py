@@ -10,13 +10,12 @@ non-float32 logits), run as the torch backend's.
 
 Batch-invariant by default (docs/sampling.md): every linear in the panel layout (a row's
 sums do not depend on its batch) and every query token through the tiled attention kernel
-(its sums in one order for a given position, prefill or decode); ``LORAPLEX_BATCH_INVARIANT=0``
-serves with the faster-where-measured layout rule and the decode kernel instead.
+(its sums in one order for a given position, prefill or decode). ``--batch-invariant off``
+(``batch_invariant = False``) serves with the layout rule measured fastest per ISA and the
+decode kernel instead.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 from torch import nn
@@ -45,8 +44,6 @@ class CPUBackend(TorchBackend):
         if device.type != "cpu":
             raise ValueError(f"the cpu kernel backend serves CPU tensors only, not {device}")
         self.ext = extension.load()
-        # the guarantee of docs/sampling.md; "0" measures what it costs
-        self.batch_invariant = os.environ.get("LORAPLEX_BATCH_INVARIANT", "1") != "0"
 
     @classmethod
     def auto_dtype(cls, native: torch.dtype, device: torch.device) -> torch.dtype:
