@@ -77,12 +77,15 @@ def main() -> None:
     ap.add_argument("--decode-seqs", type=int, default=32)
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--batch-invariant", default="on", choices=["on", "off"],
+                    help="on: decodes run through the tiled kernel (docs/sampling.md)")
     args = ap.parse_args()
     from ..kernel_backends.cpu import CPUBackend
 
     dtype = getattr(torch, args.dtype)
     backend = CPUBackend(torch.device("cpu"), dtype)
-    print(machine_line("cpu", args.dtype))
+    backend.batch_invariant = args.batch_invariant == "on"
+    print(machine_line("cpu", args.dtype), f"batch-invariant {args.batch_invariant}")
     torch.manual_seed(0)
     num_blocks = 512
     caches = [(torch.randn(num_blocks, BLOCK, HKV, DIM, dtype=dtype),

@@ -16,7 +16,7 @@ from .common import add_engine_flags, default_model_dir, make_random_adapters, r
 
 
 def add_workload_args(ap: argparse.ArgumentParser, adapters: int) -> None:
-    add_engine_flags(ap, "dtype")
+    add_engine_flags(ap, "dtype", "batch_invariant")
     ap.add_argument("--adapters", type=int, default=adapters)
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--prompt-len", type=int, default=64)
@@ -52,7 +52,8 @@ def step_workload(args: argparse.Namespace) -> StepWorkload:
     # adapters' rank, prompts and answers well inside 1,024 positions, and no prefix cache
     # (rounds repeat their prompts: each must compute them)
     engine = LLMEngine.from_config(EngineConfig(
-        model=str(model_dir), dtype=args.dtype, max_num_seqs=n, max_model_len=1024,
+        model=str(model_dir), dtype=args.dtype, batch_invariant=args.batch_invariant,
+        max_num_seqs=n, max_model_len=1024,
         max_lora_rank=8, max_loras=max(1, len(adapters)), max_cpu_loras=max(1, len(adapters)),
         enable_prefix_caching=False, lora_modules={k: str(p) for k, p in adapters.items()}))
     prompts = random_prompts(n, args.prompt_len, vocab=49152, seed=2)

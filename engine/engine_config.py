@@ -16,6 +16,7 @@ from ..flag import flag
 from .logprobs import LOGPROBS_MODES
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+BATCH_INVARIANT = ("auto", "on", "off")  # --batch-invariant (docs/sampling.md)
 DEVICES = ("auto", "cpu", "cuda")
 QUANTIZATIONS = ("none", "int8", "int4")  # vLLM's --quantization flag, these values
 DEFAULT_CPU_KV_BYTES = 1 << 30  # 1 GiB, further capped by what max_num_seqs × max_model_len needs
@@ -89,6 +90,13 @@ class EngineConfig:
     max_logprobs: int = flag(  # vLLM's: -1 = no cap (the whole vocabulary)
         20, group=SAMPLING, help="the most logprobs / prompt_logprobs a request may ask for "
         "(-1: no cap, a request's -1 then gets the whole vocabulary)")
+    batch_invariant: str = flag(
+        "auto", group=SAMPLING, choices=BATCH_INVARIANT,
+        help="on: a request's tokens and logprobs are the same bits alone or in any batch "
+        "(the CPU backend: panel GEMMs, one attention order, and decode logprobs equal an "
+        "echo re-score; the Triton backend: its invariant kernels; docs/sampling.md); off: "
+        "the kernels measured fastest; auto: on for the CPU backend, the Triton backend's "
+        "LORAPLEX_BATCH_INVARIANT (off when unset)")
     logprobs_mode: str = flag(
         "raw_logprobs", group=SAMPLING, choices=LOGPROBS_MODES,
         help="what logprobs report: the model's distribution (raw_*) or the one sampled "
@@ -170,6 +178,9 @@ class EngineConfig:
             _check_range(name, getattr(self, name), 1)
         if self.max_allowed_token_ids is not None:
             _check_range("max_allowed_token_ids", self.max_allowed_token_ids, 1)
+        if self.batch_invariant not in BATCH_INVARIANT:
+            raise ValueError(f"batch_invariant={self.batch_invariant!r} is not supported: "
+                             f"choose one of {BATCH_INVARIANT}")
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode={self.logprobs_mode!r} is not supported: choose "
                              f"one of {LOGPROBS_MODES}")

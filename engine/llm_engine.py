@@ -72,6 +72,8 @@ class LLMEngine(EngineAdapters):
         self.base: BaseModel = load_base_model(cfg, progress)
         self.tokenizer = self.base.tokenizer
         kernels = self.base.kernels
+        # read by the kernels that have an invariant mode (CPU, Triton), before any step
+        kernels.set_batch_invariant(cfg.batch_invariant)
         targets = list(self.base.model.lora_targets())
         self.resolved = resolve_config(cfg, self.base, rank_row_bytes(targets, self.base.dtype))
         self.max_model_len: int = self.resolved.max_model_len

@@ -32,6 +32,15 @@ class KernelBackend(ABC):
     def __init__(self, device: torch.device, dtype: torch.dtype):
         self.device = device
         self.dtype = dtype
+        # --batch-invariant (docs/sampling.md): a backend that keeps a row's bits whatever its
+        # batch reads it (the CPU backend: prepare_model's layout, the attention kernel);
+        # the engine sets it (set_batch_invariant) from EngineConfig before prepare_model
+        self.batch_invariant = True
+
+    def set_batch_invariant(self, setting: str) -> None:
+        """EngineConfig.batch_invariant ("auto", "on", "off"), before prepare_model: here
+        "auto" is "on" (a backend with another default overrides this)."""
+        self.batch_invariant = setting != "off"
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.device}, {self.dtype})"

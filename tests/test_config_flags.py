@@ -135,6 +135,7 @@ def non_default_flags(tmp_path: Path) -> dict[str, tuple[list[str], dict[str, An
         "--lora-modules": ([f"a={a}"], {"lora_modules": {"a": str(a.resolve())}}),
         "--served-model-name": (["alias"], {"served_model_name": "alias"}),
         "--max-logprobs": (["5"], {"max_logprobs": 5}),
+        "--batch-invariant": (["off"], {"batch_invariant": "off"}),
         "--logprobs-mode": (["processed_logprobs"], {"logprobs_mode": "processed_logprobs"}),
         "--max-stop-strings": (["4"], {"max_stop_strings": 4}),
         "--max-stop-token-ids": (["5"], {"max_stop_token_ids": 5}),

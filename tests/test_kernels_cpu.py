@@ -90,6 +90,7 @@ def test_dispatch_uses_the_kernel_on_cpu(kernels, monkeypatch: pytest.MonkeyPatc
     monkeypatch.setattr(extension, "load", lambda: type("M", (), {
         "paged_attention_decode": staticmethod(lambda *a: calls.append(1) or real(*a))}))
     backend = select_backend(CPU, torch.float32)
+    backend.batch_invariant = False  # else decodes run through the tiled prefill kernel
     assert backend.name == "cpu"
     got = backend.paged_attention_decode(q, k_cache, v_cache, tables, context_lens, 0.25)
     assert calls == [1]

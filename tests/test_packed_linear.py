@@ -112,7 +112,9 @@ def test_the_panel_gemm_is_the_default_where_it_is_built(
 def test_engine_packs_every_linear_and_keeps_the_logits(arch: str, layout: str, tiny_models,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(GEMM_LAYOUT, packed_linear.cpu_isa(), layout)  # this CPU's rule
-    engine = LLMEngine(model=tiny_models(arch), dtype="float32", max_model_len=128)
+    # --batch-invariant off: the rule serves (else panels)
+    engine = LLMEngine(model=tiny_models(arch), dtype="float32", max_model_len=128,
+                       batch_invariant="off")
     model = engine.base.model
     assert not [n for n, m in model.named_modules() if type(m) is nn.Linear]
     bases = [m.base for m in model.modules() if isinstance(m, LoRALinear)]
@@ -175,9 +177,9 @@ def test_the_engine_warms_up_every_size_it_then_serves(monkeypatch: pytest.Monke
                                                          tiny_models) -> None:
     from loraplex import SamplingParams
     monkeypatch.setitem(GEMM_LAYOUT, packed_linear.cpu_isa(), "onednn")  # oneDNN's layout
-    log = _RowLog(monkeypatch)
+    log = _RowLog(monkeypatch)  # --batch-invariant off: the rule serves (else panels)
     engine = LLMEngine(model=tiny_models("llama"), dtype="float32", max_model_len=128,
-                       max_num_seqs=16, max_num_batched_tokens=96)
+                       max_num_seqs=16, max_num_batched_tokens=96, batch_invariant="off")
     warmed = set(log.rows)
     assert warmed == {padded_rows(r) for r in range(1, 97)}
     log.rows.clear()
@@ -191,7 +193,7 @@ def test_the_engine_warms_up_every_size_it_then_serves(monkeypatch: pytest.Monke
 def test_bfloat16_linears_pack_in_the_rules_layout_and_keep_their_outputs(tiny_models) -> None:
     """bfloat16 linears (where native) are packed in BF16_GEMM_LAYOUT's layout for the ISA
     (the bf16 panel GEMM on AVX512-BF16, oneDNN's on AMX; test_panel_gemm_bf16.py tests the
-    panels); oneDNN's outputs are those of F.linear in bf16."""
+    panels) when batch invariance is off; oneDNN's outputs are those of F.linear in bf16."""
     layout = gemm_layout(torch.bfloat16)
     assert layout == packed_linear.BF16_GEMM_LAYOUT.get(packed_linear.cpu_isa(), "onednn")
     with pytest.raises(ValueError, match="float32 weights"):
@@ -201,8 +203,25 @@ def test_bfloat16_linears_pack_in_the_rules_layout_and_keep_their_outputs(tiny_m
         x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows)).bfloat16()
         packed = PackedLinear(linear.weight, linear.bias, "onednn")
         torch.testing.assert_close(packed(x), linear(x), rtol=1e-2, atol=1e-2)
-    engine = LLMEngine(model=tiny_models("llama"), dtype="bfloat16", max_model_len=128)
+    engine = LLMEngine(model=tiny_models("llama"), dtype="bfloat16", max_model_len=128,
+                       batch_invariant="off")
     bases = [m.base for m in engine.base.model.modules() if isinstance(m, LoRALinear)]
     assert bases and all(isinstance(b, PackedLinear) for b in bases)
     assert all((b.panels is not None) == (layout == "panels") for b in bases)
     assert isinstance(engine.base.model.logits_head, PackedLinear)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_batch_invariant_engines_pack_every_linear_in_panels(dtype: torch.dtype, tiny_models,
+                                                             panel_gemm) -> None:
+    """Batch-invariant (the CPU backend's default): every linear and the head in the panel
+    layout, whose rows do not depend on their batch, whatever the ISA's speed rule."""
+    if not packing_available(dtype) or not packed_linear.panels_built(dtype):
+        pytest.skip(f"no {dtype} panel GEMM on this CPU")
+    assert gemm_layout(dtype, batch_invariant=True) == "panels"
+    engine = LLMEngine(model=tiny_models("llama"), dtype=str(dtype).removeprefix("torch."),
+                       max_model_len=128)
+    assert engine.base.kernels.batch_invariant
+    packed = [m for m in engine.base.model.modules() if isinstance(m, PackedLinear)]
+    assert len(packed) == 1 + 4 * engine.base.model.config.num_hidden_layers
+    assert all(m.panels is not None and m.packed is None for m in packed)

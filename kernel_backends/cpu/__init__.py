@@ -7,6 +7,12 @@ this folder: without it, or without a compiler, the engine serves with the torch
 
 Ops without a C++ kernel, or inputs outside a kernel's layout (a strided x for RMSNorm,
 non-float32 logits), run as the torch backend's.
+
+Batch-invariant by default (docs/sampling.md): every linear in the panel layout (a row's
+sums do not depend on its batch) and every query token through the tiled attention kernel
+(its sums in one order for a given position, prefill or decode). ``--batch-invariant off``
+(``batch_invariant = False``) serves with the layout rule measured fastest per ISA and the
+decode kernel instead.
 """
 
 from __future__ import annotations
@@ -45,7 +51,7 @@ class CPUBackend(TorchBackend):
 
     def prepare_model(self, model: nn.Module, max_tokens: int, max_seqs: int) -> None:
         if packing_available(self.dtype):
-            pack_model(model, gemm_layout(self.dtype))
+            pack_model(model, gemm_layout(self.dtype, self.batch_invariant))
             warm_up_packed(model, max_tokens, max_seqs)
 
     def add_lora(self, out: torch.Tensor, x: torch.Tensor, lora_a: list[torch.Tensor],
@@ -66,7 +72,8 @@ class CPUBackend(TorchBackend):
                                context_lens: torch.Tensor, scale: float, softcap: float = 0.0,
                                window: int = 0, max_context_len: int = 0) -> torch.Tensor:
         return attention.paged_attention_decode(self.ext, q, k_cache, v_cache, block_tables,
-                                                context_lens, scale, softcap, window)
+                                                context_lens, scale, softcap, window,
+                                                self.batch_invariant)
 
     def paged_attention_prefill(self, q: torch.Tensor, k_cache: torch.Tensor,
                                 v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -75,7 +82,7 @@ class CPUBackend(TorchBackend):
                                 window: int = 0, max_q_len: int = 0) -> torch.Tensor:
         return attention.paged_attention_prefill(self.ext, q, k_cache, v_cache, block_tables,
                                                  query_start_loc, context_lens, scale,
-                                                 softcap, window)
+                                                 softcap, window, self.batch_invariant)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         if x.stride(-1) != 1:

@@ -43,13 +43,16 @@ BF16_GEMM_LAYOUT: dict[str, str] = {
 }
 
 
-def gemm_layout(dtype: torch.dtype = torch.float32) -> str:
+def gemm_layout(dtype: torch.dtype = torch.float32, batch_invariant: bool = False) -> str:
     """The packed layout this CPU's ``dtype`` linears use: ``LORAPLEX_GEMM_LAYOUT`` if set
-    (to check the rule on another CPU), else the rule's entry for its ISA; "onednn" where
-    unlisted or where the panel GEMM of ``dtype`` is not built (float32: no AVX2/FMA;
-    bfloat16: no AVX512-BF16)."""
+    (to check the rule on another CPU); else "panels" where ``batch_invariant`` (oneDNN's
+    kernels pick their blocking by row count, so a row's sums depend on its batch: 1e-6
+    apart in float32); else the rule's entry for its ISA. "onednn" where unlisted or where
+    the panel GEMM of ``dtype`` is not built (float32: no AVX2/FMA; bfloat16: no
+    AVX512-BF16): there a row's sums may depend on its batch (docs/sampling.md)."""
     rules = GEMM_LAYOUT if dtype == torch.float32 else BF16_GEMM_LAYOUT
-    layout = os.environ.get("LORAPLEX_GEMM_LAYOUT") or rules.get(cpu_isa(), "onednn")
+    layout = os.environ.get("LORAPLEX_GEMM_LAYOUT") or (
+        "panels" if batch_invariant else rules.get(cpu_isa(), "onednn"))
     if layout not in ("panels", "onednn"):
         raise ValueError(f"LORAPLEX_GEMM_LAYOUT={layout!r}; allowed: panels, onednn")
     if layout == "panels" and not panels_built(dtype):

@@ -66,6 +66,18 @@ class TritonBackend(TorchBackend):
         if invariance not in INVARIANCE_MODES:
             raise ValueError(f"invariance={invariance!r}; allowed: "
                              f"{', '.join(INVARIANCE_MODES)}")
+        self._set_invariance(invariance)
+
+    def set_batch_invariant(self, setting: str) -> None:
+        """--batch-invariant: "auto" keeps the mode given (or LORAPLEX_BATCH_INVARIANT's: off
+        when unset, as the invariant kernels cost speed on a GPU); "on" turns "off" into
+        "batch" (a "rescore" asked for stays); "off" turns every mode off."""
+        if setting == "off":
+            self._set_invariance("off")
+        elif setting == "on" and self.invariance == "off":
+            self._set_invariance("batch")
+
+    def _set_invariance(self, invariance: str) -> None:
         self.invariance = invariance
         self.batch_invariant = invariance != "off"  # every op's rows independent
         self.decode_as_prefill = invariance == "rescore"  # decode = a re-score's bits

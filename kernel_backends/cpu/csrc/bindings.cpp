@@ -56,7 +56,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("window") = 0, py::call_guard<py::gil_scoped_release>());
   m.def("paged_attention_prefill", &paged_attention_prefill,
         "causal attention of new tokens over the paged KV cache, query tiles x key chunks, "
-        "online softmax (CPU, float32; rows of one-token sequences are left unwritten); "
+        "online softmax (CPU, float32 and bfloat16; one-token sequences too, decodes "
+        "included, each row's sums in the same order whatever the batch); "
         "softcap and window as paged_attention_decode",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"),
         py::arg("query_start_loc"), py::arg("context_lens"), py::arg("scale"),

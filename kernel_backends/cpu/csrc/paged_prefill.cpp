@@ -9,6 +9,13 @@
 // tile's tokens × the KV head's query heads, which all read the same K/V chunk; per chunk
 // S = Q·Kᵀ and O += P·V run as 6 x 16 register tiles (tile_6x16.h: every K or V vector
 // loaded once for six rows). Positions past a tile's last token are never read.
+//
+// Batch invariance: a query row's result is a function of its own query and its context
+// only. The key chunks sit at absolute positions (multiples of kChunk from 0), whatever the
+// tile or the step the token came in, so a row sums the same chunks in the same order alone,
+// beside other tokens of its tile (masked positions add exact zeros, a chunk it cannot see
+// leaves it as it was), in any chunked-prefill split, on a prefix-cache hit, and as a
+// one-token decode: the backend runs decodes here too (kernel_backends/cpu/attention.py).
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
@@ -229,7 +236,7 @@ std::vector<Item> balanced_items(const int32_t* starts, const int32_t* lens, int
   std::vector<Item> items;
   for (int64_t s = 0; s < seqs; ++s) {
     const int64_t n = starts[s + 1] - starts[s], first = lens[s] - n;
-    if (n < 2) continue;  // one-token sequences: the caller runs them as decodes
+    if (n < 1) continue;  // nothing new (one-token sequences, decodes, run here too)
     for (int64_t t0 = 0; t0 < n; t0 += kTile) {
       const int64_t t1 = std::min(n, t0 + kTile);
       for (int64_t h = 0; h < kv_heads; ++h)

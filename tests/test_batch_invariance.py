@@ -1,0 +1,306 @@
+"""Batch invariance (issue 45, items 1, 3 and 5): a request's output tokens and every logprob
+it reports (sampled, top-k, prompt logprobs) are the same bits alone or beside any other
+requests (other adapters and lengths), with or without prefix-cache hits, whatever the
+chunked-prefill split, after preemption, for each choice of n; and a sequence's decode
+logprobs equal, bit for bit, the prompt logprobs of the same sequence sent back as a prompt
+(an echo re-score).
+
+The oracle is the probe alone, one request in an engine that computes its whole prompt in
+one step without a prefix cache. The property test draws batch compositions from a seeded
+generator (a fixed number of draws per backend and dtype, so a failure reproduces): the
+probe's adapter, length and sampling (greedy or seeded, n), its neighbours' adapters and
+lengths, the step's token budget (which sets the chunked-prefill split) and whether the
+probe's prompt is already in the prefix cache.
+
+The CPU backend keeps the guarantee in float32 and bfloat16 (docs/sampling.md says how);
+the torch backend, the oracle of the kernels, is not batch-invariant (its GEMMs are
+PyTorch's, whose rows depend on the batch) and is checked here only to say so.
+"""
+
+from __future__ import annotations
+
+import random
+import struct
+
+import pytest
+import torch
+from loraplex import LLMEngine, SamplingParams
+from loraplex.kernel_backends import cpu as cpu_backend
+from loraplex.kernel_backends.cpu import attention as cpu_attention
+from loraplex.kernel_backends.torch import attention as reference
+
+from tests.kernel_fixtures import make_paged_cache
+
+DRAWS = 12  # batch compositions per dtype (each: 1 + 0..5 neighbours, several steps)
+NEW = 6
+DTYPES = ["float32", "bfloat16"]
+
+needs_cpu = pytest.mark.skipif(not cpu_backend.available(),
+                               reason="the CPU kernels do not build here")
+
+
+# ---- the cause, at the attention kernel ----------------------------------------------------
+
+@needs_cpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("softcap", "window"), [(0.0, 0), (30.0, 0), (0.0, 50)])
+def test_a_positions_attention_is_the_same_bits_in_every_split(dtype, softcap, window):
+    """A sequence of 150 tokens (past two 64-position key chunks), its queries computed as one
+    prefill, in chunked-prefill pieces over the cached prefix (17, 1, 64, 2, ...), and one
+    token at a time as decodes, beside another sequence: each position's output is the same
+    bits every way (the decode kernel's two-pass softmax was not), and near the oracle."""
+    from loraplex.kernel_backends.cpu import extension
+
+    ext = extension.load()
+    total, other = 150, 70
+    k_cache, v_cache, tables = make_paged_cache([total, other], 16, 2, 64, dtype, seed=3)
+    q = torch.randn(total + other, 4, 64, generator=torch.Generator().manual_seed(4)).to(dtype)
+    qa, qb = q[:total], q[total:]
+    scale = 64**-0.5
+    b_then_a = tables[[1, 0]].contiguous()
+
+    def pieces(cuts: list[int]) -> torch.Tensor:
+        """Sequence a's rows, in steps ending at ``cuts``, each beside all of sequence b."""
+        rows, start = [], 0
+        for end in cuts:
+            n = end - start
+            qs = torch.cat([qb, qa[start:end]])
+            qsl = torch.tensor([0, other, other + n], dtype=torch.int32)
+            lens = torch.tensor([other, end], dtype=torch.int32)
+            out = cpu_attention.paged_attention_prefill(ext, qs, k_cache, v_cache, b_then_a,
+                                                        qsl, lens, scale, softcap, window, True)
+            rows.append(out[other:])
+            start = end
+        return torch.cat(rows)
+
+    whole = pieces([total])
+    want = reference.paged_attention_prefill(qa, k_cache, v_cache, tables[:1],
+                                             torch.tensor([0, total], dtype=torch.int32),
+                                             torch.tensor([total], dtype=torch.int32), scale,
+                                             softcap, window)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(whole.float(), want.float(), rtol=tol, atol=tol)
+    for cuts in ([17, 18, 82, 84, 150], [1, 2, 3, 64, 65, 128, 149, 150]):
+        assert torch.equal(pieces(cuts), whole), cuts
+    decodes = torch.cat([  # token t alone: a decode with context t + 1
+        cpu_attention.paged_attention_decode(ext, qa[t:t + 1], k_cache, v_cache, tables[:1],
+                                             torch.tensor([t + 1], dtype=torch.int32), scale,
+                                             softcap, window, True)
+        for t in range(total)])
+    assert torch.equal(decodes, whole)
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory) -> str:
+    """A tiny llama with 64-wide heads in groups of two (GQA): the kernels' vector paths
+    (AVX-512 and VDPBF16PS over head_dim % 32 == 0) serve it, as they serve real models."""
+    from tests.conftest import make_tiny_model
+
+    return str(make_tiny_model(tmp_path_factory.mktemp("invariance_llama"), "llama",
+                               hidden_size=128, num_attention_heads=2, num_key_value_heads=1))
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_llama, tmp_path_factory) -> dict[str, str]:
+    """Two real PEFT adapters of different ranks and targets."""
+    from tests.conftest import ALL_TARGETS, make_adapter
+
+    root = tmp_path_factory.mktemp("invariance_adapters")
+    return {"a0": str(make_adapter(tiny_llama, root / "a0", r=8, seed=1)),
+            "a1": str(make_adapter(tiny_llama, root / "a1", r=16, seed=2,
+                                   target_modules=ALL_TARGETS))}
+
+
+def engine(tiny_llama, adapters, dtype: str, **kw) -> LLMEngine:
+    kw.setdefault("max_model_len", 256)
+    return LLMEngine(model=tiny_llama, dtype=dtype, max_lora_rank=16, lora_modules=adapters,
+                     **kw)
+
+
+def lp_bits(lp) -> tuple:
+    return (lp.token_id, struct.pack("<d", lp.logprob), lp.rank,
+            tuple(struct.pack("<id", t, v) for t, v in lp.top))
+
+
+def bits(out) -> tuple:
+    """A choice's tokens, and the bits of every logprob it reports: sampled (with top-k)
+    and prompt logprobs (with top-k)."""
+    prompt = tuple(None if lp is None else lp_bits(lp) for lp in out.prompt_logprobs or [])
+    return tuple(out.token_ids), tuple(lp_bits(lp) for lp in out.logprobs), prompt
+
+
+def choices(out) -> list:
+    return [bits(o) for o in (out if isinstance(out, list) else [out])]
+
+
+def params(rng: random.Random, n: int, greedy: bool) -> SamplingParams:
+    return SamplingParams(temperature=0.0 if greedy else 1.0, seed=rng.randrange(1 << 30),
+                          n=n, logprobs=3, prompt_logprobs=2, max_new_tokens=NEW,
+                          min_new_tokens=NEW)
+
+
+def prompt(rng: random.Random, length: int) -> list[int]:
+    return [rng.randrange(4, 384) for _ in range(length)]
+
+
+def draw(rng: random.Random) -> dict:
+    """One batch composition around one probe."""
+    greedy = rng.random() < 0.3
+    neighbours = rng.randrange(0, 6)
+    return {
+        "probe": prompt(rng, rng.choice([1, 2, 5, 17, 33, 64, 70, 97])),
+        "adapter": rng.choice([None, "a0", "a1"]),
+        "params": params(rng, 1 if greedy else rng.choice([1, 2, 3]), greedy),
+        "others": [prompt(rng, rng.randrange(1, 90)) for _ in range(neighbours)],
+        "other_adapters": [rng.choice([None, "a0", "a1"]) for _ in range(neighbours)],
+        "other_params": [SamplingParams(temperature=rng.choice([0.0, 1.0]),
+                                        seed=rng.randrange(1 << 30), n=rng.choice([1, 2]),
+                                        logprobs=rng.choice([None, 1]),
+                                        max_new_tokens=rng.randrange(1, 12))
+                         for _ in range(neighbours)],
+        "place": rng.randrange(0, neighbours + 1),
+        "budget": rng.choice([7, 16, 33, 64, 512]),
+        "warm": rng.random() < 0.5,
+    }
+
+
+def run_draws(tiny_llama, adapters, dtype: str, seed: int) -> list[str]:
+    """The draws whose probe differs from the probe alone (empty when invariant)."""
+    rng = random.Random(seed)
+    draws = [draw(rng) for _ in range(DRAWS)]
+    alone_engine = engine(tiny_llama, adapters, dtype, enable_prefix_caching=False)
+    engines = {}
+    failures = []
+    for i, d in enumerate(draws):
+        alone = choices(alone_engine.generate([d["probe"]], d["params"], [d["adapter"]])[0])
+        key = d["budget"]
+        if key not in engines:
+            engines[key] = engine(tiny_llama, adapters, dtype, max_num_batched_tokens=key)
+        busy = engines[key]
+        if d["warm"]:  # the probe's prompt blocks in the prefix cache, under another seed
+            busy.generate([d["probe"]], SamplingParams(max_new_tokens=1), [d["adapter"]])
+        at = d["place"]
+        prompts = d["others"][:at] + [d["probe"]] + d["others"][at:]
+        ps = d["other_params"][:at] + [d["params"]] + d["other_params"][at:]
+        names = d["other_adapters"][:at] + [d["adapter"]] + d["other_adapters"][at:]
+        got = choices(busy.generate(prompts, ps, names)[at])
+        if got != alone:
+            failures.append(f"draw {i}: {len(d['probe'])} tokens, adapter {d['adapter']}, "
+                            f"n {d['params'].n}, budget {d['budget']}, warm {d['warm']}, "
+                            f"{len(d['others'])} neighbours")
+    return failures
+
+
+@needs_cpu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cpu_probe_is_the_same_bits_in_every_batch(tiny_llama, adapters, dtype, monkeypatch):
+    monkeypatch.setenv("LORAPLEX_KERNELS", "cpu")
+    assert run_draws(tiny_llama, adapters, dtype, seed=45) == []
+
+
+@needs_cpu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cpu_probe_after_preemption(tiny_llama, adapters, dtype, monkeypatch):
+    """Few KV blocks: the probe or its neighbours are preempted and recompute."""
+    monkeypatch.setenv("LORAPLEX_KERNELS", "cpu")
+    rng = random.Random(7)
+    probe, p = prompt(rng, 70), params(rng, 2, greedy=False)
+    alone = choices(engine(tiny_llama, adapters, dtype, enable_prefix_caching=False)
+                    .generate([probe], p, ["a1"])[0])
+    busy = engine(tiny_llama, adapters, dtype, num_kv_blocks=12, max_num_batched_tokens=32,
+                  enable_prefix_caching=False)
+    others = [prompt(rng, n) for n in (3, 40, 17, 90, 1, 33)]
+    op = [SamplingParams(temperature=1.0, seed=i, max_new_tokens=40, min_new_tokens=40)
+          for i in range(len(others))]
+    outs = busy.generate([probe] + others, [p] + op, ["a1", "a0", None, "a1", "a0", None, "a0"])
+    assert busy.stats()["prompt_tokens_computed"] > len(probe) + sum(map(len, others))
+    assert choices(outs[0]) == alone
+
+
+def rescore_mismatches(tiny_llama, adapters, dtype: str, **kw) -> list[str]:
+    """Sample with logprobs, then send prompt + output back as a prompt with prompt_logprobs
+    (an echo re-score): the sampled tokens' logprobs (and their top-k) against the re-score's
+    prompt logprobs of the same positions."""
+    rng = random.Random(3)
+    eng = engine(tiny_llama, adapters, dtype, **kw)
+    bad = []
+    for length, adapter, greedy in ((5, None, True), (40, "a0", False), (70, "a1", False),
+                                    (2, "a1", True)):
+        p = prompt(rng, length)
+        sp = SamplingParams(temperature=0.0 if greedy else 1.0, seed=11, logprobs=3,
+                            max_new_tokens=10, min_new_tokens=10)
+        out = eng.generate([p], sp, [adapter])[0]
+        echo = eng.generate([p + list(out.token_ids)],
+                            SamplingParams(prompt_logprobs=3, max_new_tokens=1), [adapter])[0]
+        rescored = [lp_bits(lp) for lp in echo.prompt_logprobs[length:]]
+        if rescored != [lp_bits(lp) for lp in out.logprobs]:
+            bad.append(f"{length} tokens, adapter {adapter}, greedy {greedy}")
+    return bad
+
+
+@needs_cpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("budget", [512, 16])
+def test_cpu_decode_logprobs_equal_an_echo_rescore(tiny_llama, adapters, dtype, budget,
+                                                    monkeypatch):
+    monkeypatch.setenv("LORAPLEX_KERNELS", "cpu")
+    assert rescore_mismatches(tiny_llama, adapters, dtype,
+                              max_num_batched_tokens=budget) == []
+
+
+def test_torch_backend_is_not_batch_invariant(tiny_llama, adapters, monkeypatch):
+    """The torch backend (PyTorch's GEMMs and attention, the kernels' oracle) makes no such
+    promise: a probe's float32 logprobs move with its batch (docs/sampling.md). This test
+    documents the limit; if it starts failing, the backend became invariant and the docs
+    should say so."""
+    monkeypatch.setenv("LORAPLEX_KERNELS", "torch")
+    assert run_draws(tiny_llama, adapters, "float32", seed=45) != []
+
+
+def test_batch_invariant_is_auto_on_or_off():
+    from loraplex.engine.engine_config import EngineConfig
+
+    assert EngineConfig().batch_invariant == "auto"
+    assert EngineConfig(batch_invariant="off").batch_invariant == "off"
+    with pytest.raises(ValueError, match="batch_invariant"):
+        EngineConfig(batch_invariant="yes")
+
+
+def test_auto_is_on_for_the_cpu_backends_and_the_triton_modes_own_default(monkeypatch):
+    """--batch-invariant auto: on for the CPU and torch backends; the Triton backend keeps
+    the mode it was given (LORAPLEX_BATCH_INVARIANT, off when unset); on / off override it,
+    and on keeps a "rescore" asked for."""
+    from loraplex.kernel_backends.torch import TorchBackend
+    from loraplex.kernel_backends.triton import TritonBackend
+
+    cpu = torch.device("cpu")
+    for setting, expected in (("auto", True), ("on", True), ("off", False)):
+        backend = TorchBackend(cpu, torch.float32)
+        backend.set_batch_invariant(setting)
+        assert backend.batch_invariant is expected
+    monkeypatch.delenv("LORAPLEX_BATCH_INVARIANT", raising=False)
+    for given, setting, mode in (("off", "auto", "off"), ("off", "on", "batch"),
+                                 ("batch", "off", "off"), ("rescore", "on", "rescore"),
+                                 ("rescore", "auto", "rescore"), (None, "auto", "off")):
+        backend = TritonBackend(cpu, torch.float32, invariance=given)
+        backend.set_batch_invariant(setting)
+        assert (backend.invariance, backend.batch_invariant,
+                backend.decode_as_prefill) == (mode, mode != "off", mode == "rescore")
+
+
+@needs_cpu
+def test_off_is_what_ran_before(tiny_llama, adapters, monkeypatch):
+    """--batch-invariant off (the layouts measured fastest, the decode kernel): the echo
+    re-score differs, as it did before issue 45; the test above can fail."""
+    monkeypatch.setenv("LORAPLEX_KERNELS", "cpu")
+    assert rescore_mismatches(tiny_llama, adapters, "float32", batch_invariant="off") != []
+
+
+def test_the_draws_cover_the_cases():
+    """The fixed draws reach every dimension the guarantee names."""
+    rng = random.Random(45)
+    ds = [draw(rng) for _ in range(DRAWS)]
+    assert {d["warm"] for d in ds} == {True, False}
+    assert any(d["params"].n > 1 for d in ds)
+    assert any(d["others"] for d in ds) and any(d["adapter"] for d in ds)
+    assert any(len(d["probe"]) > d["budget"] for d in ds)  # a chunked prompt
