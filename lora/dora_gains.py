@@ -43,27 +43,40 @@ def dora_gain(magnitude: torch.Tensor, w_sq: torch.Tensor, a_w: torch.Tensor,
 
 class DoraSlots:
     """The device slots whose adapter is DoRA, shared by every LoRALinear of a model (an
-    adapter is DoRA in every layer or in none: ``use_dora`` is the config's), and per step
-    the token rows of those slots (computed once per step for every layer)."""
+    adapter is DoRA in every layer or in none: ``use_dora`` is the config's): each such slot
+    has a row of the layers' gain tables (the same row in every layer, the lowest free one,
+    so a table holds as many rows as DoRA adapters are resident at once, at most
+    ``max_loras``), and per step the token rows of those slots with their gain rows
+    (computed once per step for every layer). A slot's row stays when compaction moves
+    the slot."""
 
     def __init__(self) -> None:
-        self.slots: set[int] = set()
+        self.slots: dict[int, int] = {}  # slot -> gain row
         self._version = 0  # bumped on every change of ``slots``
         self._key: tuple[object, object, int] | None = None
         self._rows: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    def add(self, slot: int) -> None:
+    def add(self, slot: int) -> int:
+        """The slot's gain row (a new one, the lowest free, if the slot had none)."""
         if slot not in self.slots:
-            self.slots.add(slot)
+            taken = set(self.slots.values())
+            self.slots[slot] = next(r for r in range(len(taken) + 1) if r not in taken)
             self._version += 1
+        return self.slots[slot]
 
     def discard(self, slot: int) -> None:
-        if slot in self.slots:
-            self.slots.discard(slot)
+        if self.slots.pop(slot, None) is not None:
+            self._version += 1
+
+    def move(self, src: int, dst: int) -> None:
+        """Compaction moved ``src`` to ``dst``: its gain row goes with it (every layer
+        calls this; the first moves it)."""
+        if src in self.slots:
+            self.slots[dst] = self.slots.pop(src)
             self._version += 1
 
     def rows(self, seg: LoRASegments) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(token rows, their slots) of the step's tokens on DoRA slots, or None. Cached
+        """(token rows, their gain rows) of the step's tokens on DoRA slots, or None. Cached
         while the step's host lists are the same objects (a refill makes new ones; the
         cache holds the old ones, so their ids are not reused) and ``slots`` unchanged."""
         starts, seg_slots = seg.seg_starts_host, seg.seg_slots_host
@@ -71,14 +84,14 @@ class DoraSlots:
         if key is not None and key[0] is starts and key[1] is seg_slots \
                 and key[2] == self._version:
             return self._rows
-        runs = [(starts[i], starts[i + 1], slot) for i, slot in enumerate(seg_slots)
-                if slot in self.slots]
+        runs = [(starts[i], starts[i + 1], self.slots[slot])
+                for i, slot in enumerate(seg_slots) if slot in self.slots]
         rows = None
         if runs:
             index = seg.token_indices
             token_rows = torch.cat([index[lo:hi] for lo, hi, _ in runs])
-            slots = torch.tensor([slot for lo, hi, slot in runs for _ in range(hi - lo)],
-                                 dtype=torch.int64).to(index.device, non_blocking=True)
-            rows = (token_rows, slots)
+            gain_rows = torch.tensor([row for lo, hi, row in runs for _ in range(hi - lo)],
+                                     dtype=torch.int64).to(index.device, non_blocking=True)
+            rows = (token_rows, gain_rows)
         self._key, self._rows = (starts, seg_slots, self._version), rows
         return rows

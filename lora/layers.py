@@ -38,9 +38,10 @@ class LoRALinear(nn.Module, StepReader):
     segments whose slot is in ``bias_slots``, so a step of plain LoRA adapters pays nothing.
 
     DoRA (``use_dora=True``, lora/dora_gains.py): a DoRA slot has one gain per output row
-    (``gain``, [num_units, Σ out_i] float32, allocated when the first DoRA adapter is
-    written; 1 on the slices the adapter does not adapt), computed when the adapter is
-    written. Its tokens' rows become ``base + s·(g - 1)·(W x) + g·δ`` after ``add_lora``
+    (a row of ``gain``, [DoRA adapters resident at once, Σ out_i] float32, grown as DoRA
+    adapters are written, the row given by the shared ``dora``; 1 on the slices the adapter
+    does not adapt), computed when the adapter is written. Its tokens' rows become
+    ``base + s·(g - 1)·(W x) + g·δ`` after ``add_lora``
     (``W x``: the base's output without its bias; ``δ``: what add_lora added, s times the
     LoRA delta): PEFT's DoRA for s = 1, the base for s = 0. Only the rows of DoRA slots
     (``dora.rows``, once per step for every layer) are touched.
@@ -64,7 +65,7 @@ class LoRALinear(nn.Module, StepReader):
         self.bias: torch.Tensor | None = None  # [num_units, Σ out_i], once an adapter has one
         self.bias_slots: set[int] = set()  # the slots whose adapter has a lora_B bias
         self.dora = dora if dora is not None else DoraSlots()  # shared by a model's layers
-        self.gain: torch.Tensor | None = None  # [num_units, Σ out_i] f32, once DoRA is used
+        self.gain: torch.Tensor | None = None  # [gain rows, Σ out_i] f32, once DoRA is used
         weight = getattr(base, "weight", None)  # ||W_i||² before prepare_model packs it;
         # None for a base without a float weight (quantized): DoRA is not served on it
         self.weight_sq = row_sq_norms(weight) if isinstance(weight, torch.Tensor) \
@@ -87,11 +88,11 @@ class LoRALinear(nn.Module, StepReader):
         return out
 
     def _apply_dora(self, out: torch.Tensor, before: torch.Tensor, rows: torch.Tensor,
-                    slots: torch.Tensor, scales: torch.Tensor | None) -> None:
+                    gain_rows: torch.Tensor, scales: torch.Tensor | None) -> None:
         """out[t] = before[t] + s_t·(g - 1)·(before[t] - bias) + g·(out[t] - before[t]) for
-        the DoRA tokens ``rows`` (``before``: their base output, float32), in float32,
-        rounded once."""
-        gain = self.gain.index_select(0, slots)
+        the DoRA tokens ``rows`` (``before``: their base output, float32; g: their gain
+        rows), in float32, rounded once."""
+        gain = self.gain.index_select(0, gain_rows)
         delta = out.index_select(0, rows).float() - before
         bias = getattr(self.base, "bias", None)
         wx = before if bias is None else before - bias.float()
@@ -157,10 +158,14 @@ class LoRALinear(nn.Module, StepReader):
         if self.weight_sq is None:
             raise ValueError(f"DoRA needs the base's float weight; {type(self.base).__name__}"
                              " has none")
-        if self.gain is None:
-            self.gain = torch.ones(self.num_units, sum(self.slice_sizes), dtype=torch.float32,
-                                   device=self.backend.device)
-        self.gain[slot].fill_(1.0)
+        row = self.dora.add(slot)
+        if self.gain is None or row >= self.gain.shape[0]:
+            grown = torch.ones(row + 1, sum(self.slice_sizes), dtype=torch.float32,
+                               device=self.backend.device)
+            if self.gain is not None:
+                grown[:len(self.gain)] = self.gain
+            self.gain = grown
+        self.gain[row].fill_(1.0)
         offset = 0
         for name, size in zip(self.slices, self.slice_sizes):
             if name in magnitudes:
@@ -169,11 +174,10 @@ class LoRALinear(nn.Module, StepReader):
                 bias = getattr(self.base, "bias", None)
                 if bias is not None:
                     a_w = a_w - bias[offset:offset + size].float()
-                self.gain[slot, offset:offset + size] = dora_gain(
+                self.gain[row, offset:offset + size] = dora_gain(
                     magnitudes[name].to(self.backend.device),
                     self.weight_sq[offset:offset + size], a_w, a, b)
             offset += size
-        self.dora.add(slot)
 
     def clear_slot(self, slot: int) -> None:
         """The slot reads as empty (rank 0); its rows are left to the next owner."""
@@ -190,11 +194,7 @@ class LoRALinear(nn.Module, StepReader):
             b[dst, :, :rows].copy_(b[src, :, :rows].clone())
         self.ranks[:, dst] = self.ranks[:, src]
         self.ranks[:, src] = 0
-        if self.gain is not None:  # every layer copies its gains; the first moves the
-            self.gain[dst].copy_(self.gain[src])  # shared DoRA flag
-        if src in self.dora.slots:
-            self.dora.discard(src)
-            self.dora.add(dst)
+        self.dora.move(src, dst)  # its gain row goes with it
         self.bias_slots.discard(dst)
         if src in self.bias_slots:
             self.bias[dst].copy_(self.bias[src])
