@@ -41,7 +41,7 @@ class LoRALinear(nn.Module, StepReader):
     (a row of ``gain``, [DoRA adapters resident at once, Σ out_i] float32, grown as DoRA
     adapters are written, the row given by the shared ``dora``; 1 on the slices the adapter
     does not adapt), computed when the adapter is written. Its tokens' rows become
-    ``base + s·(g - 1)·(W x) + g·δ`` after ``add_lora``
+    ``base + s·(g - 1)·(W x) + g·δ`` after ``add_lora`` (all s 1: ``g·(W x + δ) + bias``)
     (``W x``: the base's output without its bias; ``δ``: what add_lora added, s times the
     LoRA delta): PEFT's DoRA for s = 1, the base for s = 0. Only the rows of DoRA slots
     (``dora.rows``, once per step for every layer) are touched.
@@ -77,28 +77,34 @@ class LoRALinear(nn.Module, StepReader):
         if step is not None and step.lora.active:
             scales = step.lora.row_scales
             dora = self.dora.rows(step.lora) if self.dora.slots else None
-            before = None if dora is None else out.index_select(0, dora[0]).float()
+            before = None if dora is None or scales is None else \
+                out.index_select(0, dora[0]).float()  # a scale needs the base output
             if scales is not None:  # per-request lora_scale: the delta is linear in x
                 x = (x * scales.unsqueeze(1)).to(x.dtype)  # in float32, rounded once
             self.backend.add_lora(out, x, self.lora_a, self.lora_b, self.ranks, step.lora)
             if self.bias_slots:
                 self._add_bias(out, step.lora)
             if dora is not None:
-                self._apply_dora(out, before, *dora, scales)
+                self._apply_dora(out, *dora, before, scales)
         return out
 
-    def _apply_dora(self, out: torch.Tensor, before: torch.Tensor, rows: torch.Tensor,
-                    gain_rows: torch.Tensor, scales: torch.Tensor | None) -> None:
-        """out[t] = before[t] + s_t·(g - 1)·(before[t] - bias) + g·(out[t] - before[t]) for
-        the DoRA tokens ``rows`` (``before``: their base output, float32; g: their gain
-        rows), in float32, rounded once."""
+    def _apply_dora(self, out: torch.Tensor, rows: torch.Tensor, gain_rows: torch.Tensor,
+                    before: torch.Tensor | None, scales: torch.Tensor | None) -> None:
+        """For the DoRA tokens ``rows`` (g: their gain rows), in float32, rounded once:
+        every scale 1: out[t] = g·(out[t] - bias) + bias, i.e. g·(W x + δ) + bias;
+        else out[t] = before[t] + s_t·(g - 1)·(before[t] - bias) + g·(out[t] - before[t])
+        (``before``: their base output)."""
         gain = self.gain.index_select(0, gain_rows)
-        delta = out.index_select(0, rows).float() - before
+        after = out.index_select(0, rows).float()
         bias = getattr(self.base, "bias", None)
-        wx = before if bias is None else before - bias.float()
-        if scales is not None:
+        bias = None if bias is None else bias.float()
+        if scales is None:
+            new = after * gain if bias is None else (after - bias) * gain + bias
+        else:
+            wx = before if bias is None else before - bias
             wx = wx * scales.index_select(0, rows).unsqueeze(1)
-        out.index_copy_(0, rows, (before + (gain - 1) * wx + gain * delta).to(out.dtype))
+            new = before + (gain - 1) * wx + gain * (after - before)
+        out.index_copy_(0, rows, new.to(out.dtype))
 
     def _add_bias(self, out: torch.Tensor, seg: LoRASegments) -> None:
         """out[t] += s_t · bias[slot_t] for the tokens whose slot has a bias (s_t: the
