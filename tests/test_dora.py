@@ -119,10 +119,11 @@ def test_dora_mixed_in_one_batch_equals_peft(tiny_llama, adapters, kernels, monk
     assert matters > 0.05, "the magnitudes change nothing: the test cannot see them"
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "gemma2"])
+@pytest.mark.parametrize("arch", ["qwen2", "gemma2", "phi3"])
 def test_dora_on_other_families_equals_peft(arch, tiny_models, tmp_path):
-    """Qwen2 (whose q/k/v have a base bias, which DoRA leaves unscaled) and Gemma2: a DoRA
-    adapter on every linear beside a plain one and the base in one batch equal PEFT."""
+    """Qwen2 (whose q/k/v have a base bias, which DoRA leaves unscaled), Gemma2 and Phi-3
+    (fused qkv_proj / gate_up_proj: one magnitude over the fused rows): a DoRA adapter on
+    every linear beside a plain one and the base in one batch equal PEFT."""
     model = tiny_models(arch)
     paths = {"dora": make_adapter(model, tmp_path / "dora", r=8, target_modules="all-linear",
                                   seed=8, scale=0.3, use_dora=True),
