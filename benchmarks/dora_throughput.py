@@ -9,8 +9,13 @@ same A and B plus magnitudes (PEFT's init, the base's row norms, times a random 
 Decode tokens/s = requests × (new tokens - 1) / (time to ``--new-tokens`` - time to one
 token): the prefill's time taken off. One engine holds both sets (the device holds one set
 at a time: an untimed one-token run puts a set on the device before its timed runs).
-Phases run plain, DoRA, DoRA, plain per round (both orders), and the ratio is the median
-of DoRA's over the median of plain's.
+Phases run plain, DoRA, DoRA, plain per round (both orders); each round's ratio is its
+two DoRA phases' mean over its two plain phases' (a drift of the machine's load within a
+round cancels to first order), and the figure is the median of the rounds' ratios.
+
+On a shared machine whose load exceeds its cores, run with ``OMP_NUM_THREADS=1``: two
+OpenMP threads that wait for each other at every barrier while other processes hold the
+cores ran 30-50x slower here (2 cores, load 13), which no ratio survives.
 """
 
 from __future__ import annotations
@@ -91,21 +96,27 @@ def main() -> None:
         return time.perf_counter() - start
 
     rates: dict[str, list[float]] = {"plain": [], "dora": []}
+    ratios = []
     seed = 1
     for r in range(args.rounds):
+        block: dict[str, list[float]] = {"plain": [], "dora": []}
         for kind in ("plain", "dora", "dora", "plain"):
             run(kind, 1, 0)  # puts the set on the device (untimed)
             seed += 1
             full, first = run(kind, args.new_tokens, seed), run(kind, 1, seed + 1000)
             rate = args.adapters * (args.new_tokens - 1) / (full - first)
             rates[kind].append(rate)
+            block[kind].append(rate)
             print(f"round {r} {kind:5s}: {rate:8.1f} decode tokens/s "
                   f"({full:.2f} s for {args.new_tokens} tokens, {first:.2f} s for 1)")
+        ratios.append(statistics.mean(block["dora"]) / statistics.mean(block["plain"]))
+        print(f"round {r}: DoRA / plain = {ratios[-1]:.3f}")
     plain_rate, dora_rate = (statistics.median(rates[k]) for k in ("plain", "dora"))
-    ratio = dora_rate / plain_rate
     print(f"{args.adapters} distinct adapters, rank 8, all seven targets: plain "
           f"{plain_rate:.1f}, DoRA {dora_rate:.1f} decode tokens/s (medians of "
-          f"{len(rates['plain'])}); DoRA / plain = {ratio:.3f} (target >= {TARGET})")
+          f"{len(rates['plain'])}); DoRA / plain = {statistics.median(ratios):.3f}, the "
+          f"median of the rounds' {', '.join(f'{x:.3f}' for x in ratios)} "
+          f"(target >= {TARGET})")
 
 
 if __name__ == "__main__":
