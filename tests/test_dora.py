@@ -261,3 +261,22 @@ def test_dora_over_a_quantized_base_is_refused(tiny_llama, adapters):
     assert str(adapters["dora"]) in str(refused.value)
     engine.add_adapter("plain", adapters["plain"])
     assert [a.name for a in engine.list_adapters()] == ["plain"]
+
+
+def test_a_dora_adapter_given_as_tensors_is_served(tiny_llama, adapters):
+    """``add_adapter(tensors=..., config=...)`` with PEFT's own state dict of a DoRA model
+    (``get_peft_model_state_dict``: the magnitudes' names as PEFT saves them) serves DoRA,
+    equal to PEFT."""
+    from peft import get_peft_model_state_dict
+
+    model = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32), adapters["dora"])
+    tensors = get_peft_model_state_dict(model)
+    assert any(k.endswith("lora_magnitude_vector") for k in tensors)
+    engine = LLMEngine(model=tiny_llama, dtype="float32", max_lora_rank=16, max_model_len=128)
+    engine.add_adapter("up", tensors=tensors, config=model.peft_config["default"])
+    prompt = PROMPTS[1]
+    out = engine.generate([prompt], greedy(), adapters=["up"])[0]
+    tokens, logprobs = peft_run(tiny_llama, adapters["dora"], prompt)
+    assert out.token_ids == tokens
+    assert [lp.logprob for lp in out.logprobs] == pytest.approx(logprobs, abs=2e-3)
