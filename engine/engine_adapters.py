@@ -14,6 +14,7 @@ from ..kernel_backends import intra_op
 from ..lora.cache import AdapterCache
 from ..lora.cached_adapter import AdapterInfo
 from ..lora.peft_format import (
+    AdapterError,
     AdapterMeta,
     BaseShapes,
     LoRAWeights,
@@ -115,6 +116,7 @@ class EngineAdapters:
                 weights = self.read_adapter(path, name)
             meta = weights.meta if weights is not None else inspect_peft_adapter(
                 path, self.base_shapes, self.config.max_lora_rank, name, self.lora_dtype)
+            self._check_dora(meta)
             return self.lora.register(name, meta, replace=replace, pin=pin,
                                       preloaded=preloaded, weights=weights, owned=owned,
                                       version=version)
@@ -122,6 +124,14 @@ class EngineAdapters:
             if owned:
                 self.uploads.discard(path)
             raise
+
+    def _check_dora(self, meta: AdapterMeta) -> None:
+        """A DoRA adapter needs the base's float weights (their row norms): refused over a
+        quantized base, naming the adapter."""
+        if meta.use_dora and not self.slot_buffers.serves_dora:
+            raise AdapterError(f"{meta.files.label()}: DoRA (use_dora=true) is not served "
+                               "over a quantized base model (its weight norms need the float "
+                               "weights); serve the float base, or merge the adapter")
 
     def remove_adapter(self, name: str) -> None:
         self.lora.remove(name)

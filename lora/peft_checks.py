@@ -34,11 +34,12 @@ ALL_NAMES = tuple(MODULE_PARENT)  # every module name some family's adapters may
 ALL_LINEAR = "all-linear"
 SUPPORTED = (f"supported target modules: {', '.join(LORA_TARGETS)} (Phi-3: "
              f"{', '.join(FUSED_TARGETS)})")
-SERVES = ("loraplex serves plain LoRA, rsLoRA and activated LoRA (alora_invocation_tokens) on "
-          "the linear layers of the decoder")
+SERVES = ("loraplex serves plain LoRA, rsLoRA, DoRA and activated LoRA "
+          "(alora_invocation_tokens) on the linear layers of the decoder")
 # PEFT's variants the engine serves: aLoRA is plain LoRA applied from its invocation on
-# (engine/activation.py finds where; the ModelRunner gives earlier tokens the base path)
-_SERVED_VARIANTS = ("alora_invocation_tokens",)
+# (engine/activation.py finds where; the ModelRunner gives earlier tokens the base path);
+# ``use_dora``: lora/dora_gains.py
+_SERVED_VARIANTS = ("alora_invocation_tokens", "use_dora")
 # Config fields that change the forward pass beyond `scaling * (B(A(x)) + b)` (b: lora_B's
 # bias, ``lora_bias=True``), besides the ones PEFT
 # itself tags as LoRA variants (DoRA, aLoRA, KaSA, ...; see `_active_variants`).
@@ -49,7 +50,8 @@ _UNSERVABLE_FIELDS = {
 }
 
 Plan = dict[tuple[int, str], tuple[int, float]]  # (layer, module) -> (r, alpha)
-# (layer, module) -> {"A": key, "B": key[, "b": key of lora_B's bias (lora_bias)]}
+# (layer, module) -> {"A": key, "B": key[, "b": key of lora_B's bias (lora_bias)]
+#                      [, "m": key of DoRA's magnitude vector (use_dora)]}
 TensorKeys = dict[tuple[int, str], dict[str, str]]
 Header = dict[str, tuple[str, tuple[int, ...]]]  # tensor name -> (safetensors dtype, shape)
 FLOAT_DTYPES = ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2")  # read as float32
@@ -96,7 +98,7 @@ def check_servable(config: LoraConfig, where: str | Path) -> None:
     if variants:
         name = variants[0]
         raise AdapterError(f"{where}: the LoRA variant {name}={getattr(config, name)!r} is not "
-                           f"supported (DoRA and other variants change the forward pass); {SERVES}")
+                           f"supported (it changes the forward pass); {SERVES}")
     for name, what in _UNSERVABLE_FIELDS.items():
         if getattr(config, name, None):
             raise AdapterError(f"{where}: {what} is not supported; {SERVES}")
@@ -129,6 +131,8 @@ def _active_variants(config: LoraConfig) -> list[str]:
     for f in dataclasses.fields(config):
         value = getattr(config, f.name, None)
         flagged = bool(f.metadata.get("is_lora_variant") and value)
+        if f.name in _SERVED_VARIANTS:
+            continue
         if flagged or value in f.metadata.get("lora_variants", ()):  # init_lora_weights="mica"
             active.append(f.name)
     return active
@@ -248,16 +252,22 @@ def parse_name(tensor: str, where: str | Path) -> tuple[int, str, str, str | Non
         raise AdapterError(f"{where}: tensor {tensor!r} adapts {module!r}, which the engine "
                            f"cannot wrap; {SUPPORTED}")
     bias = kind == "lora_B" and rest[-1:] == ["bias"]  # lora_bias=True: lora_B's bias
-    if kind not in ("lora_A", "lora_B") or (rest[-1:] != ["weight"] and not bias) \
-            or len(rest) > 2:
-        raise AdapterError(f"{where}: tensor {tensor!r} is not a lora_A / lora_B weight nor "
-                           "lora_B's bias (DoRA magnitudes are not supported)")
+    # DoRA's magnitude: PEFT saves ``<module>.lora_magnitude_vector`` (no ``.weight``)
+    magnitude = kind == "lora_magnitude_vector" and rest[-1:] in ([], ["weight"])
+    if magnitude and rest[-1:] == []:
+        rest = [*rest, "weight"]
+    if kind not in ("lora_A", "lora_B", "lora_magnitude_vector") \
+            or (rest[-1:] != ["weight"] and not bias) or len(rest) > 2 \
+            or (kind == "lora_magnitude_vector" and not magnitude):
+        raise AdapterError(f"{where}: tensor {tensor!r} is not a lora_A / lora_B weight, "
+                           "lora_B's bias nor a DoRA magnitude vector")
     path = parts[:i]
     if len(path) < 4 or path[-4] != "layers" or not path[-3].isdigit() \
             or path[-2] != MODULE_PARENT[module]:
         raise AdapterError(f"{where}: tensor {tensor!r} is not under layers.<i>."
                            f"{MODULE_PARENT[module]}.{module} of the decoder")
-    return int(path[-3]), module, "b" if bias else kind[-1], rest[0] if len(rest) == 2 else None
+    half = "b" if bias else "m" if magnitude else kind[-1]
+    return int(path[-3]), module, half, rest[0] if len(rest) == 2 else None
 
 
 def check_pairs(keys: TensorKeys, plan: Plan, num_layers: int, where: str | Path) -> None:
@@ -267,7 +277,7 @@ def check_pairs(keys: TensorKeys, plan: Plan, num_layers: int, where: str | Path
         if layer >= num_layers:
             raise AdapterError(f"{where}: tensor {some!r} is for layer {layer}, but the base model "
                                f"has {num_layers} layers (0..{num_layers - 1})")
-        for have, lack in (("A", "B"), ("B", "A"), ("b", "B")):
+        for have, lack in (("A", "B"), ("B", "A"), ("b", "B"), ("m", "B")):
             if have in ab and lack not in ab:
                 raise AdapterError(f"{where}: tensor {ab[have]!r} has no matching lora_{lack}; "
                                    "every module needs both lora_A and lora_B")
@@ -279,12 +289,13 @@ def check_pairs(keys: TensorKeys, plan: Plan, num_layers: int, where: str | Path
 
 def check_shapes(header: Header, keys: TensorKeys, plan: Plan,
                  modules: dict[str, tuple[int, int]], where: str | Path) -> None:
-    """A is [r, in], B is [out, r] and lora_B's bias (if any) is [out], with r from the
-    config and (in, out) from the base."""
+    """A is [r, in], B is [out, r], lora_B's bias and DoRA's magnitude (if any) are [out],
+    with r from the config and (in, out) from the base."""
     for (layer, module), ab in sorted(keys.items()):
         r = plan[(layer, module)][0]
         d_in, d_out = modules[module]
-        for half, want in (("A", (r, d_in)), ("B", (d_out, r)), ("b", (d_out,))):
+        for half, want in (("A", (r, d_in)), ("B", (d_out, r)), ("b", (d_out,)),
+                           ("m", (d_out,))):
             if half not in ab:
                 continue
             found = header[ab[half]][1]
@@ -303,6 +314,20 @@ def check_biases(keys: TensorKeys, lora_bias: bool, where: str | Path) -> None:
         if "b" in ab:
             raise AdapterError(f"{where}: tensor {ab['b']!r} is a bias of lora_B, but "
                                "adapter_config.json has lora_bias=false")
+
+
+def check_magnitudes(keys: TensorKeys, use_dora: bool, where: str | Path) -> None:
+    """DoRA (``use_dora=True``): every module has its magnitude vector (PEFT saves one per
+    adapted module; without it the weight's direction has no length); without DoRA none
+    (PEFT would not read it)."""
+    for (layer, module), ab in sorted(keys.items()):
+        if use_dora and "m" not in ab:
+            raise AdapterError(f"{where}: {module_key(layer, module)} has no "
+                               "lora_magnitude_vector, but adapter_config.json has "
+                               "use_dora=true (DoRA needs one per adapted module)")
+        if not use_dora and "m" in ab:
+            raise AdapterError(f"{where}: tensor {ab['m']!r} is a DoRA magnitude vector, but "
+                               "adapter_config.json has use_dora=false")
 
 
 def check_dtypes(header: Header, keys: TensorKeys, where: str | Path) -> None:

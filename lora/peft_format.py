@@ -50,6 +50,7 @@ from .peft_checks import (
     AdapterError,
     check_biases,
     check_dtypes,
+    check_magnitudes,
     check_pairs,
     check_servable,
     check_shapes,
@@ -160,6 +161,11 @@ class AdapterMeta:
     def files(self) -> AdapterFiles:
         return AdapterFiles(self.path, self.root, self.shown)
 
+    @property
+    def use_dora(self) -> bool:
+        """A DoRA adapter (``use_dora=True``): every module has a magnitude vector."""
+        return bool(self.layout.mag_at)
+
 
 @dataclass
 class LoRAWeights:
@@ -173,6 +179,9 @@ class LoRAWeights:
     biases: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)
     # its own embedding and head rows (None: the base's; lora/token_rows.py)
     tokens: TokenRows | None = None
+    # (layer_idx, "q_proj") -> DoRA's magnitude vector [out], float32 (``use_dora=True``;
+    # empty otherwise)
+    magnitudes: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)
 
     name = property(lambda self: self.meta.name)
     path = property(lambda self: self.meta.path)
@@ -205,6 +214,7 @@ def inspect_peft_adapter(path: str | Path, base: BaseShapes, max_lora_rank: int,
     check_pairs(keys, plan, base.num_layers, weights_file)
     check_shapes(header.tensors, keys, plan, base.modules, weights_file)
     check_biases(keys, bool(config.lora_bias), weights_file)
+    check_magnitudes(keys, bool(config.use_dora), weights_file)
     check_dtypes(header.tensors, keys, weights_file)
     layout = TensorLayout.of(header, keys, plan, base.modules, bool(config.use_rslora))
     tokens = None
@@ -247,23 +257,25 @@ def read_peft_adapter(path: str | Path, base: BaseShapes, max_lora_rank: int,
     elif name != meta.name or shown != meta.shown:
         meta = dataclasses.replace(meta, name=name, shown=shown)
     try:
-        layers, biases = _load(meta)
+        layers, biases, magnitudes = _load(meta)
     except StaleLayout:  # the weights changed since ``meta``: once more, from the top
         meta = inspect_peft_adapter(path, base, max_lora_rank, name, dtype, root=root,
                                     shown=shown)
-        layers, biases = _load(meta)
+        layers, biases, magnitudes = _load(meta)
     check_bounds(meta.name, layers, dtype)
     if meta.tokens is None:
-        return LoRAWeights(meta, layers, biases)
+        return LoRAWeights(meta, layers, biases, magnitudes=magnitudes)
     tokens = meta.tokens.read(meta.files, dtype)
     # A and B are views of the whole data section, token tensors included: hold copies of
     # their own, so that host memory holds the token rows once (``size_bytes``)
     layers = {p: (a.clone(), b.clone()) for p, (a, b) in layers.items()}
     biases = {p: b.clone() for p, b in biases.items()}
-    return LoRAWeights(meta, layers, biases, tokens)
+    magnitudes = {p: m.clone() for p, m in magnitudes.items()}
+    return LoRAWeights(meta, layers, biases, tokens, magnitudes)
 
 
 def _load(meta: AdapterMeta) -> tuple[dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]],
+                                      dict[tuple[int, str], torch.Tensor],
                                       dict[tuple[int, str], torch.Tensor]]:
     files = meta.files
     return meta.layout.load_all(files, lambda: index_tensors(

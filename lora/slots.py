@@ -18,6 +18,12 @@ class SlotBuffers:
         """Device bytes of one rank row across every pool: what rank r costs, × r."""
         return sum(layer.pool_bytes_per_row() for layer in self.layers.values())
 
+    @property
+    def serves_dora(self) -> bool:
+        """Every layer's base has a float weight, whose row norms DoRA needs (a quantized
+        base has none)."""
+        return all(layer.weight_sq is not None for layer in self.layers.values())
+
     def pool_tensors(self) -> list[torch.Tensor]:
         """Every slot-buffer view of every pool (a pool's storage is shared by its views)."""
         return [t for layer in self.layers.values() for t in (*layer.lora_a, *layer.lora_b)]
@@ -29,7 +35,9 @@ class SlotBuffers:
                          if (idx, name) in weights.layers}
             biases = {name: weights.biases[(idx, name)] for name in layer.slices
                       if (idx, name) in weights.biases}
-            layer.set_slot(slot, per_slice, biases)
+            magnitudes = {name: weights.magnitudes[(idx, name)] for name in layer.slices
+                          if (idx, name) in weights.magnitudes} if weights.meta.use_dora else None
+            layer.set_slot(slot, per_slice, biases, magnitudes)
 
     @torch.inference_mode()
     def clear(self, slot: int) -> None:

@@ -9,7 +9,9 @@ value is finite (only a non-finite sum looks further, to name the tensor), the B
 multiplied by their scaling in place (one call), and, for another held dtype, one
 conversion of the buffer (the scaling is applied in float32 first, so the values held are
 float32's rounded once: what copying float32 into that pool would give). lora_B's biases
-(``lora_bias=True``) are read the same way and scaled with their B (``load_all``).
+(``lora_bias=True``) are read the same way and scaled with their B (``load_all``); DoRA's
+magnitude vectors (``use_dora=True``) are read the same way, not scaled, and held in
+float32 whatever the held dtype (``load_all``).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from .peft_files import ITEMSIZE, WEIGHTS_NAME, ContentKey, SafetensorsHeader, c
 Pair = tuple[int, str]  # (layer, module)
 Layers = dict[Pair, tuple[torch.Tensor, torch.Tensor]]  # -> (A [r, in], B [out, r])
 Biases = dict[Pair, torch.Tensor]  # -> lora_B's bias [out] (lora_bias), scaled like B
+Magnitudes = dict[Pair, torch.Tensor]  # -> DoRA's magnitude [out] (use_dora), float32
 
 _PAIRS: dict[Pair, Pair] = {}  # one tuple per (layer, module) seen, held by every layout
 TORCH_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
@@ -47,12 +50,15 @@ class TensorLayout:
     a_at: array  # 'q', per pair
     b_at: array  # 'q', per pair
     scales: array  # 'd', per pair
-    dtypes: tuple[str, ...]  # the file's one dtype, or (A's, B's[, bias's]) of every pair
+    dtypes: tuple[str, ...]  # the file's one dtype, or (A's, B's[, bias's][, magnitude's])
+    # of every pair
     data_start: int
     data_bytes: int
     header: ContentKey  # of the header this layout was built from
     bias_at: array = field(default_factory=lambda: array("q"))  # 'q', per pair (-1: none);
     # empty when no pair has a bias
+    mag_at: array = field(default_factory=lambda: array("q"))  # 'q', per pair: DoRA's
+    # magnitude vector; empty for an adapter without DoRA (with it, every pair has one)
 
     @classmethod
     def of(cls, header: SafetensorsHeader, keys: TensorKeys, plan: Plan,
@@ -64,9 +70,10 @@ class TensorLayout:
             at[name] = offset
             offset += ITEMSIZE[dtype] * math.prod(shape)
         pairs = [_PAIRS.setdefault(p, p) for p in sorted(keys)]  # shared by every adapter
-        per_tensor = [header.tensors[keys[p][h]][0] for p in pairs for h in "ABb"
+        per_tensor = [header.tensors[keys[p][h]][0] for p in pairs for h in "ABbm"
                       if h in keys[p]]
         biased = any("b" in keys[p] for p in pairs)
+        dora = any("m" in keys[p] for p in pairs)
         return cls(
             ranks={p: plan[p][0] for p in pairs}, dims=dims,
             a_at=array("q", [at[keys[p]["A"]] for p in pairs]),
@@ -75,15 +82,18 @@ class TensorLayout:
             dtypes=tuple(per_tensor) if len(set(per_tensor)) > 1 else (per_tensor[0],),
             data_start=header.data_start, data_bytes=offset, header=header.key,
             bias_at=array("q", [at[keys[p]["b"]] if "b" in keys[p] else -1 for p in pairs]
-                          if biased else []))
+                          if biased else []),
+            mag_at=array("q", [at[keys[p]["m"]] for p in pairs] if dora else []))
 
     def held_bytes(self, dtype: torch.dtype = torch.float32) -> int:
-        """Bytes of A and B (and lora_B's biases) as ``load_all`` returns them in ``dtype``."""
+        """Bytes of A and B (and lora_B's biases) as ``load_all`` returns them in ``dtype``,
+        and of DoRA's magnitudes (float32)."""
         itemsize = torch.empty(0, dtype=dtype).element_size()
         biases = sum(self.dims[m][1] for ((_, m), at) in zip(self.ranks, self.bias_at)
                      if at >= 0)
+        magnitudes = sum(self.dims[m][1] for (_, m) in self.ranks) if self.mag_at else 0
         return itemsize * (sum(r * sum(self.dims[m]) for (_, m), r in self.ranks.items())
-                           + biases)
+                           + biases) + 4 * magnitudes
 
     def load(self, files: AdapterFiles, names: Callable[[], TensorKeys],
              dtype: torch.dtype = torch.float32) -> Layers:
@@ -91,8 +101,9 @@ class TensorLayout:
         return self.load_all(files, names, dtype)[0]
 
     def load_all(self, files: AdapterFiles, names: Callable[[], TensorKeys],
-                 dtype: torch.dtype = torch.float32) -> tuple[Layers, Biases]:
-        """Read A and B and lora_B's biases (B scaled in float32, both then held in ``dtype``) from the
+                 dtype: torch.dtype = torch.float32) -> tuple[Layers, Biases, Magnitudes]:
+        """Read A and B and lora_B's biases (B scaled in float32, both then held in ``dtype``)
+        and DoRA's magnitudes (float32) from the
         adapter's safetensors file (opened confined: ``files.open``); ``names`` gives the
         tensor names for an error message. StaleLayout if the file's header is no longer
         the one this layout was built from."""
@@ -105,21 +116,27 @@ class TensorLayout:
             flat = raw.view(stored).to(stored if stored == dtype else torch.float32)
             size = ITEMSIZE[self.dtypes[0]]
             layers, biases = self._views(flat, size)
+            magnitudes = {pair: flat.as_strided((self.dims[pair[1]][1],), (1,), at // size)
+                          .to(torch.float32, copy=True)
+                          for pair, at in zip(self.ranks, self.mag_at)}
         else:
-            flat, size, (layers, biases) = None, 0, self._convert_each(raw)
+            flat, size, (layers, biases, magnitudes) = None, 0, self._convert_each(raw)
         if not torch.isfinite(flat.sum(dtype=torch.float32) if flat is not None else  # one pass
                               torch.stack([t.sum() for ab in layers.values() for t in ab]
-                                          + [t.sum() for t in biases.values()]).sum()):
+                                          + [t.sum() for t in biases.values()]
+                                          + [t.sum() for t in magnitudes.values()]).sum()):
             self._name_nonfinite(layers, biases, path, names)
+            self._name_nonfinite({}, magnitudes, path, names, vectors="m")
         if any(s != 1.0 for s in self.scales):
             torch._foreach_mul_([b for _, b in layers.values()], list(self.scales))
             if biases:
                 scale = dict(zip(self.ranks, self.scales))
                 torch._foreach_mul_(list(biases.values()), [scale[p] for p in biases])
         if flat is not None:
-            return (layers, biases) if flat.dtype == dtype else self._views(flat.to(dtype), size)
+            return (*((layers, biases) if flat.dtype == dtype
+                      else self._views(flat.to(dtype), size)), magnitudes)
         return ({pair: (a.to(dtype), b.to(dtype)) for pair, (a, b) in layers.items()},
-                {pair: b.to(dtype) for pair, b in biases.items()})
+                {pair: b.to(dtype) for pair, b in biases.items()}, magnitudes)
 
     def _views(self, flat: torch.Tensor, size: int) -> tuple[Layers, Biases]:
         """A and B (and biases) as views of ``flat``, the data section as one tensor of a
@@ -149,22 +166,25 @@ class TensorLayout:
                                f"corrupt?): {done} of {self.data_bytes} data bytes")
         return raw
 
-    def _convert_each(self, raw: torch.Tensor) -> tuple[Layers, Biases]:
+    def _convert_each(self, raw: torch.Tensor) -> tuple[Layers, Biases, Magnitudes]:
         """A file that mixes dtypes: each tensor from its bytes to its own float32 tensor."""
-        layers, biases, dtypes = {}, {}, iter(self.dtypes)
+        layers, biases, magnitudes, dtypes = {}, {}, {}, iter(self.dtypes)
         bias_at = self.bias_at or array("q", [-1] * len(self.ranks))
-        for (pair, r), a_at, b_at, c_at in zip(self.ranks.items(), self.a_at, self.b_at,
-                                               bias_at):
+        mag_at = self.mag_at or array("q", [-1] * len(self.ranks))
+        for (pair, r), a_at, b_at, c_at, m_at in zip(self.ranks.items(), self.a_at, self.b_at,
+                                                     bias_at, mag_at):
             d_in, d_out = self.dims[pair[1]]
             a = _tensor(raw, a_at, next(dtypes), (r, d_in))
             layers[pair] = (a, _tensor(raw, b_at, next(dtypes), (d_out, r)))
             if c_at >= 0:
                 biases[pair] = _tensor(raw, c_at, next(dtypes), (d_out, 1)).view(d_out)
-        return layers, biases
+            if m_at >= 0:
+                magnitudes[pair] = _tensor(raw, m_at, next(dtypes), (d_out, 1)).view(d_out)
+        return layers, biases, magnitudes
 
     @staticmethod
     def _name_nonfinite(layers: Layers, biases: Biases, path: str,
-                        names: Callable[[], TensorKeys]) -> None:
+                        names: Callable[[], TensorKeys], vectors: str = "b") -> None:
         """AdapterError naming the first tensor with a NaN or Inf (a sum can also overflow
         to Inf on finite values: then there is none, and nothing is raised)."""
         for pair, ab in layers.items():
@@ -172,9 +192,9 @@ class TensorLayout:
                 if not torch.isfinite(t).all():
                     raise AdapterError(f"{path}: tensor {names()[pair][half]!r} holds NaN or "
                                        "Inf values; all LoRA weights must be finite")
-        for pair, bias in biases.items():
-            if not torch.isfinite(bias).all():
-                raise AdapterError(f"{path}: tensor {names()[pair]['b']!r} holds NaN or "
+        for pair, vector in biases.items():  # lora_B's biases, or (vectors "m") magnitudes
+            if not torch.isfinite(vector).all():
+                raise AdapterError(f"{path}: tensor {names()[pair][vectors]!r} holds NaN or "
                                    "Inf values; all LoRA weights must be finite")
 
 

@@ -159,9 +159,11 @@ def make_adapter(
     layers_to_transform: list[int] | None = None,
     scale: float = 0.15,
     lora_bias: bool = False,
+    use_dora: bool = False,
 ) -> Path:
     """Save a real PEFT LoRA adapter for ``base_dir`` with random (non-zero) A and B (and
-    lora_B's biases, with ``lora_bias``)."""
+    lora_B's biases, with ``lora_bias``; with ``use_dora``, DoRA's magnitudes: PEFT's own,
+    the base's row norms, each times a random 1 ± ``scale``)."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
@@ -179,12 +181,15 @@ def make_adapter(
         lora_dropout=0.0,
         bias="none",
         lora_bias=lora_bias,
+        use_dora=use_dora,
         task_type="CAUSAL_LM",
     )
     model = get_peft_model(base, config)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "lora_" in name:
+            if "lora_magnitude_vector" in name:
+                p.mul_(1.0 + scale * torch.randn_like(p))
+            elif "lora_" in name:
                 p.normal_(0.0, scale)
     model.save_pretrained(out_dir)
     return out_dir

@@ -113,7 +113,8 @@ TENSOR_REFUSALS = {  # safetensors edits -> fragment of the message (all name th
     "full_weight": (lambda t: _put(t, "base_model.model.lm_head.weight", torch.ones(384, 64)),
                     "'base_model.model.lm_head.weight' is not a LoRA weight"),
     "dora_magnitude": (lambda t: _put(t, f"{Q0}.lora_magnitude_vector", torch.ones(64)),
-                       "is not a lora_A / lora_B weight"),
+                       (f"'{Q0}.lora_magnitude_vector' is a DoRA magnitude vector, but "
+                        "adapter_config.json has use_dora=false")),
     "int_dtype": (lambda t: _put(t, f"{Q0}.lora_A.weight", torch.ones(8, 64, dtype=torch.int32)),
                   "must be floating point"),
     "mixed_names": (lambda t: _put(t, f"{Q0}.lora_A.other.weight", t.pop(f"{Q0}.lora_A.weight")),
