@@ -4,7 +4,7 @@ the torch twin, on SmolLM2-135M's linear shapes and Llama-3.2-1B's (hidden 2048,
 intermediate 8192, 32 query and 8 KV heads of 64).
 
     python -m loraplex.benchmarks.quantized_cpu_kernels [--models smollm2 llama1b]
-        [--rows 1 32] [--dtype bfloat16 float32]
+        [--rows 1 8 32 128 512] [--dtype bfloat16 float32]
         [--formats Q4_0 Q4_1 Q8_0 int8 int4 Q4_K Q5_K Q6_K]
         [--isa avx512] [--rounds 5] [--threads N] [--no-twin] [--cold]
 
@@ -77,8 +77,7 @@ def measure(shape: tuple[int, int], fmt: str, rows: int, dtype: torch.dtype, rou
                                      None if qw.zeros is None else qw.zeros.clone())
                      for _ in range(n - 1)]
     calls = [("base", Cycle(lambda w: F.linear(x, w), floats)),
-             ("kernel", Cycle(lambda w: kernels.quantized_linear(ext, x, w, isa=isa,
-                                                                 max_rows=1 << 30), quants))]
+             ("kernel", Cycle(lambda w: kernels.quantized_linear(ext, x, w, isa=isa), quants))]
     if twin:
         calls.append(("twin", lambda: twin_linear(x, qw)))
     for r in range(rounds):
@@ -91,7 +90,7 @@ def measure(shape: tuple[int, int], fmt: str, rows: int, dtype: torch.dtype, rou
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
-    ap.add_argument("--rows", type=int, nargs="+", default=[1, 32])
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 128, 512])
     ap.add_argument("--dtype", nargs="+", default=["bfloat16", "float32"])
     ap.add_argument("--formats", nargs="+", default=FORMATS)
     ap.add_argument("--isa", default="", help="the kernel path (default: this CPU's fastest)")
