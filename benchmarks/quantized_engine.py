@@ -5,7 +5,7 @@ one sequence and decode of a batch.
 
     python -m loraplex.benchmarks.quantized_engine [--models smollm2 llama1b]
         [--quantization int4 int8] [--prompt 512] [--batch 32] [--steps 16] [--rounds 3]
-        [--llama1b-layers 4] [--dtype bfloat16]
+        [--llama1b-layers 4] [--dtype bfloat16] [--threads N] [--clock wall|cpu]
 
 The models are random Llama checkpoints with SmolLM2-135M's shapes (30 layers of hidden
 576, intermediate 1536, 9 query / 3 KV heads of 64, vocabulary 49152) and Llama-3.2-1B's
@@ -22,6 +22,9 @@ and the first step's prefill cancel):
 Rounds alternate the order of the engines (float first, then quantized; then the
 reverse); the table gives each figure's median over rounds and float / quantized (above 1:
 quantized is faster). The first line names the ISA, kernel path, dtype and threads.
+``--clock cpu`` (with ``--threads 1``) times by the process's CPU time (every thread's: the
+engine's loop runs on a thread of its own), so that other processes on a shared host are
+not charged.
 """
 
 from __future__ import annotations
@@ -29,11 +32,13 @@ from __future__ import annotations
 import argparse
 import statistics
 import tempfile
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from .common import machine_line, random_prompts, timed
+from .common import machine_line, random_prompts
 
 SHAPES = {
     "smollm2": {"hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
@@ -63,14 +68,17 @@ def write_model(root: Path, name: str, layers: int | None) -> Path:
     return out
 
 
-def figures(engine, vocab: int, prompt: int, batch: int, steps: int) -> dict[str, float]:
+def figures(engine, vocab: int, prompt: int, batch: int, steps: int,
+            clock: Callable[[], float] = time.perf_counter) -> dict[str, float]:
     """Seconds: prefill of one ``prompt``-token prompt; a decode step at batch 1 and at
     ``batch``."""
     from .. import SamplingParams
 
     def run(prompts: list[list[int]], new: int) -> float:
         params = SamplingParams(temperature=0.0, max_new_tokens=new, ignore_eos=True)
-        return timed(lambda: engine.generate(prompts, params))[0]
+        start = clock()
+        engine.generate(prompts, params)
+        return clock() - start
 
     long = random_prompts(1, prompt, vocab, seed=1)
     short1 = random_prompts(1, 16, vocab, seed=2)
@@ -92,12 +100,18 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--llama1b-layers", type=int, default=4)
+    ap.add_argument("--threads", type=int, default=0, help="torch's threads (0: its default)")
+    ap.add_argument("--clock", default="wall", choices=["wall", "cpu"])
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
     from .. import LLMEngine
     from ..kernel_backends.cpu import extension
     from ..kernel_backends.cpu import quantized_linear as kernels
 
-    print(machine_line(f"quantized {kernels.isas(extension.load())[0]}", args.dtype))
+    print(machine_line(f"quantized {kernels.isas(extension.load())[0]}", args.dtype)
+          + f", many bf16 rows: {kernels.many_rows_route()}, clock {args.clock}")
     print("| model | quantization | figure | float ms | quantized ms | float / quantized |")
     print("| --- | --- | --- | ---: | ---: | ---: |")
     with tempfile.TemporaryDirectory() as tmp:
@@ -118,7 +132,7 @@ def main() -> None:
                 order = list(engines) if r % 2 == 0 else list(engines)[::-1]
                 for q in order:
                     got[q].append(figures(engines[q], vocab, args.prompt, args.batch,
-                                          args.steps))
+                                          args.steps, clock))
             for q in args.quantization:
                 for fig in got["none"][0]:
                     base = statistics.median(g[fig] for g in got["none"])
