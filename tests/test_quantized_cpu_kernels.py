@@ -128,13 +128,16 @@ def test_kernel_equals_twin(ext, isa: str, name: str, rows: int, dtype: torch.dt
 @pytest.mark.parametrize("name", ["int8", "Q4_1"])
 def test_int8_rows_not_a_multiple_of_32_and_batched_shapes(ext, isa: str, name: str) -> None:
     """int8 takes any in_features (a tail after the last 32-weight chunk); x of any
-    leading shape."""
+    leading shape; 6 rows (chunks decoded in registers) and 40 (decoded columns), float32
+    and bfloat16."""
     inp = 200 if name == "int8" else 96
     weight = make_weight(name, 45, inp, seed=2)
-    x = torch.randn(2, 3, inp)
-    y = kernels.quantized_linear(ext, x, weight, isa=isa)
-    assert y.shape == (2, 3, 45)
-    check(y, x, weight, None)
+    for lead in ((2, 3), (5, 8)):
+        for dtype in (torch.float32, torch.bfloat16):
+            x = torch.randn(*lead, inp).to(dtype)
+            y = kernels.quantized_linear(ext, x, weight, isa=isa)
+            assert y.shape == (*lead, 45)
+            check(y, x, weight, None)
 
 
 @pytest.mark.parametrize("name", FORMATS)
