@@ -158,8 +158,8 @@ def test_a_rows_result_does_not_depend_on_its_batch(ext, isa: str, name: str,
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_row_alone_equals_the_row_among_up_to_200(ext, isa: str, name: str,
                                                      dtype: torch.dtype) -> None:
-    """Few rows decode each chunk in registers, many rows (16 on) read a tile of decoded
-    columns: a row's result is the same bits either way, among 1 .. 200 rows, at any
+    """Few rows decode each chunk in registers, many rows (kScratchRows on) read a tile of
+    decoded columns: a row's result is the same bits either way, among 1 .. 200 rows, at any
     place in the call."""
     weight = make_weight(name, 35, 512, seed=2)
     gen = torch.Generator().manual_seed(7)
@@ -168,8 +168,8 @@ def test_a_row_alone_equals_the_row_among_up_to_200(ext, isa: str, name: str,
     alone = torch.cat([kernels.quantized_linear(ext, x[i:i + 1], weight, bias, isa=isa)
                        for i in range(200)])
     check(alone, x, weight, bias)
-    for first, count in ((0, 2), (3, 15), (0, 16), (5, 17), (40, 33), (11, 64), (1, 199),
-                         (0, 200)):
+    for first, count in ((0, 2), (0, 7), (2, 8), (9, 9), (3, 15), (0, 16), (5, 17), (40, 33),
+                         (11, 64), (1, 199), (0, 200)):
         got = kernels.quantized_linear(ext, x[first:first + count], weight, bias, isa=isa)
         assert torch.equal(got, alone[first:first + count]), (first, count)
 
