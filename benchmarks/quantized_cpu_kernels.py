@@ -4,9 +4,10 @@ the torch twin, on SmolLM2-135M's linear shapes and Llama-3.2-1B's (hidden 2048,
 intermediate 8192, 32 query and 8 KV heads of 64).
 
     python -m loraplex.benchmarks.quantized_cpu_kernels [--models smollm2 llama1b]
-        [--rows 1 32] [--dtype bfloat16 float32]
+        [--rows 1 8 32 128 512] [--dtype bfloat16 float32]
         [--formats Q4_0 Q4_1 Q8_0 int8 int4 Q4_K Q5_K Q6_K]
         [--isa avx512] [--rounds 5] [--threads N] [--no-twin] [--cold]
+        [--baseline linear|panels] [--clock wall|thread]
 
 Run it in a fresh process: the baseline (F.linear) is timed first, then the kernel, then
 the twin; each round flips the order (baseline, kernel, twin / twin, kernel, baseline), so
@@ -19,11 +20,20 @@ Hot (default): every call reads the same weight, which stays in cache where it f
 count. ``--cold``: each call reads the next of enough copies of the weight (float and
 quantized alike) to fill ``COLD_BYTES``, as a decode step reads every layer's weights
 once, from memory.
+
+``--baseline panels`` (bfloat16): the float baseline is the bf16 panel GEMM of
+csrc/panel_gemm_bf16.cpp (AVX512-BF16), what the float path serves on a CPU with
+AVX512-BF16 but no AMX (Zen 4), in place of ``F.linear`` (oneDNN: AMX where the CPU has
+it). ``--clock thread``: each call timed by this thread's CPU time, not the wall clock: on a
+shared host a call longer than the scheduler's slice is otherwise charged for the other
+processes' turns (use with ``--threads 1``, where every path runs on this thread).
 """
 
 from __future__ import annotations
 
 import argparse
+import time
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -34,7 +44,7 @@ from ..kernel_backends.quantized_weight import QuantizedWeight
 from ..kernel_backends.torch.quantized_linear import quantized_linear as twin_linear
 from .common import machine_line
 from .quantized_twin import SHAPES as SMOLLM2_SHAPES
-from .quantized_twin import best, quantize
+from .quantized_twin import quantize
 
 LLAMA_1B = {"qkv": (2048 + 2 * 512, 2048), "o": (2048, 2048), "gate_up": (2 * 8192, 2048),
             "down": (2048, 8192)}
@@ -55,8 +65,9 @@ class Cycle:
 
 
 def measure(shape: tuple[int, int], fmt: str, rows: int, dtype: torch.dtype, rounds: int,
-            isa: str, twin: bool = True,
-            cold: bool = False) -> tuple[float, float, float | None] | None:
+            isa: str | None, twin: bool = True, cold: bool = False, baseline: str = "linear",
+            clock: Callable[[], float] = time.perf_counter
+            ) -> tuple[float, float, float | None] | None:
     """Best seconds of F.linear, the kernel and the twin (None: not timed); None where the
     format does not fit the shape."""
     ext = extension.load()
@@ -76,39 +87,63 @@ def measure(shape: tuple[int, int], fmt: str, rows: int, dtype: torch.dtype, rou
                                      None if qw.scales is None else qw.scales.clone(),
                                      None if qw.zeros is None else qw.zeros.clone())
                      for _ in range(n - 1)]
-    calls = [("base", Cycle(lambda w: F.linear(x, w), floats)),
-             ("kernel", Cycle(lambda w: kernels.quantized_linear(ext, x, w, isa=isa,
-                                                                 max_rows=1 << 30), quants))]
+    if baseline == "panels":
+        floats = [ext.pack_panels_bf16(f) for f in floats]
+        out = shape[0]
+        calls = [("base", Cycle(lambda p: ext.panel_linear_bf16(x, p, None, out), floats))]
+    else:
+        calls = [("base", Cycle(lambda w: F.linear(x, w), floats))]
+    calls.append(("kernel", Cycle(lambda w: kernels.quantized_linear(ext, x, w, isa=isa),
+                                  quants)))
     if twin:
         calls.append(("twin", lambda: twin_linear(x, qw)))
     for r in range(rounds):
         for name, fn in (calls if r % 2 == 0 else calls[::-1]):
-            times[name].append(best(fn, 1 if name == "twin" and big else reps))
+            times[name].append(timed_best(fn, 1 if name == "twin" and big else reps, clock))
     return (min(times["base"]), min(times["kernel"]),
             min(times["twin"]) if twin else None)
+
+
+def timed_best(fn: Callable[[], object], reps: int, clock: Callable[[], float]) -> float:
+    """Best of ``reps`` calls by ``clock``, seconds."""
+    times = []
+    for _ in range(reps):
+        start = clock()
+        fn()
+        times.append(clock() - start)
+    return min(times)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
-    ap.add_argument("--rows", type=int, nargs="+", default=[1, 32])
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 128, 512])
     ap.add_argument("--dtype", nargs="+", default=["bfloat16", "float32"])
     ap.add_argument("--formats", nargs="+", default=FORMATS)
-    ap.add_argument("--isa", default="", help="the kernel path (default: this CPU's fastest)")
+    ap.add_argument("--isa", default="", help="the kernel path (default: what the backend "
+                    "serves: this CPU's fastest, or the AMX route for many bf16 rows)")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--threads", type=int, default=0,
                     help="torch's intra-op threads (0: torch's default)")
     ap.add_argument("--no-twin", action="store_true", help="leave the torch twin out")
     ap.add_argument("--cold", action="store_true",
                     help="each call reads the next of many copies of the weight (from memory)")
+    ap.add_argument("--baseline", default="linear", choices=["linear", "panels"],
+                    help="the float baseline: F.linear, or the bf16 panel GEMM (bfloat16)")
+    ap.add_argument("--clock", default="wall", choices=["wall", "thread"],
+                    help="time calls by the wall clock or by this thread's CPU time")
     args = ap.parse_args()
+    clock = time.thread_time if args.clock == "thread" else time.perf_counter
     if args.threads:
         torch.set_num_threads(args.threads)
     isa = args.isa or kernels.isas(extension.load())[0]
+    route = args.isa or None  # None: what the backend serves (the AMX rule included)
     for dtype_name in args.dtype:
         dtype = getattr(torch, dtype_name)
         print(machine_line(f"quantized {isa}", dtype_name)
-              + (", cold (weights read from memory)" if args.cold else ", hot"))
+              + (", cold (weights read from memory)" if args.cold else ", hot")
+              + f", baseline {args.baseline}, clock {args.clock}"
+              + f", many bf16 rows: {kernels.many_rows_route()}")
         print("| model | shape [out, in] | format | rows | F.linear µs | kernel µs | twin µs "
               "| F.linear / kernel | bits / weight |")
         print("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
@@ -116,8 +151,8 @@ def main() -> None:
             for name, shape in MODELS[model].items():
                 for fmt in args.formats:
                     for rows in args.rows:
-                        got = measure(shape, fmt, rows, dtype, args.rounds, isa,
-                                      not args.no_twin, args.cold)
+                        got = measure(shape, fmt, rows, dtype, args.rounds, route,
+                                      not args.no_twin, args.cold, args.baseline, clock)
                         if got is None:
                             continue
                         base, kernel, twin = got

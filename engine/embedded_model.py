@@ -48,8 +48,10 @@ def loraplex_home() -> Path:
 
 # Serve the embedded default from its own GGUF file (Q4_1 layers, Q8_0 embedding: 98 MB,
 # engine/models/gguf_model.py) instead of the float32 conversion (538 MB). Off until the
-# backends' quantized_linear is fast: on the torch twin a decode step of this model is ~25x
-# slower than the float32 one (issue 44). Flipping it is the whole switch.
+# quantized path is no slower than float for prefill and batched decode: the CPU kernels
+# take every row count but are 0.7-0.93x bf16 from 32 rows (AVX512-BF16) and 0.64-0.81x the
+# AMX float path in the engine (benchmarks/results/2026-12-06-quantized-many-rows.md; issue
+# 44). Flipping it is the whole switch.
 SERVE_DEFAULT_QUANTIZED = False
 
 

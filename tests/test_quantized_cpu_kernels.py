@@ -108,13 +108,14 @@ def check(y: torch.Tensor, x: torch.Tensor, weight: QuantizedWeight,
 
 
 @pytest.mark.parametrize("name", FORMATS)
-@pytest.mark.parametrize("rows", [1, 7, 32])
+@pytest.mark.parametrize("rows", [1, 7, 32, 77])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(37, 256), (131, 1536)])
 def test_kernel_equals_twin(ext, isa: str, name: str, rows: int, dtype: torch.dtype,
                             shape: tuple[int, int]) -> None:
-    """Every format, 1/7/32 rows, float32 and bfloat16, odd output counts, on each path;
-    a bias on the larger shape."""
+    """Every format, 1/7/32/77 rows (77: the many-row loop over decoded columns, with a
+    last block of one row), float32 and bfloat16, odd output counts, on each path; a bias
+    on the larger shape."""
     out, inp = shape
     weight = make_weight(name, out, inp, seed=rows)
     gen = torch.Generator().manual_seed(rows + out)
@@ -127,13 +128,16 @@ def test_kernel_equals_twin(ext, isa: str, name: str, rows: int, dtype: torch.dt
 @pytest.mark.parametrize("name", ["int8", "Q4_1"])
 def test_int8_rows_not_a_multiple_of_32_and_batched_shapes(ext, isa: str, name: str) -> None:
     """int8 takes any in_features (a tail after the last 32-weight chunk); x of any
-    leading shape."""
+    leading shape; 6 rows (chunks decoded in registers) and 40 (decoded columns), float32
+    and bfloat16."""
     inp = 200 if name == "int8" else 96
     weight = make_weight(name, 45, inp, seed=2)
-    x = torch.randn(2, 3, inp)
-    y = kernels.quantized_linear(ext, x, weight, isa=isa)
-    assert y.shape == (2, 3, 45)
-    check(y, x, weight, None)
+    for lead in ((2, 3), (5, 8)):
+        for dtype in (torch.float32, torch.bfloat16):
+            x = torch.randn(*lead, inp).to(dtype)
+            y = kernels.quantized_linear(ext, x, weight, isa=isa)
+            assert y.shape == (*lead, 45)
+            check(y, x, weight, None)
 
 
 @pytest.mark.parametrize("name", FORMATS)
@@ -150,26 +154,68 @@ def test_a_rows_result_does_not_depend_on_its_batch(ext, isa: str, name: str,
     assert torch.equal(kernels.quantized_linear(ext, x[3:10], weight, isa=isa), whole[3:10])
 
 
-def test_the_backend_uses_the_kernel_where_one_serves(ext) -> None:
+@pytest.mark.parametrize("name", FORMATS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_row_alone_equals_the_row_among_up_to_200(ext, isa: str, name: str,
+                                                     dtype: torch.dtype) -> None:
+    """Few rows decode each chunk in registers, many rows (kScratchRows on) read a tile of
+    decoded columns: a row's result is the same bits either way, among 1 .. 200 rows, at any
+    place in the call."""
+    weight = make_weight(name, 35, 512, seed=2)
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(200, 512, generator=gen).to(dtype)
+    bias = torch.randn(35, generator=gen).to(dtype)
+    alone = torch.cat([kernels.quantized_linear(ext, x[i:i + 1], weight, bias, isa=isa)
+                       for i in range(200)])
+    check(alone, x, weight, bias)
+    for first, count in ((0, 2), (0, 7), (2, 8), (9, 9), (3, 15), (0, 16), (5, 17), (40, 33),
+                         (11, 64), (1, 199), (0, 200)):
+        got = kernels.quantized_linear(ext, x[first:first + count], weight, bias, isa=isa)
+        assert torch.equal(got, alone[first:first + count]), (first, count)
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_dequantized_linear_equals_twin(ext, name: str, monkeypatch) -> None:
+    """The AMX route for many bf16 rows: the kernel's bf16 weights (int4's interleaved back
+    into order) multiplied by F.linear, a tile of columns at a time (a small tile here, so
+    that the tiles and a bias slice are exercised); quantized_linear takes it from
+    MANY_ROWS_ONEDNN rows on where the rule (or LORAPLEX_QUANT_MANY_ROWS) says onednn."""
+    if "avx512_bf16" not in ext.quant_isas():
+        pytest.skip("this CPU has no AVX512-BF16")
+    weight = make_weight(name, 131, 1536, seed=4)
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(70, 1536, generator=gen).to(torch.bfloat16)
+    bias = torch.randn(131, generator=gen).to(torch.bfloat16)
+    monkeypatch.setattr(kernels, "DEQUANT_TILE", 1536 * 50)  # tiles of 50 columns
+    y = kernels.dequantized_linear(ext, x, weight, bias)
+    check(y, x, weight, bias)
+    monkeypatch.setenv("LORAPLEX_QUANT_MANY_ROWS", "onednn")
+    assert torch.equal(kernels.quantized_linear(ext, x, weight, bias), y)
+    monkeypatch.setenv("LORAPLEX_QUANT_MANY_ROWS", "kernel")
+    assert torch.equal(kernels.quantized_linear(ext, x, weight, bias),
+                       kernels.quantized_linear(ext, x, weight, bias, isa=ext.quant_isas()[0]))
+
+
+def test_the_backend_uses_the_kernel_where_one_serves(ext, monkeypatch) -> None:
     """CPUBackend.quantized_linear: the kernel of this CPU's fastest path for Q8_0 / Q4_0 /
-    Q4_1 / Q4_K / Q5_K / Q6_K / int8 / int4 in float32 or bfloat16 up to KERNEL_MAX_ROWS
-    rows; the torch twin for float16 activations and longer inputs."""
+    Q4_1 / Q4_K / Q5_K / Q6_K / int8 / int4 in float32 or bfloat16, few rows or many (the
+    many-row rule set to the kernel; the onednn route has its own test above); the torch
+    twin for float16 activations."""
+    monkeypatch.setenv("LORAPLEX_QUANT_MANY_ROWS", "kernel")
     backend = CPUBackend(torch.device("cpu"), torch.bfloat16)
     fastest = ext.quant_isas()[0]
     for name in FORMATS:
+        for rows, dtype in ((3, torch.bfloat16), (300, torch.bfloat16), (40, torch.float32)):
+            weight = make_weight(name, 40, 256)
+            x = torch.randn(rows, 256).to(dtype)
+            assert torch.equal(backend.quantized_linear(x, weight),
+                               ext.quant_linear(x, weight.data, weight.scales, weight.zeros,
+                                                None, kernels.FORMAT_CODES[weight.format.name],
+                                                weight.format.block, fastest))
+    for name, n in (("Q6_K", 2), ("Q5_K", 1), ("Q4_1", 300)):
         weight = make_weight(name, 40, 256)
-        x = torch.randn(3, 256, dtype=torch.bfloat16)
-        assert torch.equal(backend.quantized_linear(x, weight),
-                           ext.quant_linear(x, weight.data, weight.scales, weight.zeros, None,
-                                            kernels.FORMAT_CODES[weight.format.name],
-                                            weight.format.block, fastest))
-    rows = kernels.KERNEL_MAX_ROWS + 1
-    for name, dtype, n in (("Q6_K", torch.float16, 2), ("Q5_K", torch.float16, 1),
-                           ("Q6_K", torch.bfloat16, rows), ("Q4_1", torch.float16, 2),
-                           ("Q4_1", torch.float32, rows)):
-        weight = make_weight(name, 40, 256)
-        x = torch.randn(n, 256).to(dtype)
-        assert not kernels.has_kernel(weight, dtype) or n > kernels.KERNEL_MAX_ROWS
+        x = torch.randn(n, 256).to(torch.float16)
+        assert not kernels.has_kernel(weight, torch.float16)
         assert torch.equal(backend.quantized_linear(x, weight), twin.quantized_linear(x, weight))
 
 

@@ -64,8 +64,9 @@ class CPUBackend(TorchBackend):
     def quantized_linear(self, x: torch.Tensor, weight: QuantizedWeight,
                          bias: torch.Tensor | None = None) -> torch.Tensor:
         """The C++ kernel of the format and this CPU's ISA (quantized_linear.py), else the
-        torch twin."""
-        return quantized_linear.quantized_linear(self.ext, x, weight, bias)
+        torch twin; batch-invariant: never oneDNN's many-row route."""
+        return quantized_linear.quantized_linear(self.ext, x, weight, bias,
+                                                 batch_invariant=self.batch_invariant)
 
     def paged_attention_decode(self, q: torch.Tensor, k_cache: torch.Tensor,
                                v_cache: torch.Tensor, block_tables: torch.Tensor,

@@ -15,7 +15,8 @@
 - csrc/quant_gemm*.cpp: linears over weight-only quantized weights read in their own bytes
   (Q8_0, Q4_0, Q4_1, Q4_K, int8, int4), one path per ISA chosen at run time (AVX-512 and
   AVX512-BF16, AVX2, plain C, each built with its own target so that one build tests all
-  this CPU runs).
+  this CPU runs), any row count (many rows: a tile of columns decoded once into L2); and
+  quant_dequantize_bf16, a weight's bf16 values for oneDNN's AMX GEMM to take many rows.
 
 Built with the system C++ compiler (``-march=native``) on first use in a process and cached
 by torch under $TORCH_EXTENSIONS_DIR, once per machine and source digest (``make kernels``,

@@ -10,25 +10,40 @@ are float32 or bfloat16 (bf16 rows are widened once per call, the result rounded
 One path per ISA (``isas()``, fastest first: "avx512_bf16", "avx512", "avx2", "scalar";
 avx512_bf16 rounds each decoded chunk to bf16 for VDPBF16PS where x is bfloat16, as the
 twin rounds its dequantized weight, and runs float32 x as avx512), the first one this CPU
-runs serves; tests run every one of them. Up to ``KERNEL_MAX_ROWS`` rows (decode,
-where the bytes read decide); longer inputs (prefill) run as the twin, whose dequantized
-tiles feed a GEMM that reuses each weight across the rows
-(benchmarks/results/2026-12-06-quantized-cpu-kernels.md has the figures).
+runs serves; tests run every one of them. Any number of rows: from 8 bf16 rows on (16
+float32 ones: prefill, batched decode) each tile of output columns is decoded once into a scratch that stays in
+L2 and every block of rows reads it there (a float GEMM plus one decode of W), with the
+very values and operations the few-row loop uses, so a row's result does not depend on
+how many rows share the call (benchmarks/results/notebook.md has the figures).
+
+Where the CPU has AMX, oneDNN's AMX tiles multiply bfloat16 many times faster than any
+AVX-512 loop (the float path uses them there: packed_linear.py), so bfloat16 inputs of
+``MANY_ROWS_ONEDNN`` rows or more run ``dequantized_linear``: the kernel writes W's own
+bf16 weights a tile of columns at a time and oneDNN multiplies them (a row's bits then
+depend on oneDNN's blocking for the row count, as the float path's do on that ISA).
+``MANY_ROWS_RULE`` keys this by ``isa.cpu_isa()``; ``LORAPLEX_QUANT_MANY_ROWS`` = kernel
+or onednn overrides it (to measure either). With ``batch_invariant`` (--batch-invariant,
+docs/sampling.md) the kernel serves every row count, whatever the rule.
 """
 
 from __future__ import annotations
 
+import os
 from types import ModuleType
 
 import torch
+import torch.nn.functional as F
 
 from ..quantized_weight import QuantizedWeight
 from ..torch import quantized_linear as twin
+from .isa import cpu_isa
 
 FORMAT_CODES = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2, "int8": 3, "int4": 4,
                 "Q4_K": 5, "Q5_K": 6, "Q6_K": 7}  # csrc's Format
 DTYPES = (torch.float32, torch.bfloat16)
-KERNEL_MAX_ROWS = 32
+MANY_ROWS_RULE = {"AMX": "onednn"}  # cpu_isa() -> many bf16 rows' route; unlisted: "kernel"
+MANY_ROWS_ONEDNN = 8  # rows from which the onednn route serves (AMX: 1.1x the kernel at 8, 10x at 512)
+DEQUANT_TILE = 1 << 22  # weights dequantized at once (8 MB of bf16: fewer oneDNN calls win)
 
 
 def isas(ext: ModuleType) -> list[str]:
@@ -42,25 +57,66 @@ def has_kernel(weight: QuantizedWeight, dtype: torch.dtype) -> bool:
 
 
 def quantized_linear(ext: ModuleType, x: torch.Tensor, weight: QuantizedWeight,
-                     bias: torch.Tensor | None = None, isa: str | None = None,
-                     max_rows: int = KERNEL_MAX_ROWS) -> torch.Tensor:
+                     bias: torch.Tensor | None = None,
+                     isa: str | None = None, batch_invariant: bool = False) -> torch.Tensor:
     """``x @ dequantize(W)ᵀ + bias`` in x's dtype: the kernel of ``isa`` (None: this CPU's
-    fastest) where one serves the format, dtype and row count, else the torch twin."""
+    fastest) where one serves the format and dtype, else the torch twin. ``batch_invariant``:
+    never the onednn route (its rows' bits follow the row count)."""
     rows = x.numel() // max(x.shape[-1], 1)
-    if (not has_kernel(weight, x.dtype) or rows > max_rows or rows == 0
-            or weight.device.type != "cpu"):
+    if not has_kernel(weight, x.dtype) or rows == 0 or weight.device.type != "cpu":
         return twin.quantized_linear(x, weight, bias)
     out_features, in_features = weight.shape
     if x.shape[-1] != in_features:
         raise ValueError(f"x has {x.shape[-1]} features, the weight {weight.shape} "
                          f"expects {in_features}")
-    scales = weight.scales
-    if scales is not None and scales.dtype != torch.float32:
-        scales = scales.float()
-    y = ext.quant_linear(x.reshape(rows, in_features), weight.data.contiguous(),
-                         None if scales is None else scales.contiguous(),
-                         None if weight.zeros is None else weight.zeros.contiguous(),
+    if (isa is None and not batch_invariant and rows >= MANY_ROWS_ONEDNN
+            and _onednn_route(ext, x, weight)):
+        return dequantized_linear(ext, x, weight, bias)
+    scales, zeros = _scales_zeros(weight)
+    y = ext.quant_linear(x.reshape(rows, in_features), weight.data.contiguous(), scales, zeros,
                          None if bias is None else bias.float().contiguous(),
                          FORMAT_CODES[weight.format.name], weight.format.block,
                          isa or isas(ext)[0])
     return y.view(*x.shape[:-1], out_features)
+
+
+def _scales_zeros(weight: QuantizedWeight) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    scales = weight.scales
+    if scales is not None:
+        scales = scales.float().contiguous()
+    return scales, None if weight.zeros is None else weight.zeros.contiguous()
+
+
+def many_rows_route() -> str:
+    """"kernel" or "onednn": how this CPU runs many bfloat16 rows (module docstring)."""
+    route = os.environ.get("LORAPLEX_QUANT_MANY_ROWS") or MANY_ROWS_RULE.get(cpu_isa(), "kernel")
+    if route not in ("kernel", "onednn"):
+        raise ValueError(f"LORAPLEX_QUANT_MANY_ROWS={route!r}; allowed: kernel, onednn")
+    return route
+
+
+def _onednn_route(ext: ModuleType, x: torch.Tensor, weight: QuantizedWeight) -> bool:
+    return (x.dtype == torch.bfloat16 and weight.in_features % 32 == 0
+            and "avx512_bf16" in isas(ext) and many_rows_route() == "onednn")
+
+
+def dequantized_linear(ext: ModuleType, x: torch.Tensor, weight: QuantizedWeight,
+                       bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ Wᵀ + bias`` for bfloat16 x (in_features a multiple of 32, a CPU with
+    AVX512-BF16): W's bf16 weights as the avx512_bf16 kernel rounds them, written by the
+    kernel ``DEQUANT_TILE`` weights at a time, each tile multiplied by ``F.linear``."""
+    out_features, in_features = weight.shape
+    scales, zeros = _scales_zeros(weight)
+    data, code, group = weight.data.contiguous(), FORMAT_CODES[weight.format.name], weight.format.block
+
+    def rows(n0: int, n1: int) -> torch.Tensor:
+        return ext.quant_dequantize_bf16(data, scales, zeros, code, group, in_features, n0, n1)
+
+    tile = max(1, DEQUANT_TILE // in_features)
+    if tile >= out_features:
+        return F.linear(x, rows(0, out_features), bias)
+    y = x.new_empty(*x.shape[:-1], out_features)
+    for n0 in range(0, out_features, tile):
+        n1 = min(n0 + tile, out_features)
+        y[..., n0:n1] = F.linear(x, rows(n0, n1), None if bias is None else bias[n0:n1])
+    return y

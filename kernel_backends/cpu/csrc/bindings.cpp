@@ -23,6 +23,9 @@ torch::Tensor rope_store_kv(torch::Tensor q, torch::Tensor k, torch::Tensor v,
                             torch::Tensor v_cache, torch::Tensor slot_mapping);
 torch::Tensor silu_mul(torch::Tensor gate_up);
 std::vector<std::string> quant_isas();
+torch::Tensor quant_dequantize_bf16(torch::Tensor data, c10::optional<torch::Tensor> scales,
+                                    c10::optional<torch::Tensor> zeros, int64_t format,
+                                    int64_t group, int64_t K, int64_t n0, int64_t n1);
 torch::Tensor quant_linear(torch::Tensor x, torch::Tensor data, c10::optional<torch::Tensor> scales,
                            c10::optional<torch::Tensor> zeros, c10::optional<torch::Tensor> bias,
                            int64_t format, int64_t group, const std::string& isa);
@@ -94,6 +97,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("quant_isas", &quant_isas,
         "the quantized linear's paths this CPU runs, fastest first (avx512, avx2, scalar)");
+  m.def("quant_dequantize_bf16", &quant_dequantize_bf16,
+        "rows n0..n1 of a quantized W as bfloat16 [n1 - n0, K] (the avx512_bf16 path's "
+        "weights), for a bf16 GEMM library to take many rows");
   m.def("quant_linear", &quant_linear,
         "x · Wᵀ (+ bias) with W in its quantized bytes (0 Q8_0, 1 Q4_0, 2 Q4_1, 3 int8, "
         "4 int4, 5 Q4_K), x float32 or bfloat16, float32 products and sums, on the `isa` path",

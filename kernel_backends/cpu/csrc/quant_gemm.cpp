@@ -35,6 +35,7 @@ struct V {
     std::memcpy(r.v, p, sizeof(r.v));
     return r;
   }
+  static inline void store(float* p, const reg& r) { std::memcpy(p, r.v, sizeof(r.v)); }
   static inline reg set1(float s) {
     reg r;
     for (float& f : r.v) f = s;
@@ -126,22 +127,14 @@ std::vector<std::string> quant_isas() {
   return isas;
 }
 
-// x [M, K] float32 / bfloat16 -> y [M, N] in x's dtype. format: 0 Q8_0, 1 Q4_0, 2 Q4_1,
-// 5 Q4_K, 6 Q5_K, 7 Q6_K (data: the blocks' bytes [N, K / block * block bytes]), 3 int8
-// (data int8 [N, K], scales float32 [N]), 4 int4 (data [N, K / 2], weight 2j in the low nibble; scales float32 and
-// zeros uint8 [N, K / group]).
-torch::Tensor quant_linear(torch::Tensor x, torch::Tensor data, c10::optional<torch::Tensor> scales,
-                           c10::optional<torch::Tensor> zeros, c10::optional<torch::Tensor> bias,
-                           int64_t format, int64_t group, const std::string& isa_name) {
+namespace {
+
+// The weight's tensors match the format and K (TORCH_CHECK otherwise).
+void check_weight(int64_t K, const torch::Tensor& data, const c10::optional<torch::Tensor>& scales,
+                  const c10::optional<torch::Tensor>& zeros, int64_t format, int64_t group) {
   using namespace lp_quant;
-  const Isa isa = parse_isa(isa_name);
-  TORCH_CHECK(cpu_has(isa), "quant_linear: this CPU (or build) cannot run the ", isa_name,
-              " path");
-  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == torch::kFloat ||
-                               x.scalar_type() == torch::kBFloat16),
-              "quant_linear: x must be 2-D float32 or bfloat16");
   TORCH_CHECK(format >= kQ8_0 && format <= kQ6_K, "quant_linear: unknown format ", format);
-  const int64_t M = x.size(0), K = x.size(1), N = data.size(0);
+  const int64_t N = data.size(0);
   static const int64_t block_bytes[] = {34, 18, 20};
   TORCH_CHECK(data.dim() == 2 && data.is_contiguous() && data.element_size() == 1,
               "quant_linear: data must be a contiguous 2-D byte tensor");
@@ -165,6 +158,30 @@ torch::Tensor quant_linear(torch::Tensor x, torch::Tensor data, c10::optional<to
                 "quant_linear: int4 wants data [N, K / 2], float32 scales and uint8 zeros "
                 "[N, K / group]");
   }
+}
+
+int group_shift(int64_t format, int64_t group) {
+  return format == lp_quant::kInt4 ? (group == 32 ? 5 : group == 64 ? 6 : 7) : 5;
+}
+
+}  // namespace
+
+// x [M, K] float32 / bfloat16 -> y [M, N] in x's dtype. format: 0 Q8_0, 1 Q4_0, 2 Q4_1,
+// 5 Q4_K, 6 Q5_K, 7 Q6_K (data: the blocks' bytes [N, K / block * block bytes]), 3 int8
+// (data int8 [N, K], scales float32 [N]), 4 int4 (data [N, K / 2], weight 2j in the low nibble; scales float32 and
+// zeros uint8 [N, K / group]).
+torch::Tensor quant_linear(torch::Tensor x, torch::Tensor data, c10::optional<torch::Tensor> scales,
+                           c10::optional<torch::Tensor> zeros, c10::optional<torch::Tensor> bias,
+                           int64_t format, int64_t group, const std::string& isa_name) {
+  using namespace lp_quant;
+  const Isa isa = parse_isa(isa_name);
+  TORCH_CHECK(cpu_has(isa), "quant_linear: this CPU (or build) cannot run the ", isa_name,
+              " path");
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == torch::kFloat ||
+                               x.scalar_type() == torch::kBFloat16),
+              "quant_linear: x must be 2-D float32 or bfloat16");
+  const int64_t M = x.size(0), K = x.size(1), N = data.size(0);
+  check_weight(K, data, scales, zeros, format, group);
   TORCH_CHECK(!bias || (bias->scalar_type() == torch::kFloat && bias->is_contiguous() &&
                         bias->numel() == N),
               "quant_linear: bias must be float32 [N]");
@@ -183,7 +200,7 @@ torch::Tensor quant_linear(torch::Tensor x, torch::Tensor data, c10::optional<to
               static_cast<const uint8_t*>(data.data_ptr()), data.size(1),
               scales ? scales->data_ptr<float>() : nullptr,
               zeros ? zeros->data_ptr<uint8_t>() : nullptr,
-              format == kInt4 ? (group == 32 ? 5 : group == 64 ? 6 : 7) : 5, int(format),
+              group_shift(format, group), int(format),
               bias ? bias->data_ptr<float>() : nullptr,
               y.data_ptr<float>()};
     // columns in ranges of at least 16 (a thread's share of small linears stays whole)
@@ -195,4 +212,29 @@ torch::Tensor quant_linear(torch::Tensor x, torch::Tensor data, c10::optional<to
     });
   }
   return x.scalar_type() == torch::kFloat ? y : y.to(x.scalar_type());
+}
+
+// Rows n0 .. n1 of W (format and tensors as quant_linear's) as bfloat16 [n1 - n0, K], the
+// avx512_bf16 path's own weights (int8: s q rounded once): for a bf16 GEMM library (AMX)
+// to take many rows. K must be a multiple of 32; threads split the rows.
+torch::Tensor quant_dequantize_bf16(torch::Tensor data, c10::optional<torch::Tensor> scales,
+                                    c10::optional<torch::Tensor> zeros, int64_t format,
+                                    int64_t group, int64_t K, int64_t n0, int64_t n1) {
+  using namespace lp_quant;
+  TORCH_CHECK(cpu_has(kAvx512Bf16), "quant_dequantize_bf16: this CPU (or build) has no "
+              "AVX512-BF16");
+  check_weight(K, data, scales, zeros, format, group);
+  TORCH_CHECK(K % 32 == 0 && 0 <= n0 && n0 <= n1 && n1 <= data.size(0),
+              "quant_dequantize_bf16: K must be a multiple of 32 and 0 <= n0 <= n1 <= N");
+  auto out = torch::empty({n1 - n0, K}, torch::dtype(torch::kBFloat16));
+  Problem p{nullptr, nullptr, nullptr, 0, K, data.size(0),
+            static_cast<const uint8_t*>(data.data_ptr()), data.size(1),
+            scales ? scales->data_ptr<float>() : nullptr,
+            zeros ? zeros->data_ptr<uint8_t>() : nullptr,
+            group_shift(format, group), int(format), nullptr, nullptr};
+  uint16_t* o = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  at::parallel_for(n0, n1, 16, [&](int64_t a, int64_t b) {
+    dequantize_avx512_bf16(p, a, b, o + (a - n0) * K);
+  });
+  return out;
 }

@@ -45,6 +45,8 @@ void run_scalar(const Problem& p, int64_t n0, int64_t n1);
 void run_avx2(const Problem& p, int64_t n0, int64_t n1);
 void run_avx512(const Problem& p, int64_t n0, int64_t n1);
 void run_avx512_bf16(const Problem& p, int64_t n0, int64_t n1);  // x in xb (bfloat16)
+// W's rows n0 .. n1 as bfloat16 [n1 - n0][K] (K % 32 == 0): the avx512_bf16 path's weights.
+void dequantize_avx512_bf16(const Problem& p, int64_t n0, int64_t n1, uint16_t* out);
 bool built_avx2();
 bool built_avx512();
 

@@ -19,6 +19,7 @@ struct V {
   static constexpr int W = 8;
   static inline reg zero() { return _mm256_setzero_ps(); }
   static inline reg load(const float* p) { return _mm256_loadu_ps(p); }
+  static inline void store(float* p, reg v) { _mm256_storeu_ps(p, v); }
   static inline reg set1(float v) { return _mm256_set1_ps(v); }
   static inline reg add(reg a, reg b) { return _mm256_add_ps(a, b); }
   static inline reg mul(reg a, reg b) { return _mm256_mul_ps(a, b); }
