@@ -219,6 +219,26 @@ def test_the_backend_uses_the_kernel_where_one_serves(ext, monkeypatch) -> None:
         assert torch.equal(backend.quantized_linear(x, weight), twin.quantized_linear(x, weight))
 
 
+def test_a_batch_invariant_backend_never_takes_the_onednn_route(ext, monkeypatch) -> None:
+    """--batch-invariant on (the CPU backend's default): many bf16 rows run the kernel even
+    where the rule says onednn (whose rows' bits follow the row count), so a row's bits are
+    the same alone and among 70 rows; off, the rule's route serves."""
+    if "avx512_bf16" not in ext.quant_isas():
+        pytest.skip("this CPU has no AVX512-BF16")
+    monkeypatch.setenv("LORAPLEX_QUANT_MANY_ROWS", "onednn")
+    backend = CPUBackend(torch.device("cpu"), torch.bfloat16)
+    weight = make_weight("Q4_1", 131, 1536, seed=4)
+    x = torch.randn(70, 1536, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    backend.set_batch_invariant("on")
+    many = backend.quantized_linear(x, weight)
+    assert torch.equal(many, kernels.quantized_linear(ext, x, weight, isa=ext.quant_isas()[0]))
+    for row in (0, 69):
+        assert torch.equal(backend.quantized_linear(x[row:row + 1], weight), many[row:row + 1])
+    backend.set_batch_invariant("off")
+    assert torch.equal(backend.quantized_linear(x, weight),
+                       kernels.dequantized_linear(ext, x, weight))
+
+
 def test_bad_calls_are_refused(ext) -> None:
     weight = make_weight("Q4_0", 8, 64)
     with pytest.raises(ValueError, match="expects 64"):
