@@ -137,9 +137,9 @@ def format_table(rows: list[Row]) -> str:
 # --- llama.cpp's side --------------------------------------------------------------------
 
 def llama_bench_tg(bench: Path, gguf: Path, new_tokens: int, threads: int) -> float:
-    """llama-bench's tg<new_tokens> on ``gguf`` (mean tok/s of its repetitions)."""
+    """llama-bench's tg<new_tokens> on ``gguf`` (mean tok/s of its 2 repetitions)."""
     out = subprocess.run([str(bench), "-m", str(gguf), "-p", "0", "-n", str(new_tokens),
-                          "-t", str(threads), "-r", "3", "-o", "json"],
+                          "-t", str(threads), "-r", "2", "-o", "json"],
                          capture_output=True, text=True, check=True).stdout
     return float(json.loads(out)[0]["avg_ts"])
 
