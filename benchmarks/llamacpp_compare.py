@@ -125,7 +125,7 @@ def request_adapters(requests: int, n_adapters: int) -> list[int | None]:
 # --- the report --------------------------------------------------------------------------
 
 def format_table(rows: list[Row]) -> str:
-    lines = ["| measurement | baseline | llama.cpp | loraplex | ratio | target |",
+    lines = ["| measurement | baseline | baseline's figure | loraplex | ratio | target |",
              "|---|---|---:|---:|---:|---|"]
     for r in rows:
         mark = "met" if r.met else "missed"
@@ -319,8 +319,9 @@ def measure(args: argparse.Namespace) -> list[Row]:
 
 
 def _note(step: str, baseline: list[float], ours: float) -> None:
+    load = " ".join(f"{v:.1f}" for v in os.getloadavg())
     print(f"  {step}: baseline {' '.join(f'{v:.2f}' for v in baseline)} tok/s, "
-          f"loraplex {ours:.2f} tok/s", flush=True)
+          f"loraplex {ours:.2f} tok/s (load average after: {load})", flush=True)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -332,11 +333,14 @@ def main(argv: list[str] | None = None) -> None:
     from .lora_overhead import resolve_dtype
 
     machine = machine_line("cpu", f"loraplex dtype {resolve_dtype('auto')} (--dtype auto)")
-    print(machine + f"; llama.cpp threads {args.threads}", flush=True)
+    load = " ".join(f"{v:.1f}" for v in os.getloadavg())
+    print(machine + f"; llama.cpp threads {args.threads}; load average {load} "
+          f"on {os.cpu_count()} CPUs", flush=True)
     rows = measure(args)
     print(format_table(rows))
     if args.json:
-        args.json.write_text(json.dumps({"machine": machine, "args": {
+        args.json.write_text(json.dumps({"machine": machine, "cpus": os.cpu_count(),
+            "load_average_at_end": os.getloadavg(), "args": {
             k: str(v) for k, v in vars(args).items()},
             "rows": [{**asdict(r), "ratio": r.ratio, "target": TARGETS[r.step], "met": r.met}
                      for r in rows]}, indent=2))
