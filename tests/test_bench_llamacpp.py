@@ -1,0 +1,102 @@
+"""The llama.cpp comparison's pure parts: its flags, ratios and table, and llama-server's
+request bodies (no llama.cpp needed)."""
+
+import math
+from pathlib import Path
+
+import pytest
+from loraplex.benchmarks.llamacpp_compare import (
+    TARGETS,
+    Row,
+    completion_body,
+    format_table,
+    lora_field,
+    parse_args,
+    ratio,
+    request_adapters,
+)
+from loraplex.benchmarks.llamacpp_models import LLAMA_3_2_1B, LlamaCppTools
+
+
+def test_defaults_are_the_issues_workload():
+    args = parse_args(["--llama-cpp", "/x"])
+    assert args.llama_cpp == Path("/x")
+    assert (args.requests, args.prompt_len, args.new_tokens) == (32, 128, 128)
+    assert (args.single_new_tokens, args.adapters, args.rank) == (128, 8, 16)
+    assert args.only == ("single", "base", "mixed", "int4")
+    assert args.quant == "Q4_K_M" and not args.both_orders
+
+
+def test_flags_parse_and_bad_steps_are_refused(capsys):
+    args = parse_args(["--llama-cpp", "/x", "--only", "base,int4", "--requests", "4",
+                       "--quant", "Q8_0", "--both-orders"])
+    assert args.only == ("base", "int4") and args.requests == 4
+    assert args.quant == "Q8_0" and args.both_orders
+    with pytest.raises(SystemExit):
+        parse_args(["--llama-cpp", "/x", "--only", "single,decode"])
+    assert "decode" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_args([])  # --llama-cpp is required
+
+
+def test_base_request_names_every_adapter_at_scale_zero():
+    # an absent lora field would apply every loaded adapter: the base names them all at 0
+    assert lora_field(3, None) == [{"id": 0, "scale": 0.0}, {"id": 1, "scale": 0.0},
+                                   {"id": 2, "scale": 0.0}]
+
+
+def test_adapter_request_scales_only_its_own_adapter():
+    assert lora_field(3, 1) == [{"id": 0, "scale": 0.0}, {"id": 1, "scale": 1.0},
+                                {"id": 2, "scale": 0.0}]
+
+
+def test_completion_body():
+    body = completion_body([5, 6, 7], 16, 2, 0)
+    assert body["prompt"] == [5, 6, 7] and body["n_predict"] == 16
+    assert body["ignore_eos"] is True and body["temperature"] == 0.0
+    assert body["cache_prompt"] is False
+    assert body["lora"] == [{"id": 0, "scale": 1.0}, {"id": 1, "scale": 0.0}]
+    base = completion_body([5], 4, 2, None)
+    assert [e["scale"] for e in base["lora"]] == [0.0, 0.0]
+    # a server without adapters loaded: no lora field at all
+    assert "lora" not in completion_body([5], 4, 0, None)
+
+
+def test_request_adapters_cycle():
+    assert request_adapters(5, 2) == [0, 1, 0, 1, 0]
+    assert request_adapters(3, 0) == [None, None, None]
+
+
+def test_ratio_and_targets():
+    assert ratio(30.0, 20.0) == 1.5
+    assert math.isnan(ratio(1.0, 0.0))
+    assert Row("base", "w", "llama-server", 10.0, 25.0).met
+    assert not Row("mixed", "w", "llama-server", 10.0, 25.0).met  # 2.5x < 4x
+    assert TARGETS == {"single": 0.9, "base": 2.0, "mixed": 4.0, "int4": 2.5}
+
+
+def test_table_has_one_row_per_measurement():
+    rows = [Row("single", "decode", "llama-bench", 20.0, 18.5),
+            Row("int4", "int4 vs bf16", "loraplex bf16", 10.0, 21.0)]
+    table = format_table(rows).splitlines()
+    assert len(table) == 2 + len(rows)
+    assert "| decode | llama-bench | 20.0 tok/s | 18.5 tok/s | 0.93x | >= 0.9x (met) |" \
+        == table[2]
+    assert table[3].endswith("| 2.10x | >= 2.5x (missed) |")
+
+
+def test_model_has_llama_3_2_1b_shapes():
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(**LLAMA_3_2_1B)
+    assert config.architectures == ["LlamaForCausalLM"]  # the converter needs it
+    assert (config.hidden_size, config.num_hidden_layers, config.num_attention_heads,
+            config.num_key_value_heads, config.intermediate_size, config.vocab_size) == \
+        (2048, 16, 32, 8, 8192, 128256)
+    assert config.tie_word_embeddings
+    assert config.rope_parameters["rope_theta"] == 500000.0
+
+
+def test_missing_binary_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="llama-bench"):
+        LlamaCppTools(tmp_path).binary("llama-bench")
