@@ -212,16 +212,47 @@ def test_bfloat16_linears_pack_in_the_rules_layout_and_keep_their_outputs(tiny_m
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_batch_invariant_engines_pack_every_linear_in_panels(dtype: torch.dtype, tiny_models,
-                                                             panel_gemm) -> None:
-    """Batch-invariant (the CPU backend's default): every linear and the head in the panel
-    layout, whose rows do not depend on their batch, whatever the ISA's speed rule."""
+def test_batch_invariant_engines_pack_every_linear_in_the_invariant_layout(
+        dtype: torch.dtype, tiny_models, panel_gemm) -> None:
+    """Batch-invariant (the CPU backend's default): every linear and the head in the ISA's
+    invariant layout (INVARIANT_GEMM_LAYOUT: oneDNN at a fixed row count on AMX, else the
+    panels), whose rows do not depend on their batch, whatever the ISA's speed rule."""
     if not packing_available(dtype) or not packed_linear.panels_built(dtype):
         pytest.skip(f"no {dtype} panel GEMM on this CPU")
-    assert gemm_layout(dtype, batch_invariant=True) == "panels"
+    layout = packed_linear.INVARIANT_GEMM_LAYOUT.get(packed_linear.cpu_isa(), "panels")
+    assert gemm_layout(dtype, batch_invariant=True) == layout
     engine = LLMEngine(model=tiny_models("llama"), dtype=str(dtype).removeprefix("torch."),
                        max_model_len=128)
     assert engine.base.kernels.batch_invariant
     packed = [m for m in engine.base.model.modules() if isinstance(m, PackedLinear)]
     assert len(packed) == 1 + 4 * engine.base.model.config.num_hidden_layers
-    assert all(m.panels is not None and m.packed is None for m in packed)
+    if layout == "panels":
+        assert all(m.panels is not None and m.packed is None for m in packed)
+    else:
+        assert all(m.panels is None and m.fixed_rows == packed_linear.FIXED_ROWS
+                   for m in packed)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(96, 64), (200, 1536)])
+def test_onednn_fixed_rows_do_not_depend_on_their_batch(dtype: torch.dtype,
+                                                        shape: tuple[int, int]) -> None:
+    """The "onednn_fixed" layout (oneDNN called at exactly FIXED_ROWS rows, zero-padded): a
+    row's bits are the same alone, at any place among 1 to 100 other rows of any content,
+    with a bias; and equal to the plain linear within rounding."""
+    if not packing_available(dtype):
+        pytest.skip(f"no packed {dtype} linear on this CPU")
+    out_features, in_features = shape
+    gen = torch.Generator().manual_seed(1)
+    weight = torch.randn(out_features, in_features, generator=gen).to(dtype)
+    bias = torch.randn(out_features, generator=gen).to(dtype)
+    packed = PackedLinear(weight, bias, "onednn_fixed")
+    probe = torch.randn(1, in_features, generator=gen).to(dtype)
+    alone = packed(probe)
+    for total, place in ((2, 1), (31, 30), (32, 5), (33, 32), (70, 40), (101, 64)):
+        x = torch.randn(total, in_features, generator=gen).to(dtype)
+        x[place] = probe[0]
+        assert torch.equal(packed(x)[place], alone[0]), (total, place)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(alone, F.linear(probe.float(), weight.float(), bias.float())
+                               .to(dtype), rtol=tol, atol=tol * in_features ** 0.5)

@@ -41,22 +41,33 @@ BF16_GEMM_LAYOUT: dict[str, str] = {
     "AVX512": "panels",  # AVX512-BF16: 1.1-1.7x oneDNN up to 128 rows, 0.97x at 512
     "AMX": "onednn",  # oneDNN's AMX tiles
 }
+# --batch-invariant's layout per ISA (both dtypes; unlisted: "panels"). "onednn_fixed":
+# oneDNN always called at exactly FIXED_ROWS rows (the last chunk zero-padded): one
+# primitive, one blocking, so a row's bits depend neither on the other rows nor on its
+# place (tests/test_packed_linear.py checks it on the CPU it runs on). On AMX it costs
+# 1.17x / 1.00x / 3.1x a direct call at 1 / 32 / 512 bf16 rows, the panels 1.0 / 1.7 / 5.5x
+# (benchmarks/results/notebook.md).
+INVARIANT_GEMM_LAYOUT: dict[str, str] = {"AMX": "onednn_fixed"}
+FIXED_ROWS = 32
+LAYOUTS = ("panels", "onednn", "onednn_fixed")
 
 
 def gemm_layout(dtype: torch.dtype = torch.float32, batch_invariant: bool = False) -> str:
     """The packed layout this CPU's ``dtype`` linears use: ``LORAPLEX_GEMM_LAYOUT`` if set
-    (to check the rule on another CPU); else "panels" where ``batch_invariant`` (oneDNN's
-    kernels pick their blocking by row count, so a row's sums depend on its batch: 1e-6
-    apart in float32); else the rule's entry for its ISA. "onednn" where unlisted or where
-    the panel GEMM of ``dtype`` is not built (float32: no AVX2/FMA; bfloat16: no
-    AVX512-BF16): there a row's sums may depend on its batch (docs/sampling.md)."""
+    (to check the rule on another CPU); else, where ``batch_invariant`` (oneDNN's kernels
+    pick their blocking by row count, so a row's sums depend on its batch: 1e-6 apart in
+    float32), INVARIANT_GEMM_LAYOUT's entry ("panels" where unlisted); else the rule's entry
+    for its ISA. "onednn" where unlisted or where the panel GEMM of ``dtype`` is not built
+    (float32: no AVX2/FMA; bfloat16: no AVX512-BF16): there a row's sums may depend on its
+    batch (docs/sampling.md); "onednn_fixed" then where ``batch_invariant``."""
     rules = GEMM_LAYOUT if dtype == torch.float32 else BF16_GEMM_LAYOUT
     layout = os.environ.get("LORAPLEX_GEMM_LAYOUT") or (
-        "panels" if batch_invariant else rules.get(cpu_isa(), "onednn"))
-    if layout not in ("panels", "onednn"):
-        raise ValueError(f"LORAPLEX_GEMM_LAYOUT={layout!r}; allowed: panels, onednn")
+        INVARIANT_GEMM_LAYOUT.get(cpu_isa(), "panels") if batch_invariant
+        else rules.get(cpu_isa(), "onednn"))
+    if layout not in LAYOUTS:
+        raise ValueError(f"LORAPLEX_GEMM_LAYOUT={layout!r}; allowed: {', '.join(LAYOUTS)}")
     if layout == "panels" and not panels_built(dtype):
-        return "onednn"
+        return "onednn_fixed" if batch_invariant else "onednn"
     return layout
 
 
@@ -94,12 +105,14 @@ _LINEAR = (torch.ops.mkldnn._linear_pointwise.default
 
 class PackedLinear(nn.Module):
     """``x @ weightᵀ + bias`` with the weight held only in the packed ``layout``
-    ("panels": ``self.panels``; "onednn": ``self.packed``)."""
+    ("panels": ``self.panels``; "onednn", "onednn_fixed": ``self.packed``; the latter run
+    at FIXED_ROWS rows a call, ``self.fixed_rows``)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, layout: str):
         super().__init__()
-        if layout not in ("panels", "onednn"):
-            raise ValueError(f"layout={layout!r}; allowed: panels, onednn")
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout={layout!r}; allowed: {', '.join(LAYOUTS)}")
+        self.fixed_rows = FIXED_ROWS if layout == "onednn_fixed" else 0
         self.out_features, self.in_features = weight.shape
         self.bias = None if bias is None else bias.detach()
         self.panels = self.panel_bias = self.packed = None
@@ -135,6 +148,8 @@ class PackedLinear(nn.Module):
         flat = x.reshape(rows, self.in_features)
         if self.panels is not None:
             out = self._panel_linear(flat, self.panels, self.panel_bias, self.out_features)
+        elif self.fixed_rows:
+            out = self._fixed(flat)
         elif rows <= CHUNK_ROWS:
             out = self._rows(flat)
         else:
@@ -152,13 +167,29 @@ class PackedLinear(nn.Module):
             x = torch.cat([x, x.new_zeros((padded - rows, self.in_features))])
         return _LINEAR(x, self.packed, self.bias, "none", [], "")[:rows]
 
+    def _fixed(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [rows, in] in calls of exactly ``fixed_rows`` rows, the last one zero-padded:
+        every row goes through the one primitive, whatever the row count."""
+        rows, step = x.shape[0], self.fixed_rows
+        padded = -(-rows // step) * step
+        if padded != rows:
+            x = torch.cat([x, x.new_zeros((padded - rows, self.in_features))])
+        if padded == step:
+            return _LINEAR(x, self.packed, self.bias, "none", [], "")[:rows]
+        out = x.new_empty((padded, self.out_features))
+        for start in range(0, padded, step):
+            out[start:start + step] = _LINEAR(x[start:start + step], self.packed, self.bias,
+                                              "none", [], "")
+        return out[:rows]
+
     def warm_up(self, max_rows: int) -> None:
         """Build oneDNN's primitive for every padded size up to ``max_rows`` (capped at
         CHUNK_ROWS) now, so serving neither grows nor stalls on a new batch size (the panel
         GEMM has nothing to build)."""
         if self.panels is not None:
             return
-        sizes = {padded_rows(r) for r in range(1, min(max_rows, CHUNK_ROWS) + 1)}
+        sizes = ({self.fixed_rows} if self.fixed_rows else
+                 {padded_rows(r) for r in range(1, min(max_rows, CHUNK_ROWS) + 1)})
         for rows in sorted(sizes):
             _LINEAR(torch.zeros(rows, self.in_features, dtype=self.packed.dtype), self.packed,
                     self.bias, "none", [], "")
