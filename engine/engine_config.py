@@ -93,7 +93,7 @@ class EngineConfig:
     batch_invariant: str = flag(
         "auto", group=SAMPLING, choices=BATCH_INVARIANT,
         help="on: a request's tokens and logprobs are the same bits alone or in any batch "
-        "(the CPU backend: panel GEMMs, one attention order, and decode logprobs equal an "
+        "(the CPU backend: row-invariant GEMMs, one attention order, and decode logprobs equal an "
         "echo re-score; the Triton backend: its invariant kernels; docs/sampling.md); off: "
         "the kernels measured fastest; auto: on for the CPU backend, the Triton backend's "
         "LORAPLEX_BATCH_INVARIANT (off when unset)")
