@@ -235,6 +235,19 @@ def rows_one_by_one(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,
         torch.set_num_threads(threads)
 
 
+def greedy_logprobs(model: torch.nn.Module, prompt: list[int], new: int
+                    ) -> tuple[list[int], list[float]]:
+    """The oracle's greedy ``new`` tokens after ``prompt`` (transformers' ``generate`` on
+    ``model``, a base or a PeftModel, in eval mode) and each one's log_softmax logprob."""
+    with torch.no_grad():
+        ids = model.generate(torch.tensor([prompt]), max_new_tokens=new, min_new_tokens=new,
+                             do_sample=False, pad_token_id=0)
+        logits = model(ids).logits[0, len(prompt) - 1:-1].float()
+    tokens = ids[0, len(prompt):]
+    logprobs = torch.log_softmax(logits, -1).gather(1, tokens[:, None])[:, 0]
+    return tokens.tolist(), logprobs.tolist()
+
+
 def read_json(path: Path) -> dict:
     return json.loads(path.read_text())
 

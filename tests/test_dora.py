@@ -18,7 +18,7 @@ from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
 from tests.adapter_dirs import edit_tensors, shapes_of
-from tests.conftest import ALL_TARGETS, make_adapter
+from tests.conftest import ALL_TARGETS, greedy_logprobs, make_adapter
 
 NEW = 8
 PROMPTS = [[5, 17, 33, 9, 120, 7], [44, 3, 250, 11], [300, 12, 64, 8, 8, 91, 2, 77, 15]]
@@ -48,14 +48,7 @@ def peft_run(base: Path, adapter: Path | None, prompt: list[int],
         if plain:
             for module in model.modules():
                 getattr(module, "lora_variant", {}).clear()  # vanilla LoRA's forward
-    model.eval()
-    with torch.no_grad():
-        ids = model.generate(torch.tensor([prompt]), max_new_tokens=NEW, min_new_tokens=NEW,
-                             do_sample=False, pad_token_id=0)
-        logits = model(ids).logits[0, len(prompt) - 1:-1].float()
-    new = ids[0, len(prompt):]
-    logprobs = torch.log_softmax(logits, -1).gather(1, new[:, None])[:, 0]
-    return new.tolist(), logprobs.tolist()
+    return greedy_logprobs(model.eval(), prompt, NEW)
 
 
 def greedy(scale: float = 1.0) -> SamplingParams:

@@ -20,7 +20,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM
 
 from tests.adapter_dirs import edit_config, edit_tensors, shapes_of
-from tests.conftest import make_adapter
+from tests.conftest import greedy_logprobs, make_adapter
 
 NEW = 6
 TOKENS = [7, 120, 250, 301]  # the trainable token ids; the prompts use some of them
@@ -80,14 +80,7 @@ def peft_run(base: Path, adapter: Path | None, prompt: list[int]
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     if adapter is not None:
         model = PeftModel.from_pretrained(model, adapter)
-    model.eval()
-    with torch.no_grad():
-        ids = model.generate(torch.tensor([prompt]), max_new_tokens=NEW, min_new_tokens=NEW,
-                             do_sample=False, pad_token_id=0)
-        logits = model(ids).logits[0, len(prompt) - 1:-1].float()
-    new = ids[0, len(prompt):]
-    logprobs = torch.log_softmax(logits, -1).gather(1, new[:, None])[:, 0]
-    return new.tolist(), logprobs.tolist()
+    return greedy_logprobs(model.eval(), prompt, NEW)
 
 
 def greedy() -> SamplingParams:
