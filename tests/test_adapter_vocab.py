@@ -218,8 +218,7 @@ def _grow_tokenizer(ad: Path) -> None:
 BAD = {
     "moved_base_id": ("both", _moved, "its tokenizer does not extend the base model's: token"),
     "tables_without_tokenizer": ("both", _no_tokenizer,
-                                 "its vocabulary of 386 tokens differs from the base model's "
-                                 "384"),
+                                 "its vocabulary of 386 tokens differs from the base model's 384"),
     "tokenizer_larger_than_tables": ("both", _grow_tokenizer,
                                      "differs from its tokenizer's 387"),
     "indices_not_the_rows": ("tokens", lambda ad: edit_config(
