@@ -108,8 +108,9 @@ def _load(raw: dict[str, bytes], where: str) -> Any:
             tokenizer = AutoTokenizer.from_pretrained(tmp, local_files_only=True,
                                                       trust_remote_code=False)
         except Exception as exc:  # noqa: BLE001 - any loader failure is the files' fault
+            said = str(exc).replace(tmp, where)[:200]  # never the server's temp dir
             raise AdapterError(f"{where}: its tokenizer cannot be loaded "
-                               f"({type(exc).__name__}: {str(exc)[:200]})") from None
+                               f"({type(exc).__name__}: {said})") from None
     with _LOCK:
         _LOADED[key] = tokenizer
         while len(_LOADED) > _KEEP:

@@ -250,3 +250,25 @@ def test_bad_vocabularies_are_refused(tiny_models, made, tmp_path, case):
     assert "bad" not in engine.lora.names
     out = engine.generate([STEER], greedy(0), adapters=["both"])[0]
     assert out.finish_reason == "length" and len(out.token_ids) == NEW
+
+
+def test_constrained_base_row_beside_an_adapter_with_added_tokens(tiny_models, made):
+    """A grammar-constrained base request in a step widened by an adapter's added tokens
+    samples and reports exactly what it does alone (its bitmask covers the base's
+    vocabulary; the added columns are -inf for it before the mask)."""
+    from loraplex.structured.constraint import StructuredOutputs
+
+    base, adapters = tiny_models("qwen2"), made("qwen2")
+    engine = LLMEngine(model=base, dtype="float32", max_loras=2, max_lora_rank=8,
+                       max_model_len=64, lora_modules={"both": str(adapters["both"])})
+    params = SamplingParams(temperature=0.0, max_new_tokens=3, logprobs=2,
+                            structured_outputs=StructuredOutputs(regex="(cat|dog)"))
+    alone = engine.generate([STEER], params)[0]
+    mixed, steered = engine.generate([STEER, STEER], [params, greedy()],
+                                     adapters=[None, "both"])
+    assert mixed.token_ids == alone.token_ids and mixed.text in ("cat", "dog")
+    assert [[i for i, _ in lp.top] for lp in mixed.logprobs] == \
+        [[i for i, _ in lp.top] for lp in alone.logprobs]
+    assert [lp.logprob for lp in mixed.logprobs] == \
+        pytest.approx([lp.logprob for lp in alone.logprobs], abs=1e-5)
+    assert ADDED[0] in steered.text  # the step was a wide one
