@@ -11,9 +11,11 @@ base's: every base token keeps its id (else AdapterError naming the first that m
 Invariants:
 - a tokenizer equal to the base's (same backend definition, chat template and special
   tokens) is not kept: the adapter is served with the base's (``None``);
-- an ``AdapterVocab`` is shared by every adapter whose tokenizer files hold the same bytes
+- the verdict (an ``AdapterVocab``, or None for the base's tokenizer) is shared by every
+  adapter whose tokenizer files hold the same bytes, over the same base tokenizer
   (``_LOADED``: a small LRU keyed by their digest), so N adapters of one fine-tune hold
-  one tokenizer;
+  one tokenizer, and a re-inspection (a re-read after an eviction) loads and compares
+  nothing again;
 - ``size`` is max(len(tokenizer), base vocab_size): the rows of the adapter's embedding and
   head tables, and the logits' width on its rows; ids >= the base's vocab_size are the
   added tokens, and ``check_covered`` requires the adapter to hold their embedding AND head
@@ -55,7 +57,9 @@ class AdapterVocab:
         return self.size - self.base_size
 
 
-_LOADED: OrderedDict[str, Any] = OrderedDict()  # digest of the files -> tokenizer
+# (digest of the files, id of the base tokenizer, base size) -> (that base tokenizer, held
+# so that its id is not reused while the entry lives; the verdict)
+_LOADED: OrderedDict[tuple[str, int, int], tuple[Any, AdapterVocab | None]] = OrderedDict()
 _LOCK = threading.Lock()
 
 
@@ -70,11 +74,21 @@ def adapter_vocabulary(files: AdapterFiles, base_tokenizer: Any | None, base_siz
     if base_tokenizer is None:
         raise AdapterError(f"{where}: the adapter brings a tokenizer, but the base model has "
                            "none to check it against; serve a base model with its tokenizer")
+    key = (_digest(raw), id(base_tokenizer), base_size)
+    with _LOCK:
+        if key in _LOADED:
+            _LOADED.move_to_end(key)
+            return _LOADED[key][1]
     tokenizer = _load(raw, where)
-    if _same(tokenizer, base_tokenizer):
-        return None
-    check_extends(tokenizer, base_tokenizer, where)
-    return AdapterVocab(tokenizer, max(len(tokenizer), base_size), base_size)
+    vocab = None
+    if not _same(tokenizer, base_tokenizer):
+        check_extends(tokenizer, base_tokenizer, where)
+        vocab = AdapterVocab(tokenizer, max(len(tokenizer), base_size), base_size)
+    with _LOCK:
+        _LOADED[key] = (base_tokenizer, vocab)
+        while len(_LOADED) > _KEEP:
+            _LOADED.popitem(last=False)
+    return vocab
 
 
 def _tokenizer_files(files: AdapterFiles) -> dict[str, bytes]:
@@ -88,17 +102,15 @@ def _tokenizer_files(files: AdapterFiles) -> dict[str, bytes]:
     return raw
 
 
-def _load(raw: dict[str, bytes], where: str) -> Any:
-    """The tokenizer of these files (AutoTokenizer, local files only, no remote code),
-    shared by content."""
+def _digest(raw: dict[str, bytes]) -> str:
     digest = hashlib.sha256()
     for name in sorted(raw):
         digest.update(name.encode() + b"\0" + hashlib.sha256(raw[name]).digest())
-    key = digest.hexdigest()
-    with _LOCK:
-        if key in _LOADED:
-            _LOADED.move_to_end(key)
-            return _LOADED[key]
+    return digest.hexdigest()
+
+
+def _load(raw: dict[str, bytes], where: str) -> Any:
+    """The tokenizer of these files (AutoTokenizer, local files only, no remote code)."""
     from transformers import AutoTokenizer
 
     with tempfile.TemporaryDirectory(prefix="loraplex-tokenizer-") as tmp:
@@ -111,10 +123,6 @@ def _load(raw: dict[str, bytes], where: str) -> Any:
             said = str(exc).replace(tmp, where)[:200]  # never the server's temp dir
             raise AdapterError(f"{where}: its tokenizer cannot be loaded "
                                f"({type(exc).__name__}: {said})") from None
-    with _LOCK:
-        _LOADED[key] = tokenizer
-        while len(_LOADED) > _KEEP:
-            _LOADED.popitem(last=False)
     return tokenizer
 
 

@@ -170,7 +170,7 @@ def test_structured_outputs_on_such_an_adapter_are_refused(tiny_models, made):
         engine.generate([STEER], params, adapters=["both"])
 
 
-def test_the_tokenizer_is_held_once_and_tables_are_counted(tiny_models, made):
+def test_the_tokenizer_is_held_once_and_tables_are_counted(tiny_models, made, tmp_path):
     """The host bytes of the tables count the adapter's vocabulary; two adapters with the
     same tokenizer files share one tokenizer object; an adapter whose tokenizer equals the
     base's keeps none (served with the base's)."""
@@ -188,8 +188,10 @@ def test_the_tokenizer_is_held_once_and_tables_are_counted(tiny_models, made):
     weights = read_peft_adapter(adapters["tokens"], shapes, 8)
     assert weights.tokens.vocab == BASE_VOCAB + 2
     assert weights.tokens.head.rows.shape[0] == BASE_VOCAB + 2  # Llama: the head saved whole
-    AutoTokenizer.from_pretrained(base).save_pretrained(adapters["plain"])
-    assert inspect_peft_adapter(adapters["plain"], shapes, 8).vocab is None
+    same = tmp_path / "same"
+    shutil.copytree(adapters["plain"], same)
+    AutoTokenizer.from_pretrained(base).save_pretrained(same)
+    assert inspect_peft_adapter(same, shapes, 8).vocab is None
 
 
 # ---- bad input -----------------------------------------------------------------------------
