@@ -96,3 +96,14 @@ def test_tokenize_route_uses_the_adapters_tokenizer(server, base_dir) -> None:
     r = httpx.post(f"{url}/detokenize", json={"model": "judge", "tokens": [384, 385]},
                    headers=api)
     assert r.status_code == 200 and r.json()["prompt"] == ext.decode([384, 385])
+
+
+def test_grpc_generate_uses_the_adapters_tokenizer(server, base_dir, adapter) -> None:
+    """gRPC's text prompt on the adapter: tokenized with its tokenizer, the text its."""
+    ext = extended_tokenizer(base_dir)
+    tokens, _ = peft_oracle(base_dir, adapter, ext(STEER).input_ids, NEW, len(ext))
+    with server.client(api_token=API) as client:
+        got = client.generate(STEER, adapter="judge", temperature=0.0, max_new_tokens=NEW,
+                              min_new_tokens=NEW)
+    assert got.usage.prompt_tokens == len(ext(STEER).input_ids)
+    assert got.text == ext.decode(tokens, skip_special_tokens=True)
