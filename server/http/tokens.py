@@ -58,7 +58,10 @@ def _token_ids(body: TokenizeRequest, tokenizer: Any) -> list[int]:
 async def detokenize(body: DetokenizeRequest, request: Request) -> dict[str, str]:
     state = server_state(request)
     tokenizer = await _tokenizer(state, body.model)
-    vocab = max(state.require_engine().engine.base.hf_config.vocab_size, len(tokenizer))
+    engine = state.require_engine().engine
+    vocab = engine.base.hf_config.vocab_size
+    if tokenizer is not engine.tokenizer:  # an adapter's own: the base's and its added ids
+        vocab = max(vocab, len(tokenizer))
     bad = [t for t in body.tokens if t >= vocab]
     if bad:
         raise ValueError(f"token id {bad[0]} is out of range: ids must be in [0, {vocab})")
