@@ -254,6 +254,8 @@ class ModelRunner:
     def _vocab_rows(self, inputs: StepInputs) -> list[int] | None:
         """Each sampled row's vocabulary size where an adapter in the step adds tokens (its
         rows' logits are wider: lora/adapter_vocab.py); None where none does."""
+        if not inputs.head_rows:  # most steps
+            return None
         base = self.model.config.vocab_size
         wide = {i: rows.vocab for _, rows, at in inputs.head_rows.values() if rows.vocab > base
                 for i in at}
