@@ -111,6 +111,8 @@ def pad_columns(logits: torch.Tensor, vocab_rows: list[int]) -> None:
     """-inf, in place, in each row's columns at and past its vocabulary's size
     (``vocab_rows[i]``): a base row of a wide step keeps exactly its distribution over the
     base's vocabulary (exp(-inf) = 0 in every softmax, never the argmax)."""
-    cols = torch.arange(logits.shape[1], device=logits.device)
+    first = min(vocab_rows)  # only the columns past the smallest vocabulary are touched
+    tail = logits[:, first:]
+    cols = torch.arange(first, logits.shape[1], device=logits.device)
     sizes = torch.tensor(vocab_rows, dtype=torch.int64, device=logits.device)
-    logits.masked_fill_(cols[None, :] >= sizes[:, None], float("-inf"))
+    tail.masked_fill_(cols[None, :] >= sizes[:, None], float("-inf"))
