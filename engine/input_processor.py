@@ -17,6 +17,11 @@ Python API ``LLMEngine`` / ``AsyncEngine``) only translate their fields into a
 7. the constraint's limits (engine/constraints.py; compiles nothing);
 8. the adapter: one lookup of the name (NOT_FOUND if unknown), and where its delta starts
    to apply in the prompt (an activated LoRA's invocation: engine/activation.py).
+An adapter that brings its own tokenizer (lora/adapter_vocab.py) has its request
+tokenized with it, and its vocabulary (the base's plus the added tokens) is the one steps
+4 and 6 check against; ``EngineRequest.tokenizer`` carries it to the detokenizer. With
+lora_scale 0 (the base model's rows) the vocabulary is the base's. Structured outputs on
+such an adapter are refused (the grammar compiler holds the base's tokenizer).
 Only a request that passed all of them asks for its grammar (``compile`` /
 ``compile_async``): the compile is requested last (vLLM's ``grammar_init`` too), and the
 bounded compiler (structured/) keeps its limits, pending cap (429) and worker processes.
@@ -52,6 +57,7 @@ from typing import Any, Protocol, TypeVar
 
 from ..errors import AdapterNotFoundError, InvalidRequestError
 from ..kernel_backends import intra_op
+from ..lora.adapter_vocab import AdapterVocab
 from .activation import activation_start
 from .bad_words import BadWords
 from .constraints import Constraints
@@ -98,6 +104,7 @@ class EngineRequest:
     # in place moved the request to another load
     adapter_start: int = 0
     grammar: object | None = None  # the compiled constraint, attached last
+    tokenizer: Any = None  # the adapter's own tokenizer (adapter_vocab.py); None: the engine's
 
 
 class EngineView(Protocol):
@@ -128,19 +135,26 @@ class InputProcessor:
         tokenized, its adapter looked up: InvalidRequestError naming the field,
         AdapterNotFoundError for an unknown adapter. Compiles nothing (``compile``)."""
         engine, config = self.engine, self.engine.config
-        vocab = engine.base.hf_config.vocab_size
         params = (inp.params or SamplingParams()).with_defaults(engine.base.sampling_defaults)
+        own = self.own_vocabulary(inp.adapter)
+        tokenizer = engine.tokenizer if own is None else own.tokenizer
+        vocab = own.size if own is not None and params.lora_scale else \
+            engine.base.hf_config.vocab_size
         check_limits(params, config, vocab)  # first: the lists' lengths bound the rest
         try:
             params.validate()
         except ValueError as e:
             raise InvalidRequestError(str(e)) from None
-        ids = self.tokenize(inp.prompt)
-        self._check_prompt(ids)
+        ids = self.tokenize(inp.prompt, tokenizer)
+        self._check_prompt(ids, vocab)
         max_new = self._max_new_tokens(inp, params, len(ids))
         check_vocab(params.stop_token_ids, "stop_token_ids", vocab)
         resolved = check_sampling(params, config, vocab)
-        bad_words = tokenize_bad_words(engine.tokenizer, params.bad_words, vocab)
+        bad_words = tokenize_bad_words(tokenizer, params.bad_words, vocab)
+        if own is not None and params.structured_outputs is not None:
+            raise InvalidRequestError(
+                f"structured outputs are not served on adapter {inp.adapter!r}: it brings its "
+                "own tokenizer, and grammars are compiled for the base model's")
         engine.constraints.check(params)  # the constraint's limits; compiles nothing
         params = replace(params, **resolved, max_new_tokens=max_new,
                          temperature=1.0 if params.temperature is None else params.temperature)
@@ -149,20 +163,35 @@ class InputProcessor:
             request_id=inp.request_id if inp.request_id is not None else
             f"req-{next(self._ids)}", prompt_token_ids=ids, params=params,
             adapter_name=adapter_name, adapter_id=adapter_id, max_tokens=len(ids) + max_new,
-            bad_words=bad_words, adapter_start=self.adapter_start(ids, adapter_id))
+            bad_words=bad_words, adapter_start=self.adapter_start(ids, adapter_id),
+            tokenizer=None if own is None else own.tokenizer)
 
-    def tokenize(self, prompt: Prompt) -> list[int]:
+    def own_vocabulary(self, adapter: str | None) -> AdapterVocab | None:
+        """The registered adapter ``adapter``'s own tokenizer and vocabulary, if it brings
+        one (None: the base model's; a dict read, safe beside the engine thread)."""
+        if self.engine.is_base_model(adapter):
+            return None
+        cached = self.engine.lora.names.get(adapter)
+        return None if cached is None else cached.meta.vocab
+
+    def tokenizer_for(self, adapter: str | None) -> Any:
+        """The tokenizer requests on ``adapter`` are tokenized and detokenized with."""
+        own = self.own_vocabulary(adapter)
+        return self.engine.tokenizer if own is None else own.tokenizer
+
+    def tokenize(self, prompt: Prompt, tokenizer: Any = None) -> list[int]:
+        """``prompt``'s ids: text tokenized with ``tokenizer`` (None: the engine's)."""
         if isinstance(prompt, str):
-            tokenizer = self.engine.tokenizer
+            tokenizer = tokenizer if tokenizer is not None else self.engine.tokenizer
             if tokenizer is None:
                 raise InvalidRequestError("this model has no tokenizer: give prompt_token_ids")
             return list(tokenizer(prompt).input_ids)
         return [int(t) for t in prompt]
 
-    def _check_prompt(self, ids: list[int]) -> None:
+    def _check_prompt(self, ids: list[int], vocab: int) -> None:
         if not ids:
             raise InvalidRequestError("the prompt is empty: give at least one token")
-        check_vocab(ids, "the prompt", self.engine.base.hf_config.vocab_size)
+        check_vocab(ids, "the prompt", vocab)
         max_model_len = self.engine.max_model_len
         if len(ids) >= max_model_len:
             raise InvalidRequestError(
@@ -216,6 +245,10 @@ class InputProcessor:
         if name not in self.engine.lora.names:
             raise self.engine.unknown_adapter(name)
         adapter_id = self.engine.lora.lookup(name)
+        if self.own_vocabulary(name) is not None:  # checked with the base's tokenizer
+            raise InvalidRequestError(
+                f"adapter {name!r} brings its own tokenizer and was loaded by this request, "
+                "which was tokenized before with the base model's: send it again")
         return replace(request, adapter_id=adapter_id,
                        adapter_start=self.adapter_start(request.prompt_token_ids, adapter_id))
 

@@ -7,6 +7,7 @@ from collections.abc import Callable, Iterable
 from collections.abc import Sequence as Seq
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 from ..errors import AdapterNotFoundError, InvalidRequestError
 from ..lora.cache import AdapterCache
@@ -88,7 +89,8 @@ class LLMEngine(EngineAdapters):
         if not has_quantized_head(self.base.model):  # prepare_model packs a float head;
             # the quantized linears run as they are (kernels.quantized_linear)
             kernels.prepare_model(self.base.model, cfg.max_num_batched_tokens, cfg.max_num_seqs)
-        self.base_shapes = BaseShapes.from_hf_config(self.base.hf_config, str(self.base.path))
+        self.base_shapes = replace(BaseShapes.from_hf_config(  # the tokenizer: adapter_vocab.py
+            self.base.hf_config, str(self.base.path)), tokenizer=self.tokenizer)
         self.lora_dtype = kernels.dtype  # the pools'; host copies are read in it on loader
         # threads, so the copy onto the device only moves bytes
         self.uploads = UploadStore()  # adapters given as tensors or bytes, as PEFT dirs
@@ -132,8 +134,13 @@ class LLMEngine(EngineAdapters):
     def kv_cache_tokens(self) -> int:
         return self.block_manager.num_blocks * self.block_manager.block_size
 
-    def tokenize(self, prompt: Prompt) -> list[int]:
-        return self.input_processor.tokenize(prompt)
+    def tokenize(self, prompt: Prompt, adapter: str | None = None) -> list[int]:
+        """``prompt``'s ids, with ``adapter``'s own tokenizer if it brings one."""
+        return self.input_processor.tokenize(prompt, self.tokenizer_for(adapter))
+
+    def tokenizer_for(self, adapter: str | None) -> Any:
+        """The tokenizer of requests on ``adapter`` (its own, else the base model's)."""
+        return self.input_processor.tokenizer_for(adapter)
 
     def make_sequence(self, prompt: Prompt, params: SamplingParams | None = None,
                       adapter: str | None = None, request_id: str | None = None,
@@ -158,7 +165,7 @@ class LLMEngine(EngineAdapters):
             adapter_id=request.adapter_id,  # add_sequence binds it and sets adapter_version
             adapter_start=request.adapter_start,
             eos_token_ids=self.base.eos_token_ids, max_tokens=request.max_tokens,
-            bad_words=request.bad_words)
+            bad_words=request.bad_words, tokenizer=request.tokenizer)
         self.constraints.attach(seq, request.grammar)
         return seq
 

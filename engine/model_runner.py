@@ -18,7 +18,8 @@ from ..kernel_backends.attention_metadata import AttentionMetadata
 from ..kernel_backends.backend import KernelBackend
 from ..kernel_backends.staged_buffer import StagedBuffer
 from ..kernel_backends.step_metadata import StepMetadata, bind_step
-from ..lora.token_rows import TokenRows, TokenRowsStep, fix_logits
+from ..lora.token_rows import TokenRows
+from ..lora.token_rows_step import TokenRowsStep, fix_logits
 from ..structured.bitmask import StepBitmask
 from ..structured.matcher import ConstraintMatcher
 from .engine_config import DEFAULT_CPU_KV_BYTES, EngineConfig
@@ -147,7 +148,8 @@ class ModelRunner:
         self.sample_rows = StagedBuffer((seqs,), torch.int64, device)
         # adapters' own embedding / head rows (lora/token_rows.py): the engine sets rows_of
         self.rows_of: Callable[[int], TokenRows | None] = lambda adapter_id: None
-        self.token_rows = TokenRowsStep(device)
+        self.token_rows = TokenRowsStep(device, model.config.vocab_size)
+        model.model.embed_tokens.register_forward_pre_hook(self.token_rows.embed_pre_hook)
         model.model.embed_tokens.register_forward_hook(self.token_rows.embed_hook)
 
     def prepare(self, batch: ScheduledBatch, adapter_slots: Mapping[int, int]) -> StepInputs:
@@ -238,13 +240,26 @@ class ModelRunner:
         n = len(inputs.sample_rows)
         self.sample_rows.np[:n] = inputs.sample_rows
         rows = self.sample_rows.upload(n)
-        fix = fix_logits(self.token_rows.head_groups(inputs.head_rows.values()))
+        vocab_rows = self._vocab_rows(inputs)  # None: every row the base's vocabulary
+        fix = fix_logits(self.token_rows.head_groups(inputs.head_rows.values()),
+                         max(vocab_rows) if vocab_rows else 0)
         logits = self.model.compute_logits(hidden[rows], fix)  # [N, vocab] float32
         if forks:
             logits = logits.index_select(0, torch.tensor(expand, device=self.device))
+            vocab_rows = None if vocab_rows is None else [vocab_rows[i] for i in expand]
         mask = None if pending is None else \
             (lambda lg: self.grammar_bitmask.apply(lg, pending))
-        return seqs, self.sampler(logits, seqs, mask)
+        return seqs, self.sampler(logits, seqs, mask, vocab_rows)
+
+    def _vocab_rows(self, inputs: StepInputs) -> list[int] | None:
+        """Each sampled row's vocabulary size where an adapter in the step adds tokens (its
+        rows' logits are wider: lora/adapter_vocab.py); None where none does."""
+        if not inputs.head_rows:  # most steps
+            return None
+        base = self.model.config.vocab_size
+        wide = {i: rows.vocab for _, rows, at in inputs.head_rows.values() if rows.vocab > base
+                for i in at}
+        return [wide.get(i, base) for i in range(len(inputs.sample_rows))] if wide else None
 
     def _prompt_logprobs(self, hidden: torch.Tensor, seq: Sequence, row: int, first: int,
                          count: int, rows: tuple[int, TokenRows, list[int]] | None) -> None:
@@ -256,7 +271,7 @@ class ModelRunner:
         for off in range(0, count, PROMPT_LOGPROB_ROWS):
             m = min(PROMPT_LOGPROB_ROWS, count - off)
             fix = None if rows is None else fix_logits(self.token_rows.head_groups(
-                [(rows[0], rows[1], list(range(m)))]))
+                [(rows[0], rows[1], list(range(m)))]), rows[1].vocab)
             logits = self.model.compute_logits(hidden[row + off: row + off + m], fix)
             targets = torch.tensor(prompt[first + off + 1: first + off + m + 1],
                                    dtype=torch.int64, device=self.device)

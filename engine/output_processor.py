@@ -58,8 +58,9 @@ class OutputProcessor:
             seq.logprobs.append(logprob)
             seq.cumulative_logprob += logprob.logprob
         p = seq.params
-        if self.tokenizer is not None:
-            detokenize(self.tokenizer, seq)
+        tokenizer = seq.tokenizer if seq.tokenizer is not None else self.tokenizer
+        if tokenizer is not None:
+            detokenize(tokenizer, seq)
         allowed_to_stop = seq.num_output_tokens >= p.min_new_tokens
         reason = None
         if allowed_to_stop and not p.ignore_eos and token in seq.eos_token_ids:
@@ -70,8 +71,8 @@ class OutputProcessor:
             return "stop"
         elif seq.num_output_tokens >= p.max_new_tokens or seq.num_tokens >= seq.max_tokens:
             reason = "length"
-        if reason is not None and self.tokenizer is not None:
-            flush(self.tokenizer, seq)  # the text of a half character, as the full decode
+        if reason is not None and tokenizer is not None:
+            flush(tokenizer, seq)  # the text of a half character, as the full decode
         return reason
 
     @staticmethod

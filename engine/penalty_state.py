@@ -34,6 +34,15 @@ class PenaltyState:
         self.counts = torch.zeros(capacity, vocab_size, dtype=torch.int32, device=device)
         self.seen = torch.zeros(capacity, width, dtype=torch.int64, device=device)
 
+    def widen(self, vocab_size: int) -> None:
+        """Count over at least ``vocab_size`` ids (an adapter whose tokenizer adds tokens:
+        its rows' logits are wider); the new ids' counts start at 0."""
+        if vocab_size > self.vocab_size:
+            extra = torch.zeros(self.counts.shape[0], vocab_size - self.vocab_size,
+                                dtype=self.counts.dtype, device=self.device)
+            self.counts = torch.cat([self.counts, extra], dim=1)
+            self.vocab_size = vocab_size
+
     def rows_of(self, seqs: list[Sequence]) -> list[int]:
         """The rows of ``seqs`` (each given one, filled from its tokens, on first use)."""
         out = []

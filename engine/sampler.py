@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from ..kernel_backends.backend import KernelBackend
+from ..lora.token_rows_step import pad_columns
 from .logprob_ops import token_logprobs
 from .logprobs import TokenLogprob
 from .penalty_state import PenaltyState
@@ -108,15 +109,24 @@ class Sampler:
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence],
-                 grammar_mask: Callable[[torch.Tensor], None] | None = None) -> SamplerOutput:
+                 grammar_mask: Callable[[torch.Tensor], None] | None = None,
+                 vocab_rows: list[int] | None = None) -> SamplerOutput:
         """logits: [N, vocab] float32 on the device, one row per sequence that samples.
         ``grammar_mask`` sets the logits of tokens the constrained rows' grammars refuse to
-        -inf, in place (structured/bitmask.py), before any other processing."""
+        -inf, in place (structured/bitmask.py), before any other processing.
+        ``vocab_rows``: each row's vocabulary size where rows differ (an adapter's
+        tokenizer adds tokens: lora/adapter_vocab.py); the columns past a row's are -inf
+        for it (``pad_columns``), after its finiteness is read."""
         batch = build_batch(seqs, logits.shape[-1], logits.device)
-        if grammar_mask is None and batch.plain_greedy:  # one read: the argmax, the check
+        ok = None
+        if vocab_rows is not None:
+            ok = finite_rows(logits)  # the padding's -inf is no fault of the row
+            pad_columns(logits, vocab_rows)
+        elif grammar_mask is None and batch.plain_greedy:  # one read: argmax and check
             tokens, finite = self.kernels.argmax_finite_rows(logits)
             return self._finish(logits, tokens, finite.tolist(), batch, None, seqs)
-        ok = finite_rows(logits)  # before anything writes -inf into the rows
+        if ok is None:
+            ok = finite_rows(logits)  # before anything writes -inf into the rows
         if grammar_mask is not None:
             grammar_mask(logits)
         pen = self._penalty_rows(batch, logits.shape[-1], logits.device)
@@ -164,6 +174,7 @@ class Sampler:
             return None
         if self.penalties is None:
             self.penalties = PenaltyState(vocab, device)
+        self.penalties.widen(vocab)  # an adapter's own, larger vocabulary
         rows = self.penalties.rows_of(batch.penalties[0])
         return rows, torch.tensor(rows, dtype=torch.int64, device=device)
 

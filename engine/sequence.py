@@ -34,6 +34,9 @@ class Sequence:
     # LoRA's invocation start (activation.NEVER: nowhere); earlier tokens run the base model
     adapter_start: int = 0
     eos_token_ids: frozenset[int] = frozenset()
+    # the adapter's own tokenizer (lora/adapter_vocab.py): its output is detokenized with
+    # it; None: the engine's
+    tokenizer: Any = None
     max_tokens: int = 0  # prompt + generated never exceeds this
     output_token_ids: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
@@ -95,7 +98,7 @@ class Sequence:
             adapter_start=self.adapter_start, eos_token_ids=self.eos_token_ids, max_tokens=self.max_tokens,
             arrival_time=self.arrival_time, num_cached_tokens=self.num_cached_tokens,
             index=index, prompt_logprobs=self.prompt_logprobs, bad_words=self.bad_words,
-            row_tokens=self.row_tokens,
+            row_tokens=self.row_tokens, tokenizer=self.tokenizer,
             matcher=self.matcher)  # the parent's: the choice gets its own at its first step
 
     @property

@@ -40,11 +40,12 @@ import json
 import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .adapter_files import AdapterFiles, MissingFile, read_all, real_path
+from .adapter_vocab import AdapterVocab, adapter_vocabulary, check_covered
 from .peft_checks import (
     LORA_TARGETS,
     AdapterError,
@@ -69,8 +70,11 @@ from .peft_files import (
 )
 from .tensor_layout import StaleLayout, TensorLayout
 from .token_rows import (
+    EMBED,
+    HEAD,
     TokenLayout,
     TokenRows,
+    TokenTensors,
     check_token_config,
     check_token_tensors,
     held_bytes,
@@ -98,6 +102,9 @@ class BaseShapes:
     hidden_size: int
     vocab_size: int
     tied: bool = False  # the head is the embedding (tie_word_embeddings); not compared
+    # the base's tokenizer, which an adapter's own must extend (adapter_vocab.py); not
+    # compared
+    tokenizer: Any = field(default=None, repr=False, compare=False)
 
     @classmethod
     def from_hf_config(cls, config: transformers.PretrainedConfig, name_or_path: str) -> BaseShapes:
@@ -127,7 +134,7 @@ class BaseShapes:
         """'field: ours vs theirs' for every field but name_or_path that differs."""
         return [f"{f.name}: {getattr(self, f.name)} vs {getattr(other, f.name)}"
                 for f in fields(self)
-                if f.name not in ("name_or_path", "tied") and getattr(self, f.name) != getattr(other, f.name)]
+                if f.name not in ("name_or_path", "tied", "tokenizer") and getattr(self, f.name) != getattr(other, f.name)]
 
 
 @dataclass(frozen=True)
@@ -156,6 +163,8 @@ class AdapterMeta:
     invocation_tokens: tuple[int, ...] | None = None
     # its own embedding / head rows (modules_to_save, trainable tokens): lora/token_rows.py
     tokens: TokenLayout | None = field(default=None, repr=False, compare=False)
+    # its own tokenizer, when it brings one that is not the base's (lora/adapter_vocab.py)
+    vocab: AdapterVocab | None = field(default=None, repr=False, compare=False)
 
     @property
     def files(self) -> AdapterFiles:
@@ -205,7 +214,9 @@ def inspect_peft_adapter(path: str | Path, base: BaseShapes, max_lora_rank: int,
     config, config_read = lora_config(files)
     where = files.label()
     check_servable(config, where)
-    token_plan = check_token_config(config, base.vocab_size, where)
+    vocab = adapter_vocabulary(files, base.tokenizer, base.vocab_size)
+    size_v = base.vocab_size if vocab is None else vocab.size
+    token_plan = check_token_config(config, size_v, where, own=vocab is not None)
     _check_same_base(config.base_model_name_or_path, base, files)
     plan = plan_modules(config, base.num_layers, max_lora_rank, where, tuple(base.modules))
     header = _header(files)
@@ -217,12 +228,16 @@ def inspect_peft_adapter(path: str | Path, base: BaseShapes, max_lora_rank: int,
     check_magnitudes(keys, bool(config.use_dora), weights_file)
     check_dtypes(header.tensors, keys, weights_file)
     layout = TensorLayout.of(header, keys, plan, base.modules, bool(config.use_rslora))
-    tokens = None
+    tokens, names = None, TokenTensors()
     if token_plan:
-        names = check_token_tensors(header.tensors, token_plan, base.vocab_size,
-                                    base.hidden_size, weights_file)
-        tokens = TokenLayout.of(header, token_plan, names, base.tied)
-    size = layout.held_bytes(dtype) + (held_bytes(token_plan, base.vocab_size,
+        names = check_token_tensors(header.tensors, token_plan, size_v, base.hidden_size,
+                                    weights_file, own=vocab is not None, tied=base.tied)
+        tokens = TokenLayout.of(header, token_plan, names, base.tied,
+                                0 if vocab is None else vocab.size)
+    if vocab is not None:
+        check_covered(vocab, EMBED in names.tables, HEAD in names.tables
+                      or (base.tied and bool(token_plan.indices)), token_plan.indices, where)
+    size = layout.held_bytes(dtype) + (held_bytes(token_plan, names, size_v,
                                                   base.hidden_size, dtype) if tokens else 0)
     return AdapterMeta(
         name=name or files.dir.name, path=files.dir, rank=max(layout.ranks.values()),
@@ -231,8 +246,8 @@ def inspect_peft_adapter(path: str | Path, base: BaseShapes, max_lora_rank: int,
         dtypes=tuple(sorted(set(layout.dtypes))), lora_alpha=float(config.lora_alpha),
         use_rslora=bool(config.use_rslora),
         base_model_name_or_path=config.base_model_name_or_path, layout=layout, config=config_read,
-        dtype=dtype, root=root, shown=shown, tokens=tokens,
-        invocation_tokens=invocation_tokens(config, base.vocab_size, where))
+        dtype=dtype, root=root, shown=shown, tokens=tokens, vocab=vocab,
+        invocation_tokens=invocation_tokens(config, size_v, where))
 
 
 def _lora_names(header: SafetensorsHeader, with_tokens: bool) -> list[str]:

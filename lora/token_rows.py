@@ -16,13 +16,15 @@ What PEFT 0.21 saves and serves (checked against ``PeftModel`` in tests/test_tok
 Everything else is refused with its name (AdapterError): other ``modules_to_save`` (norms,
 a classification head), trainable tokens of another module, ``ensure_weight_tying``, and a
 vocabulary that differs from the base's (a table whose row count is not the base's
-vocab_size, an index outside it): the adapter-tokenizer part is not served.
+vocab_size, an index outside it) unless the adapter brings its tokenizer
+(lora/adapter_vocab.py): then the tables have its tokenizer's row count and the added
+tokens' rows are served (``TokenRows.vocab``).
 
 Memory: ``TokenRows`` holds only the rows (trainable tokens: k × hidden; a replaced table:
 vocab × hidden), in the engine's dtype; ``nbytes`` is what the adapter cache counts for
 them (``AdapterMeta.size_bytes``). What is unchanged is the base's and never copied.
 
-Serving (``TokenRowsStep``): the runner groups a step's tokens by adapter; a forward hook on
+Serving (``TokenRowsStep``, lora/token_rows_step.py): the runner groups a step's tokens by adapter; a forward hook on
 the model's ``embed_tokens`` (float or quantized: the hook replaces the looked-up rows after
 the lookup) puts each adapter's rows in place for its own tokens, and the model's
 ``compute_logits`` calls ``fix_logits`` on the rows that sample (before Gemma's final
@@ -35,11 +37,10 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from peft import LoraConfig
 
 from .adapter_files import AdapterFiles, real_path
@@ -54,6 +55,11 @@ SERVED = ("loraplex serves modules_to_save of embed_tokens and lm_head, and "
 # <prefix>.embed_tokens.weight / <prefix>.lm_head.weight (modules_to_save)
 _TOKEN_NAME = re.compile(r"(?:.*\.)?(embed_tokens|lm_head)\.(?:(token_adapter\."
                          r"trainable_tokens_delta)(?:\.[^.]+)?|weight)")
+# PEFT's copies of the base layers, which save_pretrained adds when the vocabulary was resized
+# (save_embedding_layers="auto"): never read (what PeftModel serves from them is the
+# trained table, or the base's rows)
+_COPY_NAME = re.compile(r"(?:.*\.)?(embed_tokens|lm_head)\.(?:original_module|modules_to_save"
+                        r"|token_adapter\.base_layer)\.weight")
 
 
 @dataclass(frozen=True)
@@ -96,10 +102,13 @@ class ReplacedRows:
 
 @dataclass(frozen=True, eq=False)
 class TokenRows:
-    """One adapter's embedding rows and head rows (None: the base's)."""
+    """One adapter's embedding rows and head rows (None: the base's); ``vocab``: the size
+    of its own vocabulary when its tokenizer adds tokens (its rows' logits are that wide),
+    0 when it is the base's."""
 
     embed: ReplacedRows | None
     head: ReplacedRows | None
+    vocab: int = 0
 
     @property
     def nbytes(self) -> int:
@@ -110,15 +119,17 @@ class TokenRows:
         embed = None if self.embed is None else self.embed.to(device)
         head = embed if self.head is self.embed else \
             None if self.head is None else self.head.to(device)
-        return TokenRows(embed, head)
+        return TokenRows(embed, head, self.vocab)
 
 
 # ---- the checks -----------------------------------------------------------------------------
 
 
-def check_token_config(config: LoraConfig, vocab_size: int, where: object) -> TokenPlan:
+def check_token_config(config: LoraConfig, vocab_size: int, where: object,
+                       own: bool = False) -> TokenPlan:
     """The plan of ``config``'s modules_to_save and trainable_token_indices; refuse what
-    is not served, naming it."""
+    is not served, naming it. ``vocab_size``: the base's, or (``own``) the adapter
+    tokenizer's."""
     saved = sorted(config.modules_to_save or [])
     other = [m for m in saved if m.split(".")[-1] not in (EMBED, HEAD)]
     if other:
@@ -134,9 +145,10 @@ def check_token_config(config: LoraConfig, vocab_size: int, where: object) -> To
                            "trainable_token_indices; PEFT trains it one way")
     outside = [i for i in indices if not 0 <= i < vocab_size]
     if outside:
+        whose = "its tokenizer's" if own else "base model's"
         raise AdapterError(f"{where}: trainable_token_indices {outside[:5]} lie outside the "
-                           f"base model's vocabulary of {vocab_size} tokens; an adapter with "
-                           "its own (larger) vocabulary is not supported")
+                           f"{whose} vocabulary of {vocab_size} tokens; an adapter that adds "
+                           "tokens brings its tokenizer (saved in its directory)")
     return TokenPlan(indices, whole)
 
 
@@ -159,22 +171,29 @@ def _token_indices(value: object, where: object) -> tuple[int, ...]:
 
 def is_token_tensor(name: str) -> bool:
     """A tensor of embed_tokens or lm_head (not a LoRA A / B)."""
-    return ".lora_" not in name and _TOKEN_NAME.fullmatch(name) is not None
+    return ".lora_" not in name and (_TOKEN_NAME.fullmatch(name) is not None
+                                     or _COPY_NAME.fullmatch(name) is not None)
 
 
 def check_token_tensors(header: Header, plan: TokenPlan, vocab_size: int, hidden: int,
-                        where: object) -> TokenTensors:
+                        where: object, own: bool = False, tied: bool = False) -> TokenTensors:
     """Each token tensor of the header is one the plan asks for, with its shape and a float
-    dtype; each one the plan asks for is there."""
+    dtype; each one the plan asks for is there. ``vocab_size``: the tables' row count (the
+    base's, or with ``own`` the adapter tokenizer's). What PEFT saves beside them once the
+    vocabulary was resized is accepted: its copies of the base layers (unread), the tied
+    head's copy of the trainable rows (``tied``), and (``own``) the resized base head
+    ``lm_head.weight``, which PeftModel serves: a whole head table here."""
     rows, tables = None, {}
     for name, (dtype, shape) in sorted(header.items()):
-        m = _TOKEN_NAME.fullmatch(name)
+        m = _TOKEN_NAME.fullmatch(name) or _COPY_NAME.fullmatch(name)
         if m is None or ".lora_" in name:
             continue
-        module, delta = m[1], m[2] is not None
-        if delta and module == EMBED and plan.indices:
+        module, delta = m[1], m.re is _TOKEN_NAME and m[2] is not None
+        if m.re is _COPY_NAME or (delta and module == HEAD and tied and plan.indices):
+            want = (vocab_size, hidden) if m.re is _COPY_NAME else (len(plan.indices), hidden)
+        elif delta and module == EMBED and plan.indices:
             rows, want = name, (len(plan.indices), hidden)
-        elif not delta and module in plan.whole:
+        elif not delta and (module in plan.whole or (own and module == HEAD)):
             tables[module], want = name, (vocab_size, hidden)
         else:
             raise AdapterError(f"{where}: tensor {name!r} is not asked for by "
@@ -183,8 +202,11 @@ def check_token_tensors(header: Header, plan: TokenPlan, vocab_size: int, hidden
             raise AdapterError(f"{where}: tensor {name!r} has dtype {dtype}; it must be "
                                f"floating point ({', '.join(FLOAT_DTYPES)})")
         if tuple(shape) != want:
-            vocab = (f"; its vocabulary of {shape[0]} tokens differs from the base model's "
-                     f"{vocab_size} (an adapter with its own tokenizer is not supported)"
+            whose = "its tokenizer's" if own else "the base model's"
+            hint = "" if own else " (an adapter that adds tokens brings its tokenizer: " \
+                "there is none in its directory)"
+            vocab = (f"; its vocabulary of {shape[0]} tokens differs from {whose} "
+                     f"{vocab_size}{hint}"
                      if not delta and len(shape) == 2 and shape[0] != vocab_size else "")
             raise AdapterError(f"{where}: tensor {name!r} has shape {list(shape)}, expected "
                                f"{list(want)}{vocab}")
@@ -199,17 +221,19 @@ def check_token_tensors(header: Header, plan: TokenPlan, vocab_size: int, hidden
     return TokenTensors(rows, tables)
 
 
-def held_bytes(plan: TokenPlan, vocab_size: int, hidden: int, dtype: torch.dtype) -> int:
-    """Bytes ``read_token_rows`` holds for ``plan`` (the rows, and the indices)."""
+def held_bytes(plan: TokenPlan, names: TokenTensors, vocab_size: int, hidden: int,
+               dtype: torch.dtype) -> int:
+    """Bytes ``read_token_rows`` holds for ``plan`` (the rows, the tables, the indices)."""
     item = torch.empty(0, dtype=dtype).element_size()
-    return item * hidden * (len(plan.indices) + vocab_size * len(plan.whole)) \
+    return item * hidden * (len(plan.indices) + vocab_size * len(names.tables)) \
         + 8 * len(plan.indices)
 
 
 def token_rows(plan: TokenPlan, names: TokenTensors, tensors: dict[str, torch.Tensor],
-               tied: bool, dtype: torch.dtype) -> TokenRows:
+               tied: bool, dtype: torch.dtype, vocab: int = 0) -> TokenRows:
     """The adapter's TokenRows from its read tensors (name -> tensor), held in ``dtype``;
-    trainable tokens also give the head's rows on a ``tied`` base (PEFT ties them)."""
+    trainable tokens also give the head's rows on a ``tied`` base (PEFT ties them);
+    ``vocab``: its own vocabulary's size (0: the base's)."""
     for name, t in tensors.items():
         if not torch.isfinite(t).all():
             raise AdapterError(f"tensor {name!r} holds NaN or Inf values; all adapter "
@@ -224,7 +248,7 @@ def token_rows(plan: TokenPlan, names: TokenTensors, tensors: dict[str, torch.Te
         embed = ReplacedRows(None, tensors[names.tables[EMBED]].to(dtype).contiguous())
     if HEAD in names.tables:
         head = ReplacedRows(None, tensors[names.tables[HEAD]].to(dtype).contiguous())
-    return TokenRows(embed, head)
+    return TokenRows(embed, head, vocab)
 
 
 @dataclass(frozen=True)
@@ -237,17 +261,18 @@ class TokenLayout:
     data_start: int
     header: ContentKey  # of the header this layout was built from
     tied: bool  # the base ties its head to its embedding
+    vocab: int = 0  # its own vocabulary's size (adapter_vocab.py); 0: the base's
 
     @classmethod
     def of(cls, header: SafetensorsHeader, plan: TokenPlan, names: TokenTensors,
-           tied: bool) -> TokenLayout:
+           tied: bool, vocab: int = 0) -> TokenLayout:
         wanted = {names.rows, *names.tables.values()} - {None}
         at, offset = {}, 0
         for name, (dtype, shape) in header.tensors.items():  # back to back, in file order
             if name in wanted:
                 at[name] = (dtype, tuple(shape), offset)
             offset += ITEMSIZE[dtype] * _count(shape)
-        return cls(plan, names, at, header.data_start, header.key, tied)
+        return cls(plan, names, at, header.data_start, header.key, tied, vocab)
 
     def read(self, files: AdapterFiles, dtype: torch.dtype) -> TokenRows:
         """The TokenRows, read from the file (only these tensors' bytes); AdapterError if
@@ -267,7 +292,7 @@ class TokenLayout:
                                        "or corrupt?)")
                 tensors[name] = raw.view(TORCH_DTYPES[stored]).view(shape)
         try:
-            return token_rows(self.plan, self.names, tensors, self.tied, dtype)
+            return token_rows(self.plan, self.names, tensors, self.tied, dtype, self.vocab)
         except AdapterError as exc:
             raise AdapterError(f"{path}: {exc}") from None
 
@@ -314,69 +339,3 @@ class DeviceRows:
         if self.device.type == "cpu":
             return 0
         return sum(d.nbytes for _, d in list(self.copies.values()))  # any thread reads it
-
-
-Group = tuple[TokenRows, torch.Tensor]  # an adapter's rows, the flat rows it applies to
-
-
-class TokenRowsStep:
-    """One step's groups: the tokens of each adapter with rows (embedding), the sampled rows
-    of each (head). Set by the runner before the forward pass; empty for most steps."""
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.slots = DeviceRows(device)
-        self.embed_groups: list[Group] = []
-
-    def set_tokens(self, groups: Iterable[tuple[int, TokenRows, list[int]]]) -> None:
-        """(slot, host rows, flat token rows) per adapter with rows in the step."""
-        self.embed_groups = [(self.slots.get(slot, rows), self._index(at))
-                             for slot, rows, at in groups if rows.embed is not None]
-
-    def head_groups(self, groups: Iterable[tuple[int, TokenRows, list[int]]]) -> list[Group]:
-        """(slot, host rows, rows of the logits) -> the groups ``fix_logits`` takes."""
-        return [(self.slots.get(slot, rows), self._index(at))
-                for slot, rows, at in groups if rows.head is not None and at]
-
-    def _index(self, rows: list[int]) -> torch.Tensor:
-        return torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True)
-
-    def embed_hook(self, module: torch.nn.Module, args: tuple, out: torch.Tensor
-                   ) -> torch.Tensor:
-        """A forward hook on ``embed_tokens``: each group's tokens take its rows."""
-        if not self.embed_groups:
-            return out
-        ids = args[0]
-        for rows, at in self.embed_groups:
-            out[at] = _embed(rows.embed, ids[at], out[at])
-        return out
-
-
-def _embed(rows: ReplacedRows, ids: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
-    """The embeddings of ``ids`` with ``rows`` in place of the base's (``base``)."""
-    if rows.indices is None:
-        return F.embedding(ids, rows.rows).to(base.dtype)
-    k = rows.indices.numel()
-    pos = torch.searchsorted(rows.indices, ids).clamp_(max=k - 1)
-    hit = rows.indices[pos] == ids
-    return torch.where(hit[:, None], rows.rows[pos].to(base.dtype), base)
-
-
-def fix_logits(groups: list[Group]) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None:
-    """What ``compute_logits`` applies to (hidden, float32 logits) of the rows it computed:
-    each group's rows get its head's logits (None: no group)."""
-    if not groups:
-        return None
-
-    def fix(hidden: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-        for rows, at in groups:
-            head = rows.head
-            h = hidden[at]
-            if head.indices is None:
-                logits[at] = F.linear(h, head.rows.to(h.dtype)).float()
-            else:
-                logits[at[:, None], head.indices[None, :]] = \
-                    F.linear(h, head.rows.to(h.dtype)).float()
-        return logits
-
-    return fix

@@ -108,6 +108,17 @@ class ServerState:
             return None
         return check_canonical(model)
 
+    def tokenizer_of(self, model: str | None) -> Any:
+        """The tokenizer of requests on ``model``: an adapter's own (one that adds tokens:
+        lora/adapter_vocab.py), else the base model's. A name ``adapter_of`` refuses gets
+        the base's here: the request's check refuses it with its own error."""
+        engine = self.require_engine().engine
+        try:
+            adapter = self.adapter_of(model or "")
+        except ValueError:
+            adapter = None
+        return engine.tokenizer_for(adapter)
+
     # ---- admission ----------------------------------------------------------------------
     def require_engine(self, while_draining: bool = False) -> AsyncEngine:
         """The engine, if calls are accepted now; UNAVAILABLE (or INTERNAL if dead) if not.

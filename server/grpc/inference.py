@@ -43,7 +43,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                     first = False
 
     async def _check(self, request: pb.GenerateRequest) -> EngineRequest:
-        tokenizer = self.state.require_engine().engine.tokenizer
+        tokenizer = self.state.tokenizer_of(request.adapter)  # an adapter's own, if any
         checked, _ = await generation.check(
             self.state, lambda: (proto_convert.generate_input(request, tokenizer), None))
         return checked

@@ -47,7 +47,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
 async def _serve(request: Request, body: SamplingFields, convert: Converter, rid: str
                  ) -> Response:
     state = server_state(request)
-    tokenizer = state.require_engine().engine.tokenizer
+    tokenizer = state.tokenizer_of(body.model)  # the adapter's own, if it brings one
     checked, view = await generation.check(state, lambda: convert(body, tokenizer, rid))
     reply = Reply(rid, body.model or state.model_name, view, tokenizer)
     return await _answer(state, request, reply, checked, body)

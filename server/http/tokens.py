@@ -27,9 +27,10 @@ async def _tokenizer(state: ServerState, model: str | None) -> Any:
         names = {a.name for a in await adapter_ops.list_adapters(state)}
         if adapter not in names:
             raise engine.engine.unknown_adapter(adapter)
-    if engine.engine.tokenizer is None:
+    tokenizer = engine.engine.tokenizer_for(adapter)  # an adapter's own, if it brings one
+    if tokenizer is None:
         raise ValueError("this model has no tokenizer")
-    return engine.engine.tokenizer
+    return tokenizer
 
 
 @router.post("/tokenize")
@@ -57,7 +58,10 @@ def _token_ids(body: TokenizeRequest, tokenizer: Any) -> list[int]:
 async def detokenize(body: DetokenizeRequest, request: Request) -> dict[str, str]:
     state = server_state(request)
     tokenizer = await _tokenizer(state, body.model)
-    vocab = state.require_engine().engine.base.hf_config.vocab_size
+    engine = state.require_engine().engine
+    vocab = engine.base.hf_config.vocab_size
+    if tokenizer is not engine.tokenizer:  # an adapter's own: the base's and its added ids
+        vocab = max(vocab, len(tokenizer))
     bad = [t for t in body.tokens if t >= vocab]
     if bad:
         raise ValueError(f"token id {bad[0]} is out of range: ids must be in [0, {vocab})")

@@ -5,6 +5,7 @@ a good adapter out of the adapter root)."""
 
 from __future__ import annotations
 
+import json
 import math
 import shutil
 from collections.abc import Callable
@@ -93,10 +94,30 @@ def _head_of_vocab(rows: int) -> Callable[[dict[str, torch.Tensor]], None]:
     return edit
 
 
+def _with_tokenizer(d: Path, added: list[str], swap: bool = False) -> None:
+    """Its base's tokenizer saved in the adapter dir with ``added`` tokens (an adapter that
+    brings its own tokenizer); ``swap``: two base tokens exchange their ids."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(json.loads((d / CONFIG).read_text())
+                                        ["base_model_name_or_path"])
+    tok.add_tokens(added)
+    tok.save_pretrained(d)
+    if swap:
+        data = json.loads((d / "tokenizer.json").read_text())
+        vocab = data["model"]["vocab"]
+        vocab["cat"], vocab["dog"] = vocab["dog"], vocab["cat"]
+        (d / "tokenizer.json").write_text(json.dumps(data))
+
+
 BROKEN.update({
     "modules-to-save-norm": lambda d, x: edit_config(d, modules_to_save=["norm"]),
     "head-other-vocab": lambda d, x: (edit_config(d, modules_to_save=["lm_head"]),
                                       edit_tensors(d, _head_of_vocab(388))),
+    "tokenizer-moves-base-ids": lambda d, x: _with_tokenizer(d, [], swap=True),
+    "tokenizer-other-table": lambda d, x: (edit_config(d, modules_to_save=["lm_head"]),
+                                           edit_tensors(d, _head_of_vocab(388)),
+                                           _with_tokenizer(d, ["<|a|>", "<|b|>"])),
 })
 
 
