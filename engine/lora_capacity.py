@@ -6,10 +6,11 @@ than ``max_num_seqs`` (a step cannot use more) nor ``max_cpu_loras`` (host ⊇ d
 budget is ``lora_memory`` bytes, else ``LORA_MEMORY_SHARE`` of the memory left after the
 weights and a minimum KV cache (one sequence at ``max_model_len``).
 
-Each slot also reserves its adapter's extras (``LoRAExtras.per_slot``: lora_B's bias and
-DoRA's gain rows, the device copy of its own token rows; engine/lora_extras.py): with
-``auto`` they come out of the budget (as many slots as it holds with a pool for one adapter
-of ``max_lora_rank``), with N they are N × per_slot on top of the pool; either way the KV
+Each slot also reserves its adapter's extras beside the pool (``LoRAExtras.per_slot``:
+lora_B's bias and DoRA's gain rows, the device copy of its own token rows;
+engine/lora_extras.py): the budget sizes the pool as before, the extras are slots ×
+per_slot on top, and with ``auto`` the slots are as many as leave the pool, their extras
+and the minimum KV cache within the memory left after the weights. Either way the KV
 cache is sized after both (``num_kv_blocks``'s ``reserve``).
 
 Either way the device holds the adapters in a rank-row pool (``lora.rank_pool``), so a
@@ -86,18 +87,22 @@ def resolve(cfg: EngineConfig, bytes_per_rank_row: int, rank_unit: int,
         budget = int(spare * LORA_MEMORY_SHARE)
         source = (f"{LORA_MEMORY_SHARE:.0%} of the {_mib(spare)} left after the weights and "
                   f"a minimum KV cache of {_mib(min_kv_bytes)}")
-    one = units_per_max * unit_bytes + per_slot  # one adapter of max_lora_rank, its extras
-    if budget < one:
+    units = min(budget // unit_bytes, cap * units_per_max)
+    if units < units_per_max:
         raise ValueError(
             f"the LoRA memory budget ({source}: {_mib(budget)}) holds no adapter of "
-            f"max_lora_rank {cfg.max_lora_rank} ({_mib(one)} with its slot's extras); give "
-            f"--lora-memory, a smaller --max-lora-rank or --max-lora-token-rows, or "
-            f"--max-loras N")
+            f"max_lora_rank {cfg.max_lora_rank} ({_mib(units_per_max * unit_bytes)}); give "
+            f"--lora-memory, a smaller --max-lora-rank, or --max-loras N")
     bound = "max_num_seqs" if cfg.max_num_seqs <= cfg.host_loras else "max_cpu_loras"
-    if per_slot and cap * per_slot + units_per_max * unit_bytes > budget:
-        # every slot reserves its extras: as many slots as leave a max-rank adapter's pool
-        cap, bound = (budget - units_per_max * unit_bytes) // per_slot, "the extras"
-    units = min((budget - cap * per_slot) // unit_bytes, cap * units_per_max)
+    room = left_bytes - min_kv_bytes - units * unit_bytes  # what the extras may take
+    if per_slot and cap * per_slot > room:  # as many slots as their extras leave room for
+        cap, bound = max(room, 0) // per_slot, "the slots' extras"
+        if cap < 1:
+            raise ValueError(
+                f"no LoRA slot's extras ({_mib(per_slot)}: {extras.describe(1)}) fit the "
+                f"{_mib(max(room, 0))} left after the weights, a minimum KV cache and the "
+                f"pool; give a smaller --max-lora-token-rows or --lora-memory")
+        units = min(units, cap * units_per_max)
     rows = units * rank_unit
     holds = f"{rows // cfg.max_lora_rank} adapters of rank {cfg.max_lora_rank}"
     if cfg.max_lora_rank > 8:

@@ -108,23 +108,23 @@ def test_on_a_gpu_the_launch_adapters_set_the_token_reserve(tiny_llama, made):
     cpu.check(metas["head"])
 
 
-def test_auto_budget_pays_for_the_extras():
-    """With --max-loras auto the extras come out of the budget: as many slots as leave a
-    pool for one adapter of max rank; with N they are N × per slot beside the pool."""
+def test_the_extras_are_reserved_beside_the_pool():
+    """The budget sizes the pool as before; each slot's extras are on top: with --max-loras
+    auto as many slots as leave the pool, their extras and the minimum KV cache within what
+    is left after the weights; with N, N × per slot."""
     extras = LoRAExtras(4 * ROW, 6 * ROW, None, 0, "test")  # 10 rows' worth per slot
     cfg = EngineConfig(max_num_seqs=32, max_lora_rank=16, lora_memory=100 * ROW)
-    cap = resolve(cfg, ROW, 1, 10 * 1 << 30, 0, extras)
-    assert cap.max_loras == (100 - 16) // 10 == 8
-    assert cap.num_units == 100 - 8 * 10 == 20 and cap.extras_bytes == 80 * ROW
-    assert cap.pool_bytes + cap.extras_bytes <= 100 * ROW and "the extras" in cap.reason
-    roomy = resolve(EngineConfig(max_num_seqs=4, max_lora_rank=16, lora_memory=1000 * ROW),
-                    ROW, 1, 0, 0, extras)
-    assert (roomy.max_loras, roomy.num_units) == (4, 64)  # the cap binds, not the extras
+    cap = resolve(cfg, ROW, 1, 300 * ROW, 100 * ROW, extras)
+    assert cap.num_units == 100 and cap.max_loras == (300 - 100 - 100) // 10 == 10
+    assert cap.extras_bytes == 100 * ROW and "the slots' extras" in cap.reason
+    assert cap.pool_bytes + cap.extras_bytes + 100 * ROW <= 300 * ROW
+    roomy = resolve(cfg, ROW, 1, 10 * 1 << 30, 0, extras)
+    assert (roomy.max_loras, roomy.num_units) == (32, 100)  # the cap binds, not the extras
+    assert roomy.extras_bytes == 32 * 10 * ROW
     fixed = resolve(EngineConfig(max_loras=3, max_lora_rank=16), ROW, 1, 0, 0, extras)
     assert fixed.extras_bytes == 30 * ROW and fixed.pool_bytes == 48 * ROW
-    with pytest.raises(ValueError, match="holds no adapter of max_lora_rank 16.*with its "
-                                         "slot's extras.*--max-lora-token-rows"):
-        resolve(EngineConfig(max_lora_rank=16, lora_memory=25 * ROW), ROW, 1, 0, 0, extras)
+    with pytest.raises(ValueError, match="no LoRA slot's extras.*--max-lora-token-rows"):
+        resolve(cfg, ROW, 1, 205 * ROW, 100 * ROW, extras)
 
 
 def test_the_cuda_kv_cache_leaves_the_extras_reserve(tiny_llama, monkeypatch):
