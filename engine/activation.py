@@ -5,7 +5,10 @@ prompt): the adapter's delta applies from the first token of the LAST occurrence
 invocation sequence in the prompt on, and to every generated token; the tokens before it
 are computed as by the base model, so their KV is the base model's. A prompt without the
 invocation sequence runs the base model throughout (PEFT's offset None), generated tokens
-included: ``NEVER``.
+included: ``NEVER``. PEFT masks the whole LoRA delta there (lora_B's bias with it), so such a
+request needs nothing of its adapter on the device (``needs_adapter``): it is scheduled and
+cached as a base request. An adapter's own token rows (modules_to_save, trainable tokens) are
+not LoRA layers: PEFT applies them whatever the invocation, from position 0.
 """
 
 from __future__ import annotations
@@ -28,3 +31,10 @@ def activation_start(prompt: Sequence[int], invocation: Sequence[int] | None) ->
         if prompt[i] == first and list(prompt[i:i + k]) == wanted:
             return i
     return NEVER
+
+
+def needs_adapter(start: int, has_token_rows: bool) -> bool:
+    """Whether a request whose adapter applies from ``start`` needs the adapter's weights
+    (a device slot) at all: not for an activated LoRA never invoked (NEVER), unless the
+    adapter has its own token rows, which apply whatever the invocation."""
+    return start != NEVER or has_token_rows

@@ -11,7 +11,9 @@ activated LoRA (``Sequence.adapter_start`` > 0) runs the base model before its i
 its blocks wholly before ``adapter_start`` are keyed as the base model's (a base
 conversation's cached blocks serve it, and its own serve the base), the rest by adapter
 and ``adapter_start`` (the same tokens activated elsewhere in the block hold other KV),
-chained from that base-keyed prefix.
+chained from that base-keyed prefix; one never invoked (``Sequence.lora_id`` 0) is keyed
+as the base model throughout. An adapter with its own token rows changes every position
+(``Sequence.base_prefix`` 0): all its blocks are its own.
 """
 
 from __future__ import annotations
@@ -67,14 +69,15 @@ class BlockManager:
     def _chain(self, seq: Sequence, num_full_blocks: int) -> list[bytes]:
         hashes = self.seq_hashes.setdefault(seq.seq_id, [])
         bs = self.block_size
-        scale = seq.params.lora_scale if seq.adapter_id else 1.0
-        adapter_id = seq.adapter_id if scale else 0  # scale 0: the base model's KV
-        start = seq.adapter_start
+        scale = seq.params.lora_scale if seq.lora_id else 1.0
+        # scale 0, an aLoRA never invoked (lora_id 0): the base model's KV throughout
+        adapter_id = seq.lora_id if scale else 0
+        start, base = seq.adapter_start, seq.base_prefix
         while len(hashes) < num_full_blocks:
             i = len(hashes)
             parent = hashes[-1] if hashes else b""
-            # a block wholly before the adapter's first token holds the base model's KV
-            keyed = adapter_id if (i + 1) * bs > start else 0
+            # a block wholly before the base prefix's end holds the base model's KV
+            keyed = adapter_id if (i + 1) * bs > base else 0
             hashes.append(block_hash(parent, keyed, seq.token_slice(i * bs, (i + 1) * bs),
                                      scale if keyed else 1.0, start if keyed else 0))
         return hashes[:num_full_blocks]

@@ -23,11 +23,16 @@ from ..lora.peft_format import (
 )
 from ..lora.slots import SlotBuffers
 from ..lora.upload_store import UploadStore
+from .activation import activation_start, needs_adapter
+from .lora_extras import LoRAExtras, lora_extras
 
 if TYPE_CHECKING:
     import torch
 
+    from .base_model import BaseModel
     from .engine_config import EngineConfig
+    from .resolved_config import ResolvedConfig
+    from .sequence import Sequence
 
 
 class EngineAdapters:
@@ -38,6 +43,8 @@ class EngineAdapters:
     base_shapes: BaseShapes
     lora_dtype: torch.dtype
     slot_buffers: SlotBuffers
+    base: BaseModel
+    resolved: ResolvedConfig
     uploads: UploadStore
     adapter_load_observers: list[Callable[[str, float], None]]
     is_base_model: Callable[[str | None], bool]
@@ -57,6 +64,35 @@ class EngineAdapters:
                                         shown=shown)
         self._observe_adapter_load("host", time.perf_counter() - start)
         return weights
+
+    def slot_extras(self, targets: list) -> LoRAExtras:
+        """What each LoRA slot reserves beside its rank rows (engine/lora_extras.py); the
+        --lora-modules adapters are inspected (not read) only where their token rows set
+        the bound."""
+        launch = (inspect_peft_adapter(path, self.base_shapes, self.config.max_lora_rank, name,
+                                       self.lora_dtype)
+                  for name, path in self.config.lora_modules.items())
+        return lora_extras(self.config, targets, self.lora_dtype, self.base.device, launch,
+                           self.base_shapes.hidden_size)
+
+    def bind_sequence(self, seq: Sequence) -> None:
+        """Engine thread, as ``seq`` (on an adapter) is added: the load it runs on (a load
+        in place since the request was checked moves it there, with that load's invocation)
+        and its request counted; an aLoRA never invoked (``seq.lora_id`` 0) reads nothing
+        and takes no slot."""
+        adapter = self.lora.bind(seq.adapter_id, seq.adapter_name or "")
+        if adapter.adapter_id != seq.adapter_id:
+            seq.adapter_start = activation_start(seq.prompt_token_ids,
+                                                 adapter.meta.invocation_tokens)
+        seq.adapter_id, seq.adapter_version = adapter.adapter_id, adapter.version
+        seq.own_rows = adapter.meta.tokens is not None
+        self.lora.request_started(seq.adapter_id, needs_weights=bool(seq.lora_id))
+
+    def needs_adapter(self, adapter_id: int | None, start: int) -> bool:
+        """Any thread: whether a checked request on load ``adapter_id`` whose delta applies
+        from ``start`` needs the adapter's weights (``activation.needs_adapter``)."""
+        adapter = self.lora.by_id.get(adapter_id) if adapter_id else None
+        return adapter is not None and needs_adapter(start, adapter.meta.tokens is not None)
 
     def _load_slot(self, slot: int, weights: LoRAWeights) -> None:
         start = time.perf_counter()
@@ -117,6 +153,7 @@ class EngineAdapters:
             meta = weights.meta if weights is not None else inspect_peft_adapter(
                 path, self.base_shapes, self.config.max_lora_rank, name, self.lora_dtype)
             self._check_dora(meta)
+            self.resolved.extras.check(meta)  # its token rows fit what a slot reserves
             return self.lora.register(name, meta, replace=replace, pin=pin,
                                       preloaded=preloaded, weights=weights, owned=owned,
                                       version=version)

@@ -77,6 +77,12 @@ class EngineConfig:
         None, group=LORA, kind="bytes", metavar="BYTES",
         help="device memory for adapters with --max-loras auto (e.g. 512MiB); default: 10%% "
         "of what is left after weights and a minimum KV cache")
+    max_lora_token_rows: int | None = flag(  # engine/lora_extras.py: reserved per LoRA slot
+        None, group=LORA, metavar="ROWS",
+        help="the most embedding / head rows one adapter's own token rows may hold on the "
+        "device (a modules_to_save table: vocab_size rows; trainable tokens: one per token); "
+        "each LoRA slot reserves that much at start and a larger adapter is refused; "
+        "default: the most of the --lora-modules adapters on a GPU, no bound on the CPU")
     max_adapter_reads: int = flag(  # loader threads
         4, group=LORA, help="adapter reads from disk at once, ahead of the queue")
     lora_modules: dict[str, str] = flag(  # noqa: RUF009
@@ -198,6 +204,8 @@ class EngineConfig:
         _check_range("max_lora_rank", self.max_lora_rank, 1)
         if self.lora_memory is not None:
             _check_range("lora_memory", self.lora_memory, 1)
+        if self.max_lora_token_rows is not None:
+            _check_range("max_lora_token_rows", self.max_lora_token_rows, 0)
         _check_range("max_adapter_reads", self.max_adapter_reads, 1)
         if self.max_cpu_loras is not None:
             _check_range("max_cpu_loras", self.max_cpu_loras, 1)

@@ -16,7 +16,6 @@ from ..lora.peft_format import BaseShapes
 from ..lora.rank_pool import RankPool
 from ..lora.slots import SlotBuffers
 from ..lora.upload_store import UploadStore
-from .activation import activation_start
 from .base_model import BaseModel, load_base_model
 from .block_manager import BlockManager
 from .choices import choices_to_fork, report_choices, run_to_completion
@@ -76,23 +75,24 @@ class LLMEngine(EngineAdapters):
         # read by the kernels that have an invariant mode (CPU, Triton), before any step
         kernels.set_batch_invariant(cfg.batch_invariant)
         targets = list(self.base.model.lora_targets())
-        self.resolved = resolve_config(cfg, self.base, rank_row_bytes(targets, self.base.dtype))
+        self.base_shapes = replace(BaseShapes.from_hf_config(  # the tokenizer: adapter_vocab.py
+            self.base.hf_config, str(self.base.path)), tokenizer=self.tokenizer)
+        self.lora_dtype = kernels.dtype  # the pools'; host copies are read in it on loader
+        # threads, so the copy onto the device only moves bytes
+        self.resolved = resolve_config(cfg, self.base, rank_row_bytes(targets, self.base.dtype),
+                                       self.slot_extras(targets))
         self.max_model_len: int = self.resolved.max_model_len
         self.lora_capacity: LoRACapacity = self.resolved.lora
         self.slot_buffers = SlotBuffers(attach_lora(targets, self.lora_capacity.num_units,
                                                     cfg.max_lora_rank, kernels))
-        # after the pools: on CUDA the KV cache takes what they left
+        # after the pools: on CUDA the KV cache takes what they and the slots' extras left
         blocks = num_kv_blocks(cfg, self.base.hf_config, self.base.dtype, self.base.device,
-                               self.max_model_len)
+                               self.max_model_len, self.lora_capacity.extras_bytes)
         self.block_manager = BlockManager(blocks, cfg.block_size, cfg.enable_prefix_caching)
         self.runner = ModelRunner(self.base.model, cfg, blocks, kernels, self.max_model_len)
         if not has_quantized_head(self.base.model):  # prepare_model packs a float head;
             # the quantized linears run as they are (kernels.quantized_linear)
             kernels.prepare_model(self.base.model, cfg.max_num_batched_tokens, cfg.max_num_seqs)
-        self.base_shapes = replace(BaseShapes.from_hf_config(  # the tokenizer: adapter_vocab.py
-            self.base.hf_config, str(self.base.path)), tokenizer=self.tokenizer)
-        self.lora_dtype = kernels.dtype  # the pools'; host copies are read in it on loader
-        # threads, so the copy onto the device only moves bytes
         self.uploads = UploadStore()  # adapters given as tensors or bytes, as PEFT dirs
         self.lora = AdapterCache(self.lora_capacity.max_loras, self.resolved.max_cpu_loras,
                                  RankPool(self.lora_capacity.num_units, kernels.rank_unit),
@@ -182,8 +182,8 @@ class LLMEngine(EngineAdapters):
     def prefetch_adapter(self, request: EngineRequest) -> None:
         """Any thread: start reading a checked request's adapter from disk ahead of it,
         while it is on its way to the engine thread (``AdapterCache.prefetch``); no-op for
-        the base model."""
-        if request.adapter_id:
+        the base model and an aLoRA never invoked."""
+        if self.needs_adapter(request.adapter_id, request.adapter_start):
             self.lora.prefetch(request.adapter_name)  # type: ignore[arg-type]
 
     def unknown_adapter(self, name: str) -> AdapterNotFoundError:
@@ -198,13 +198,8 @@ class LLMEngine(EngineAdapters):
     def add_sequence(self, seq: Sequence) -> str:
         if seq.request_id in self.requests:
             raise InvalidRequestError(f"request_id {seq.request_id!r} is already in use")
-        if seq.adapter_id:  # a load in place since the request was checked moves it there
-            adapter = self.lora.bind(seq.adapter_id, seq.adapter_name or "")
-            if adapter.adapter_id != seq.adapter_id:  # the new load's invocation, if any
-                seq.adapter_start = activation_start(seq.prompt_token_ids,
-                                                     adapter.meta.invocation_tokens)
-            seq.adapter_id, seq.adapter_version = adapter.adapter_id, adapter.version
-            self.lora.request_started(seq.adapter_id)
+        if seq.adapter_id:
+            self.bind_sequence(seq)
         self.requests[seq.request_id] = [seq]
         self.scheduler.add(seq)
         return seq.request_id
@@ -300,7 +295,7 @@ class LLMEngine(EngineAdapters):
         """Waiting requests whose adapter could not be reloaded from disk end with an error."""
         outputs = []
         for seq in list(self.scheduler.waiting):
-            error = seq.adapter_id and self.lora.failed(seq.adapter_id)
+            error = seq.lora_id and self.lora.failed(seq.lora_id)
             if error:
                 seq.error, seq.adapter_fault = error, True
                 self._finish(seq, "error")
@@ -308,8 +303,8 @@ class LLMEngine(EngineAdapters):
         return outputs
 
     def _adapter_slots(self, batch: ScheduledBatch) -> dict[int, int]:
-        """The device slot of every adapter in the batch (the scheduler made them resident)."""
-        return {a: self.lora.slot_of(a) for a in {s.adapter_id for s, _ in batch.entries} if a}
+        """The device slot of every adapter the batch needs (the scheduler placed them)."""
+        return {a: self.lora.slot_of(a) for a in {s.lora_id for s, _ in batch.entries} if a}
 
     # ---- introspection ------------------------------------------------------------------
     def stats(self) -> dict[str, int]:
@@ -340,7 +335,8 @@ class LLMEngine(EngineAdapters):
     def memory_use(self) -> MemoryUse:
         """What the LoRA pools and the KV cache reserve and have committed, and the device
         copies of adapters' token rows, read now."""
-        return memory_use(self.slot_buffers, self.base.model, self.runner.token_rows.slots.nbytes)
+        return memory_use(self.slot_buffers, self.base.model, self.runner.token_rows.slots.nbytes,
+                          self.lora_capacity.extras_bytes)
 
     def check(self) -> None:
         """Assert the books of the adapter cache and pool and of the KV blocks (the engine

@@ -66,10 +66,11 @@ def kv_bytes_per_block(config: PretrainedConfig, block_size: int, dtype: torch.d
 
 
 def num_kv_blocks(cfg: EngineConfig, config: PretrainedConfig, dtype: torch.dtype,
-                  device: torch.device, max_model_len: int) -> int:
+                  device: torch.device, max_model_len: int, reserve: int = 0) -> int:
     """Blocks that fit the KV budget: ``num_kv_blocks``, else ``kv_cache_memory`` bytes, else
-    a fraction of free CUDA memory, else (CPU) enough for every sequence at full length,
-    capped at DEFAULT_CPU_KV_BYTES."""
+    a fraction of free CUDA memory less ``reserve`` (what is allocated later: the LoRA
+    slots' extras, LoRACapacity.extras_bytes), else (CPU) enough for every sequence at full
+    length, capped at DEFAULT_CPU_KV_BYTES."""
     if cfg.num_kv_blocks is not None:
         return cfg.num_kv_blocks
     per_block = kv_bytes_per_block(config, cfg.block_size, dtype)
@@ -77,7 +78,7 @@ def num_kv_blocks(cfg: EngineConfig, config: PretrainedConfig, dtype: torch.dtyp
         budget = cfg.kv_cache_memory
     elif device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
-        budget = int(total * cfg.gpu_memory_utilization) - (total - free)
+        budget = int(total * cfg.gpu_memory_utilization) - (total - free) - reserve
     else:
         blocks_per_seq = -(-max_model_len // cfg.block_size)
         budget = min(DEFAULT_CPU_KV_BYTES, cfg.max_num_seqs * blocks_per_seq * per_block)
@@ -153,8 +154,8 @@ class ModelRunner:
         model.model.embed_tokens.register_forward_hook(self.token_rows.embed_hook)
 
     def prepare(self, batch: ScheduledBatch, adapter_slots: Mapping[int, int]) -> StepInputs:
-        """The step's inputs; ``adapter_slots`` maps the adapter id of every sequence in the
-        batch that has one to its device slot."""
+        """The step's inputs; ``adapter_slots`` maps the ``lora_id`` of every sequence in
+        the batch that has one to its device slot."""
         prefills = [(s, n) for s, n in batch.entries if n > 1]
         decodes = [(s, n) for s, n in batch.entries if n == 1]
         ids: list[int] = []
@@ -181,7 +182,7 @@ class ModelRunner:
             slots += [bt[p // bs] * bs + p % bs for p in range(c, c + n)]
             scale = seq.params.lora_scale
             # scale 0 takes the base path: exactly the base model's output
-            slot = adapter_slots[seq.adapter_id] if seq.adapter_id and scale else -1
+            slot = adapter_slots[seq.lora_id] if seq.lora_id and scale else -1
             token_slots += _token_slots(slot, seq.adapter_start, c, n)
             token_scales += [scale] * n
             group = self._rows_group(with_rows, seq, adapter_slots)
@@ -209,14 +210,15 @@ class ModelRunner:
                     ) -> tuple[int, TokenRows, list[int], list[int]] | None:
         """The group of ``seq``'s adapter if it has its own token rows (None: the base's
         rows; lora_scale 0 is the base model, rows included, as the prefix cache keys it)."""
-        if not seq.adapter_id or not seq.params.lora_scale:
+        adapter_id = seq.lora_id  # 0: no adapter on the device (the base's rows)
+        if not adapter_id or not seq.params.lora_scale:
             return None
-        if seq.adapter_id not in groups:
-            rows = self.rows_of(seq.adapter_id)
+        if adapter_id not in groups:
+            rows = self.rows_of(adapter_id)
             if rows is None:
                 return None
-            groups[seq.adapter_id] = (adapter_slots[seq.adapter_id], rows, [], [])
-        return groups[seq.adapter_id]
+            groups[adapter_id] = (adapter_slots[adapter_id], rows, [], [])
+        return groups[adapter_id]
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch, adapter_slots: Mapping[int, int]
@@ -233,7 +235,7 @@ class ModelRunner:
         hidden = self.model(self.meta.input_ids, self.meta.positions)
         for seq, row, first, count in inputs.prompt_lp:
             self._prompt_logprobs(hidden, seq, row, first, count,  # scale 0: the base's
-                                  inputs.head_rows.get(seq.adapter_id)
+                                  inputs.head_rows.get(seq.lora_id)
                                   if seq.params.lora_scale else None)
         if not inputs.sample_rows:
             return [], SamplerOutput([], [])

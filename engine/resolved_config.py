@@ -17,6 +17,7 @@ from . import lora_capacity
 from .base_model import BaseModel
 from .engine_config import EngineConfig
 from .lora_capacity import LoRACapacity
+from .lora_extras import LoRAExtras
 from .model_runner import kv_bytes_per_block
 
 
@@ -28,15 +29,20 @@ class ResolvedConfig:
     kernels: str  # the kernel backend's name, chosen once from the device
     max_cpu_loras: int  # adapters in host memory (EngineConfig.host_loras)
     lora: LoRACapacity  # adapters on the device and the rank rows of their pool
+    extras: LoRAExtras  # what each LoRA slot reserves beside its rank rows
 
 
-def resolve_config(cfg: EngineConfig, base: BaseModel, rank_row_bytes: int) -> ResolvedConfig:
-    """``rank_row_bytes``: device bytes of one rank row over every LoRA-wrapped linear."""
+def resolve_config(cfg: EngineConfig, base: BaseModel, rank_row_bytes: int,
+                   extras: LoRAExtras) -> ResolvedConfig:
+    """``rank_row_bytes``: device bytes of one rank row over every LoRA-wrapped linear;
+    ``extras``: what each slot reserves beside them (engine/lora_extras.py)."""
     return ResolvedConfig(base.max_model_len, base.dtype, base.device, base.kernels.name,
-                          cfg.host_loras, _lora_capacity(cfg, base, rank_row_bytes))
+                          cfg.host_loras, _lora_capacity(cfg, base, rank_row_bytes, extras),
+                          extras)
 
 
-def _lora_capacity(cfg: EngineConfig, base: BaseModel, rank_row_bytes: int) -> LoRACapacity:
+def _lora_capacity(cfg: EngineConfig, base: BaseModel, rank_row_bytes: int,
+                   extras: LoRAExtras) -> LoRACapacity:
     """Resolve max_loras (``auto`` or N) into slots and pool units for this model: the budget
     is what is left after the weights (within gpu_memory_utilization on CUDA) and one
     sequence's KV cache at max_model_len."""
@@ -46,4 +52,5 @@ def _lora_capacity(cfg: EngineConfig, base: BaseModel, rank_row_bytes: int) -> L
         left -= int(total * (1 - cfg.gpu_memory_utilization))
     per_block = kv_bytes_per_block(base.hf_config, cfg.block_size, base.dtype)
     min_kv = -(-base.max_model_len // cfg.block_size) * per_block
-    return lora_capacity.resolve(cfg, rank_row_bytes, base.kernels.rank_unit, left, min_kv)
+    return lora_capacity.resolve(cfg, rank_row_bytes, base.kernels.rank_unit, left, min_kv,
+                                 extras)

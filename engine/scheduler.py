@@ -9,6 +9,8 @@ Admission under a binding adapter cap:
 - before admitting, the step tells the cache the waiting queue (``look_ahead``: reads and
   device loads start before a request reaches the head, eviction knows each adapter's next
   use);
+- a sequence's adapter here is its ``lora_id``: an activated LoRA never invoked needs none
+  (it runs the base model throughout), so it takes no slot and waits for none;
 - waiting requests whose adapter is on the device (or that need none) are admitted first,
   in arrival order, then the others, in arrival order;
 - fairness: a waiting request whose adapter is in host memory counts a step each time a
@@ -147,31 +149,31 @@ class Scheduler:
 
     def _release(self, seq: Sequence) -> None:
         self.blocks.free_seq(seq)
-        if seq.adapter_id and self.adapters is not None:
-            self.adapters.release(seq.adapter_id)
+        if seq.lora_id and self.adapters is not None:
+            self.adapters.release(seq.lora_id)
 
     def _admit_waiting(self, entries: list[tuple[Sequence, int]], budget: int) -> int:
-        running = Counter(s.adapter_id for s in self.running if s.adapter_id)
+        running = Counter(s.lora_id for s in self.running if s.lora_id)
         starving = self._starving_adapter(running)
         if self.adapters is not None:  # no loads ahead onto the device while one starves
-            self.adapters.look_ahead([s.adapter_id for s in self.waiting],
+            self.adapters.look_ahead([s.lora_id for s in self.waiting],
                                      place=starving is None)
         allowed = self._admission_filter(running, starving)
         arrival = {id(seq): i for i, seq in enumerate(self.waiting)}
         last_admitted = -1
-        order = sorted(self.waiting, key=lambda s: (starving is None or s.adapter_id != starving,
+        order = sorted(self.waiting, key=lambda s: (starving is None or s.lora_id != starving,
                                                     not self._on_device(s)))
         seats = sum(s.seats for s in self.running)
         for seq in order:  # the starving adapter's, then those on the device, then the rest
             if budget == 0 or seats + seq.seats > self.max_num_seqs:
                 break
-            if not allowed(seq.adapter_id):
+            if not allowed(seq.lora_id):
                 continue
-            if seq.adapter_id and not self.adapters.acquire(seq.adapter_id):  # type: ignore[union-attr]
+            if seq.lora_id and not self.adapters.acquire(seq.lora_id):  # type: ignore[union-attr]
                 continue
             if not self._start(seq, budget, entries):
-                if seq.adapter_id:
-                    self.adapters.release(seq.adapter_id)  # type: ignore[union-attr]
+                if seq.lora_id:
+                    self.adapters.release(seq.lora_id)  # type: ignore[union-attr]
                 break  # out of blocks: keep arrival order for the rest
             budget -= entries[-1][1]
             seats += seq.seats
@@ -180,7 +182,7 @@ class Scheduler:
         return budget
 
     def _on_device(self, seq: Sequence) -> bool:
-        return not seq.adapter_id or self.adapters.on_device(seq.adapter_id)  # type: ignore[union-attr]
+        return not seq.lora_id or self.adapters.on_device(seq.lora_id)  # type: ignore[union-attr]
 
     def _count_overtaken(self, last_admitted: int, arrival: dict[int, int]) -> None:
         """Waiting requests that a later arrival overtook this step, while their adapter was
@@ -188,7 +190,7 @@ class Scheduler:
         for seq in self.waiting:
             if arrival[id(seq)] > last_admitted:
                 break
-            if not seq.adapter_id or self.adapters.ready(seq.adapter_id):  # type: ignore[union-attr]
+            if not seq.lora_id or self.adapters.ready(seq.lora_id):  # type: ignore[union-attr]
                 seq.waiting_steps += 1
                 seq.max_waiting_steps = max(seq.max_waiting_steps, seq.waiting_steps)
 
@@ -219,9 +221,9 @@ class Scheduler:
     def _starving_adapter(self, running: Counter) -> int | None:
         """The adapter, not running now, of the oldest waiting sequence overtaken too often."""
         for seq in self.waiting:
-            if (seq.adapter_id and seq.adapter_id not in running
+            if (seq.lora_id and seq.lora_id not in running
                     and seq.waiting_steps >= self.starvation_steps):
-                return seq.adapter_id
+                return seq.lora_id
         return None
 
     # ---- n choices ----------------------------------------------------------------------
@@ -240,8 +242,8 @@ class Scheduler:
                 continue
             if copy[0] >= 0:
                 copies.append(copy)
-            if child.adapter_id and self.adapters is not None:
-                pinned = self.adapters.acquire(child.adapter_id)
+            if child.lora_id and self.adapters is not None:
+                pinned = self.adapters.acquire(child.lora_id)
                 assert pinned, "the parent's adapter is resident: its choices pin it"
             child.status = SequenceStatus.RUNNING
             self.running.append(child)

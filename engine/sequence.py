@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from .activation import NEVER
 from .bad_words import BadWords
 from .logprobs import TokenLogprob
 from .sampling_params import SamplingParams
@@ -33,6 +34,9 @@ class Sequence:
     # the first position the adapter's delta applies to (activation.py): 0, or an activated
     # LoRA's invocation start (activation.NEVER: nowhere); earlier tokens run the base model
     adapter_start: int = 0
+    # the adapter has its own token rows (lora/token_rows.py), which apply from position 0
+    # whatever adapter_start says (set by LLMEngine.add_sequence)
+    own_rows: bool = False
     eos_token_ids: frozenset[int] = frozenset()
     # the adapter's own tokenizer (lora/adapter_vocab.py): its output is detokenized with
     # it; None: the engine's
@@ -84,6 +88,20 @@ class Sequence:
         return self.request_id if self.index == 0 else f"{self.request_id}/{self.index}"
 
     @property
+    def base_prefix(self) -> int:
+        """Positions before this one compute exactly as the base model (their KV is the
+        base's): an activated LoRA's adapter_start unless its adapter has own token rows."""
+        return 0 if self.own_rows else self.adapter_start
+
+    @property
+    def lora_id(self) -> int:
+        """The adapter whose weights must be in a device slot for this sequence: its
+        adapter_id, or 0 (none) for the base model and for an activated LoRA never invoked
+        (activation.NEVER, no token rows of its own), which runs the base model throughout
+        and is scheduled and cached as a base request (it still reports its adapter)."""
+        return 0 if self.base_prefix == NEVER else self.adapter_id
+
+    @property
     def seats(self) -> int:
         """Running seats this sequence holds: n for choice 0 of n before it forks (its
         choices will run beside it), else 1."""
@@ -95,7 +113,8 @@ class Sequence:
         return Sequence(
             request_id=self.request_id, prompt_token_ids=self.prompt_token_ids,
             params=self.params, adapter_name=self.adapter_name, adapter_id=self.adapter_id,
-            adapter_start=self.adapter_start, eos_token_ids=self.eos_token_ids, max_tokens=self.max_tokens,
+            adapter_start=self.adapter_start, own_rows=self.own_rows,
+            eos_token_ids=self.eos_token_ids, max_tokens=self.max_tokens,
             arrival_time=self.arrival_time, num_cached_tokens=self.num_cached_tokens,
             index=index, prompt_logprobs=self.prompt_logprobs, bad_words=self.bad_words,
             row_tokens=self.row_tokens, tokenizer=self.tokenizer,

@@ -185,11 +185,13 @@ class AdapterCache:
             raise AdapterNotFoundError(f"adapter {name!r} was unloaded")
         return self.by_id[self.lookup(name)]
 
-    def request_started(self, adapter_id: int) -> None:
+    def request_started(self, adapter_id: int, needs_weights: bool = True) -> None:
         """A request for the adapter arrived: counts where it found the adapter (the cache's
-        hit rate per tier) and starts its read when a reader is free."""
+        hit rate per tier) and starts its read when a reader is free (if it ``needs_weights``)."""
         a = self.by_id[adapter_id]
         a.active += 1
+        if not needs_weights:  # an aLoRA never invoked runs the base model
+            return
         tier = "device" if self.device.slot(a) is not None else \
             "host" if self.host.weights(a) is not None else "disk"
         self.lookups[tier] += 1

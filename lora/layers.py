@@ -33,9 +33,10 @@ class LoRALinear(nn.Module, StepReader):
 
     lora_B's bias (PEFT's ``lora_bias=True``: the delta is ``scaling·(B(Ax) + b)``, scaling
     already in B and b) is added after the backend's ``add_lora``, on every backend alike:
-    the slot's bias row (``bias``, [num_units, Σ out_i], allocated when the first adapter
-    with a bias is written) gathered per token and times its ``lora_scale``, only for the
-    segments whose slot is in ``bias_slots``, so a step of plain LoRA adapters pays nothing.
+    the slot's bias row (a row of ``bias``, [bias adapters resident at once, Σ out_i], grown
+    as they are written: at most ``max_loras`` rows, what the start-up budget reserves,
+    engine/lora_extras.py) gathered per token and times its ``lora_scale``, only for the
+    segments whose slot is in ``bias_rows``, so a step of plain LoRA adapters pays nothing.
 
     DoRA (``use_dora=True``, lora/dora_gains.py): a DoRA slot has one gain per output row
     (a row of ``gain``, [DoRA adapters resident at once, Σ out_i] float32, grown as DoRA
@@ -62,8 +63,10 @@ class LoRALinear(nn.Module, StepReader):
         self.ranks = torch.zeros(len(slices), num_units, dtype=torch.int32,
                                  device=backend.device)
         self.num_units = num_units
-        self.bias: torch.Tensor | None = None  # [num_units, Σ out_i], once an adapter has one
-        self.bias_slots: set[int] = set()  # the slots whose adapter has a lora_B bias
+        self.bias: torch.Tensor | None = None  # [rows, Σ out_i], once an adapter has one
+        # slot -> its row of ``bias``, for the slots whose adapter has a lora_B bias (the
+        # lowest free row: as many rows as such adapters are resident at once)
+        self.bias_rows: dict[int, int] = {}
         self.dora = dora if dora is not None else DoraSlots()  # shared by a model's layers
         self.gain: torch.Tensor | None = None  # [gain rows, Σ out_i] f32, once DoRA is used
         weight = getattr(base, "weight", None)  # ||W_i||² before prepare_model packs it;
@@ -82,7 +85,7 @@ class LoRALinear(nn.Module, StepReader):
             if scales is not None:  # per-request lora_scale: the delta is linear in x
                 x = (x * scales.unsqueeze(1)).to(x.dtype)  # in float32, rounded once
             self.backend.add_lora(out, x, self.lora_a, self.lora_b, self.ranks, step.lora)
-            if self.bias_slots:
+            if self.bias_rows:
                 self._add_bias(out, step.lora)
             if dora is not None:
                 self._apply_dora(out, *dora, before, scales)
@@ -111,10 +114,11 @@ class LoRALinear(nn.Module, StepReader):
         token's ``lora_scale``, 1 unless given), in float32, rounded once."""
         starts, scales = seg.seg_starts_host, seg.row_scales
         for i, slot in enumerate(seg.seg_slots_host):
-            if slot < 0 or slot not in self.bias_slots:
+            row = self.bias_rows.get(slot) if slot >= 0 else None
+            if row is None:
                 continue
             rows = seg.token_indices[starts[i]:starts[i + 1]]
-            bias = self.bias[slot].float().expand(len(rows), -1)
+            bias = self.bias[row].float().expand(len(rows), -1)
             if scales is not None:
                 bias = bias * scales[rows].unsqueeze(1)
             out.index_copy_(0, rows, (out[rows].float() + bias).to(out.dtype))
@@ -141,18 +145,36 @@ class LoRALinear(nn.Module, StepReader):
                 self.lora_b[i][slot, :, :rank].copy_(pair[1])
             self.ranks[i, slot] = rank
         if not biases:
-            self.bias_slots.discard(slot)
+            self.bias_rows.pop(slot, None)
             return
-        if self.bias is None:
-            self.bias = torch.zeros(self.num_units, sum(self.slice_sizes),
-                                    dtype=self.lora_b[0].dtype, device=self.backend.device)
-        self.bias[slot].zero_()
+        row = self._bias_row(slot)
         offset = 0
         for name, size in zip(self.slices, self.slice_sizes):
             if name in biases:
-                self.bias[slot, offset:offset + size].copy_(biases[name])
+                self.bias[row, offset:offset + size].copy_(biases[name])
             offset += size
-        self.bias_slots.add(slot)
+
+    @property
+    def bias_slots(self) -> set[int]:
+        """The slots whose adapter has a lora_B bias."""
+        return set(self.bias_rows)
+
+    def _bias_row(self, slot: int) -> int:
+        """The slot's row of ``bias`` (the lowest free one if it had none), zeroed; the
+        table grows by a row when all are taken."""
+        row = self.bias_rows.get(slot)
+        if row is None:
+            taken = set(self.bias_rows.values())
+            row = self.bias_rows[slot] = next(r for r in range(len(taken) + 1)
+                                              if r not in taken)
+        if self.bias is None or row >= self.bias.shape[0]:
+            grown = torch.zeros(row + 1, sum(self.slice_sizes), dtype=self.lora_b[0].dtype,
+                                device=self.backend.device)
+            if self.bias is not None:
+                grown[:len(self.bias)] = self.bias
+            self.bias = grown
+        self.bias[row].zero_()
+        return row
 
     def _set_gain(self, slot: int, weights: dict[str, tuple[torch.Tensor, torch.Tensor]],
                   magnitudes: dict[str, torch.Tensor] | None) -> None:
@@ -188,7 +210,7 @@ class LoRALinear(nn.Module, StepReader):
     def clear_slot(self, slot: int) -> None:
         """The slot reads as empty (rank 0); its rows are left to the next owner."""
         self.ranks[:, slot] = 0
-        self.bias_slots.discard(slot)
+        self.bias_rows.pop(slot, None)
         self.dora.discard(slot)
 
     def move_slot(self, src: int, dst: int, rows: int) -> None:
@@ -201,11 +223,9 @@ class LoRALinear(nn.Module, StepReader):
         self.ranks[:, dst] = self.ranks[:, src]
         self.ranks[:, src] = 0
         self.dora.move(src, dst)  # its gain row goes with it
-        self.bias_slots.discard(dst)
-        if src in self.bias_slots:
-            self.bias[dst].copy_(self.bias[src])
-            self.bias_slots.discard(src)
-            self.bias_slots.add(dst)
+        self.bias_rows.pop(dst, None)
+        if src in self.bias_rows:  # its bias row goes with it
+            self.bias_rows[dst] = self.bias_rows.pop(src)
 
 
 def rank_row_bytes(targets: Iterable[LoRATarget], dtype: torch.dtype) -> int:

@@ -24,6 +24,12 @@ class SlotBuffers:
         base has none)."""
         return all(layer.weight_sq is not None for layer in self.layers.values())
 
+    @property
+    def extras_bytes(self) -> int:
+        """Bytes of the layers' lora_B bias and DoRA gain tables allocated so far."""
+        return sum(t.nbytes for layer in self.layers.values() for t in (layer.bias, layer.gain)
+                   if t is not None)
+
     def pool_tensors(self) -> list[torch.Tensor]:
         """Every slot-buffer view of every pool (a pool's storage is shared by its views)."""
         return [t for layer in self.layers.values() for t in (*layer.lora_a, *layer.lora_b)]

@@ -131,6 +131,7 @@ def non_default_flags(tmp_path: Path) -> dict[str, tuple[list[str], dict[str, An
         "--max-lora-rank": (["8"], {"max_lora_rank": 8}),
         "--max-cpu-loras": (["9"], {"max_cpu_loras": 9}),
         "--lora-memory": (["2MiB"], {"lora_memory": 2 << 20}),
+        "--max-lora-token-rows": (["768"], {"max_lora_token_rows": 768}),
         "--max-adapter-reads": (["2"], {"max_adapter_reads": 2}),
         "--lora-modules": ([f"a={a}"], {"lora_modules": {"a": str(a.resolve())}}),
         "--served-model-name": (["alias"], {"served_model_name": "alias"}),

@@ -89,3 +89,23 @@ def test_an_adapter_of_another_base_is_refused(files, base: str) -> None:
     params = SamplingParams(temperature=0.0, max_new_tokens=3, min_new_tokens=3)
     outs = engine.generate([[5, 9, 33], [5, 9, 33]], params, adapters=[None, "own"])
     assert all(len(o.token_ids) == 3 for o in outs)
+
+
+@pytest.mark.parametrize("base", ["gguf", "int4"])
+def test_a_dora_adapter_over_a_quantized_base_is_refused(files, base: str, tmp_path) -> None:
+    """DoRA's row norms need the float weights: over a GGUF file or ``--quantization int4``
+    a DoRA adapter is refused at load, naming it and DoRA (issue 46's bad-input variant;
+    int8: tests/test_dora.py); nothing of it is kept and the engine serves on."""
+    dora = make_adapter(files["model"], tmp_path / "dora", r=4, use_dora=True)
+    engine = (engine_for(files["gguf"]) if base == "gguf"
+              else engine_for(files["model"], quantization="int4"))
+    with pytest.raises(AdapterError, match=r"DoRA \(use_dora=true\) is not served over a "
+                                           r"quantized base model") as refused:
+        engine.add_adapter("dora", dora)
+    assert str(dora) in str(refused.value)
+    assert [a.name for a in engine.list_adapters()] == []
+    engine.add_adapter("own", files["own"])
+    params = SamplingParams(temperature=0.0, max_new_tokens=3, min_new_tokens=3)
+    outs = engine.generate([[5, 9, 33], [5, 9, 33]], params, adapters=[None, "own"])
+    assert all(len(o.token_ids) == 3 for o in outs)
+    engine.check()

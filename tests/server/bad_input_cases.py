@@ -89,6 +89,7 @@ GENERATE_CASES = [
     gen("lora_scale-negative", INVALID, "lora_scale", lora_scale=-0.5, adapter=GOOD),
     gen("lora_scale-over-4", INVALID, "lora_scale", lora_scale=4.5, adapter=GOOD),
     gen("lora_scale-nan", INVALID, "lora_scale", lora_scale=NAN, adapter=GOOD),
+    gen("lora_scale-inf", INVALID, "lora_scale", lora_scale=INF, adapter=GOOD),
     gen("allowed_token_ids-equal-vocab", INVALID, "allowed_token_ids",
         allowed_token_ids=[5, VOCAB]),
     # structured outputs (issue 30)
