@@ -134,14 +134,18 @@ def _without_chat_template(src: Path, dst: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def resolved(serve, make_engine, base_dir: Path, adapter: Path,
-             tmp_path_factory: pytest.TempPathFactory) -> openai.OpenAI:
-    """A server with only a resolver dir holding the adapter (twice: "judge-r" as made,
-    "plain-tpl" without a chat template)."""
+             tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """A server with only a resolver dir holding the adapter ("judge-r" and "judge-g" as
+    made, "plain-tpl" without a chat template)."""
     root = tmp_path_factory.mktemp("resolver")
     shutil.copytree(adapter, root / "judge-r")
+    shutil.copytree(adapter, root / "judge-g")
     _without_chat_template(adapter, root / "plain-tpl")
-    server = serve(lambda: make_engine(base_dir), http_port=0, api_token=API,
-                   lora_resolver_dir=root)
+    return serve(lambda: make_engine(base_dir), http_port=0, api_token=API,
+                 lora_resolver_dir=root)
+
+
+def _oai(server: Any) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{server.http_url}/v1", api_key=API, max_retries=0,
                          timeout=60)
 
@@ -153,11 +157,11 @@ def test_first_request_via_the_resolver_is_served_with_its_tokenizer(resolved, b
     ext = extended_tokenizer(base_dir)
     prompt = ext(STEER).input_ids
     tokens, _ = peft_oracle(base_dir, adapter, prompt, NEW, len(ext))
-    got = resolved.completions.create(model="judge-r", prompt=STEER, **GREEDY)
+    got = _oai(resolved).completions.create(model="judge-r", prompt=STEER, **GREEDY)
     assert got.usage.prompt_tokens == len(prompt)
     assert got.choices[0].text == ext.decode(tokens, skip_special_tokens=True)
     with pytest.raises(openai.NotFoundError, match="holds no directory"):
-        resolved.completions.create(model="nowhere", prompt=STEER, **GREEDY)
+        _oai(resolved).completions.create(model="nowhere", prompt=STEER, **GREEDY)
 
 
 def test_chat_without_the_adapters_template_uses_the_base_template(resolved, base_dir,
@@ -171,6 +175,17 @@ def test_chat_without_the_adapters_template_uses_the_base_template(resolved, bas
     prompt = ext(text, add_special_tokens=False).input_ids
     assert NEW_IDS[0] in prompt
     tokens, _ = peft_oracle(base_dir, adapter, prompt, NEW, len(ext))
-    got = resolved.chat.completions.create(model="plain-tpl", messages=messages, **GREEDY)
+    got = _oai(resolved).chat.completions.create(model="plain-tpl", messages=messages, **GREEDY)
     assert got.usage.prompt_tokens == len(prompt)
     assert got.choices[0].message.content == ext.decode(tokens, skip_special_tokens=True)
+
+
+def test_first_grpc_request_via_the_resolver_uses_its_tokenizer(resolved, base_dir,
+                                                                adapter) -> None:
+    ext = extended_tokenizer(base_dir)
+    tokens, _ = peft_oracle(base_dir, adapter, ext(STEER).input_ids, NEW, len(ext))
+    with resolved.client(api_token=API) as client:
+        got = client.generate(STEER, adapter="judge-g", temperature=0.0, max_new_tokens=NEW,
+                              min_new_tokens=NEW)
+    assert got.usage.prompt_tokens == len(ext(STEER).input_ids)
+    assert got.text == ext.decode(tokens, skip_special_tokens=True)
