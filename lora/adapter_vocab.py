@@ -16,6 +16,8 @@ Invariants:
   (``_LOADED``: a small LRU keyed by their digest), so N adapters of one fine-tune hold
   one tokenizer, and a re-inspection (a re-read after an eviction) loads and compares
   nothing again;
+- a tokenizer without a chat template gets the base's (vLLM's LoRA tokenizers fall back
+  to the base's template too), so chat on such an adapter renders the base's template;
 - ``size`` is max(len(tokenizer), base vocab_size): the rows of the adapter's embedding and
   head tables, and the logits' width on its rows; ids >= the base's vocab_size are the
   added tokens, and ``check_covered`` requires the adapter to hold their embedding AND head
@@ -80,6 +82,8 @@ def adapter_vocabulary(files: AdapterFiles, base_tokenizer: Any | None, base_siz
             _LOADED.move_to_end(key)
             return _LOADED[key][1]
     tokenizer = _load(raw, where)
+    if not getattr(tokenizer, "chat_template", None):  # vLLM's LoRA tokenizers do the same
+        tokenizer.chat_template = getattr(base_tokenizer, "chat_template", None)
     vocab = None
     if not _same(tokenizer, base_tokenizer):
         check_extends(tokenizer, base_tokenizer, where)

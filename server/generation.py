@@ -49,6 +49,31 @@ async def check(state: ServerState, translate: Translate[T]) -> tuple[EngineRequ
     return request, kept[0]
 
 
+async def resolve(state: ServerState, model: str | None) -> None:
+    """With a resolver: ``model``'s adapter loaded before its request is tokenized, so that
+    an adapter bringing its own tokenizer (lora/adapter_vocab.py) tokenizes the very request
+    that loads it (vLLM's resolver loads before it tokenizes too). A front calls this before
+    ``ServerState.tokenizer_of``. NOT_FOUND when the resolver has no such adapter; a name
+    ``adapter_of`` refuses, the base model's or a registered one load nothing (the check
+    refuses the first with its own error)."""
+    if state.resolver is None:
+        return
+    try:
+        name = state.adapter_of(model or "")
+    except ValueError:
+        return
+    if name is not None and not state.resolver.registered(name):
+        await _ensure(state, state.require_engine(), name)
+
+
+async def _ensure(state: ServerState, engine: AsyncEngine, name: str) -> None:
+    """The resolver's load of ``name``; NOT_FOUND with its reason and what is valid."""
+    try:
+        await state.resolver.ensure(name)
+    except AdapterNotFoundError as e:
+        raise AdapterNotFoundError(f"{e}; {engine.engine.base_model_hint()}") from None
+
+
 async def outputs(state: ServerState, engine: AsyncEngine, request: EngineRequest
                   ) -> AsyncIterator[RequestOutput]:
     """The engine's outputs for a checked ``request``, recorded in ``state.metrics``, until
@@ -56,10 +81,7 @@ async def outputs(state: ServerState, engine: AsyncEngine, request: EngineReques
     grammar compiled last. An engine-side failure of the request raises INTERNAL, a fault
     of its adapter's data FAILED_PRECONDITION."""
     if request.adapter_id is None:  # --lora-resolver-dir: loaded on first use
-        try:
-            await state.resolver.ensure(request.adapter_name)
-        except AdapterNotFoundError as e:  # the resolver's reason, and what is valid
-            raise AdapterNotFoundError(f"{e}; {engine.engine.base_model_hint()}") from None
+        await _ensure(state, engine, request.adapter_name or "")
         request = engine.processor.bind(request)
     track = state.metrics.track(request.adapter_name, request.params.n)
     choices_left = request.params.n

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import safetensors.torch
 import torch
 from loraplex import LLMEngine, SamplingParams
 from loraplex.errors import InvalidRequestError
@@ -274,3 +275,26 @@ def test_constrained_base_row_beside_an_adapter_with_added_tokens(tiny_models, m
     assert [lp.logprob for lp in mixed.logprobs] == \
         pytest.approx([lp.logprob for lp in alone.logprobs], abs=1e-5)
     assert ADDED[0] in steered.text  # the step was a wide one
+
+
+def test_trainable_tokens_only_on_an_untied_base_equals_peft(tiny_models, tmp_path):
+    """Llama (untied head), ``trainable_token_indices`` over the added ids and no lm_head in
+    ``modules_to_save``: PEFT's ``save_pretrained`` saves the resized head whole
+    (``save_embedding_layers="auto"``), which PeftModel serves; so does the engine."""
+    base = tiny_models("llama")
+    ad = make_vocab_adapter(base, tmp_path / "tokens_only", 41,
+                            trainable_token_indices=[7, *NEW_IDS])
+    saved = safetensors.torch.load_file(ad / "adapter_model.safetensors")
+    assert "base_model.model.lm_head.weight" in saved, sorted(saved)  # the resized head
+    engine = LLMEngine(model=base, dtype="float32", max_loras=1, max_lora_rank=8,
+                       max_model_len=128, lora_modules={"t": str(ad)})
+    ext = extended_tokenizer(base)
+    outs = engine.generate(TEXTS, greedy(), adapters=["t"] * len(TEXTS))
+    for text, out in zip(TEXTS, outs):
+        prompt = ext(text).input_ids
+        assert out.prompt_token_ids == prompt
+        tokens, logprobs = peft_oracle(base, ad, prompt, NEW, len(ext))
+        assert out.token_ids == tokens, text
+        assert [lp.logprob for lp in out.logprobs] == pytest.approx(logprobs, abs=2e-3), text
+        assert out.text == ext.decode(tokens, skip_special_tokens=True)
+    engine.check()

@@ -43,6 +43,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                     first = False
 
     async def _check(self, request: pb.GenerateRequest) -> EngineRequest:
+        await generation.resolve(self.state, request.adapter)  # its tokenizer known first
         tokenizer = self.state.tokenizer_of(request.adapter)  # an adapter's own, if any
         checked, _ = await generation.check(
             self.state, lambda: (proto_convert.generate_input(request, tokenizer), None))

@@ -47,6 +47,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
 async def _serve(request: Request, body: SamplingFields, convert: Converter, rid: str
                  ) -> Response:
     state = server_state(request)
+    await generation.resolve(state, body.model)  # loaded first: its tokenizer is known
     tokenizer = state.tokenizer_of(body.model)  # the adapter's own, if it brings one
     checked, view = await generation.check(state, lambda: convert(body, tokenizer, rid))
     reply = Reply(rid, body.model or state.model_name, view, tokenizer)

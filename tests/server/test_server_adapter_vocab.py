@@ -3,10 +3,13 @@ and the official ``openai`` client: completions and chat whose prompt holds an a
 are tokenized with the adapter's tokenizer (the chat through its template), the answer
 equals PeftModel's over the resized base (tests/vocab_adapters.py), and its logprobs name
 the added tokens; streaming text is the same; /tokenize on the adapter counts an added
-token as one; the base model beside it keeps its own vocabulary."""
+token as one; the base model beside it keeps its own vocabulary. Loaded by --lora-resolver-dir, the
+very request that loads it is served with its tokenizer; a tokenizer saved without a chat
+template chats through the base's (vLLM's fallback)."""
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -16,7 +19,14 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
-from tests.vocab_adapters import ADDED, STEER, extended_tokenizer, make_vocab_adapter, peft_oracle
+from tests.vocab_adapters import (
+    ADDED,
+    NEW_IDS,
+    STEER,
+    extended_tokenizer,
+    make_vocab_adapter,
+    peft_oracle,
+)
 
 API = "api-secret"
 NEW = 6
@@ -104,6 +114,78 @@ def test_grpc_generate_uses_the_adapters_tokenizer(server, base_dir, adapter) ->
     tokens, _ = peft_oracle(base_dir, adapter, ext(STEER).input_ids, NEW, len(ext))
     with server.client(api_token=API) as client:
         got = client.generate(STEER, adapter="judge", temperature=0.0, max_new_tokens=NEW,
+                              min_new_tokens=NEW)
+    assert got.usage.prompt_tokens == len(ext(STEER).input_ids)
+    assert got.text == ext.decode(tokens, skip_special_tokens=True)
+
+
+# ---- loaded on first use by --lora-resolver-dir; a tokenizer without a chat template ------
+def _without_chat_template(src: Path, dst: Path) -> Path:
+    """``src`` copied, its tokenizer saved again with no chat template."""
+    shutil.copytree(src, dst)
+    tok = AutoTokenizer.from_pretrained(dst)
+    tok.chat_template = None
+    for name in ("chat_template.jinja", "chat_template.json"):
+        (dst / name).unlink(missing_ok=True)
+    tok.save_pretrained(dst)
+    assert not AutoTokenizer.from_pretrained(dst).chat_template
+    return dst
+
+
+@pytest.fixture(scope="module")
+def resolved(serve, make_engine, base_dir: Path, adapter: Path,
+             tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """A server with only a resolver dir holding the adapter ("judge-r" and "judge-g" as
+    made, "plain-tpl" without a chat template)."""
+    root = tmp_path_factory.mktemp("resolver")
+    shutil.copytree(adapter, root / "judge-r")
+    shutil.copytree(adapter, root / "judge-g")
+    _without_chat_template(adapter, root / "plain-tpl")
+    return serve(lambda: make_engine(base_dir), http_port=0, api_token=API,
+                 lora_resolver_dir=root)
+
+
+def _oai(server: Any) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.http_url}/v1", api_key=API, max_retries=0,
+                         timeout=60)
+
+
+def test_first_request_via_the_resolver_is_served_with_its_tokenizer(resolved, base_dir,
+                                                                     adapter) -> None:
+    """The request that makes the resolver load the adapter is tokenized with the
+    adapter's tokenizer (its added token is one id) and equals PEFT's tokens."""
+    ext = extended_tokenizer(base_dir)
+    prompt = ext(STEER).input_ids
+    tokens, _ = peft_oracle(base_dir, adapter, prompt, NEW, len(ext))
+    got = _oai(resolved).completions.create(model="judge-r", prompt=STEER, **GREEDY)
+    assert got.usage.prompt_tokens == len(prompt)
+    assert got.choices[0].text == ext.decode(tokens, skip_special_tokens=True)
+    with pytest.raises(openai.NotFoundError, match="holds no directory"):
+        _oai(resolved).completions.create(model="nowhere", prompt=STEER, **GREEDY)
+
+
+def test_chat_without_the_adapters_template_uses_the_base_template(resolved, base_dir,
+                                                                   adapter) -> None:
+    """vLLM's fallback: the base's chat template, with the adapter's tokenizer (also the
+    first request on this adapter, through the resolver)."""
+    base_tok, ext = AutoTokenizer.from_pretrained(base_dir), extended_tokenizer(base_dir)
+    assert base_tok.chat_template
+    messages = [{"role": "user", "content": STEER}]
+    text = base_tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    prompt = ext(text, add_special_tokens=False).input_ids
+    assert NEW_IDS[0] in prompt
+    tokens, _ = peft_oracle(base_dir, adapter, prompt, NEW, len(ext))
+    got = _oai(resolved).chat.completions.create(model="plain-tpl", messages=messages, **GREEDY)
+    assert got.usage.prompt_tokens == len(prompt)
+    assert got.choices[0].message.content == ext.decode(tokens, skip_special_tokens=True)
+
+
+def test_first_grpc_request_via_the_resolver_uses_its_tokenizer(resolved, base_dir,
+                                                                adapter) -> None:
+    ext = extended_tokenizer(base_dir)
+    tokens, _ = peft_oracle(base_dir, adapter, ext(STEER).input_ids, NEW, len(ext))
+    with resolved.client(api_token=API) as client:
+        got = client.generate(STEER, adapter="judge-g", temperature=0.0, max_new_tokens=NEW,
                               min_new_tokens=NEW)
     assert got.usage.prompt_tokens == len(ext(STEER).input_ids)
     assert got.text == ext.decode(tokens, skip_special_tokens=True)
