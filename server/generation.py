@@ -63,7 +63,8 @@ async def resolve(state: ServerState, model: str | None) -> None:
     except ValueError:
         return
     if name is not None and not state.resolver.registered(name):
-        await _ensure(state, state.require_engine(), name)
+        with state.hold_place() as engine:  # a load is work: bounded by --max-queue
+            await _ensure(state, engine, name)
 
 
 async def _ensure(state: ServerState, engine: AsyncEngine, name: str) -> None:

@@ -132,6 +132,15 @@ class ServerState:
     @contextmanager
     def admit(self) -> Iterator[AsyncEngine]:
         """Hold one of the ``max_queue`` in-flight places for a generate call."""
+        with self.hold_place() as engine:
+            self.requests_total += 1
+            yield engine
+
+    @contextmanager
+    def hold_place(self) -> Iterator[AsyncEngine]:
+        """One of the ``max_queue`` in-flight places: a generate call's, or the resolver's
+        load made before a request is checked (so first uses load at most ``max_queue``
+        adapters at once)."""
         engine = self.require_engine()
         limit = self.options.max_queue
         if self.in_flight >= limit:
@@ -139,7 +148,6 @@ class ServerState:
                                f"the server has {self.in_flight} requests in flight, the most "
                                f"it takes (--max-queue {limit}); retry later")
         self.in_flight += 1
-        self.requests_total += 1
         try:
             yield engine
         finally:

@@ -291,3 +291,21 @@ def test_lora_modules_names_are_canonical(capsys, layout: dict[str, Path]) -> No
             main(["serve", "--lora-modules", f"{bad}={layout['root'] / 'store'}"])
         assert info.value.code == 2
         assert "adapter name" in capsys.readouterr().err
+
+
+def test_a_resolver_load_holds_a_place_of_max_queue(server: Any, layout: dict[str, Path]
+                                                    ) -> None:
+    """A first use loads before its request is checked (its tokenizer may be the adapter's):
+    the load holds one of ``--max-queue``'s places, so with none free it is refused
+    (429 / RESOURCE_EXHAUSTED) and nothing is read."""
+    shutil.copytree(layout["resolver"] / "good", layout["resolver"] / "queued")
+    state = server.server.state
+    reads, full = state.resolver.reads, state.options.max_queue
+    state.in_flight += full  # every place taken (nothing else runs in this module's server)
+    try:
+        r = complete(server, "queued")
+    finally:
+        state.in_flight -= full
+    assert r.status_code == 429 and "--max-queue" in r.json()["error"]["message"], r.text
+    assert state.resolver.reads == reads
+    assert complete(server, "queued").status_code == 200 and state.resolver.reads == reads + 1
