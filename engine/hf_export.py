@@ -54,10 +54,17 @@ def save_tokenizer_files(gguf_path: Path, out: Path, require_chat_template: bool
 
     tokenizer_config.json is made portable: a class name every transformers version knows,
     the model's real context length, and the chat template inline as well as in
-    chat_template.jinja (older transformers read only the former).
+    chat_template.jinja (older transformers read only the former). A file that carries no
+    tokenizer gets none (unless ``require_chat_template``: RuntimeError); the engine then
+    takes token ids, as it does serving the file as it is.
     """
+    from gguf import GGUFReader
     from transformers import AutoTokenizer
 
+    if "tokenizer.ggml.model" not in GGUFReader(str(gguf_path)).fields:
+        if require_chat_template:
+            raise RuntimeError(f"{gguf_path.name} carries no tokenizer")
+        return
     tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     if not tok.chat_template and require_chat_template:
         raise RuntimeError(f"{gguf_path.name} carries no tokenizer.chat_template")
