@@ -14,13 +14,8 @@ from transformers import AutoTokenizer, GenerationConfig, PretrainedConfig
 from ..kernel_backends import backend_class, backend_name
 from ..kernel_backends.backend import KernelBackend
 from .engine_config import EngineConfig
-from .models.gguf_model import (
-    forget_parsed,
-    is_gguf_file,
-    load_gguf_config,
-    load_gguf_model,
-    load_gguf_tokenizer,
-)
+from .gguf_metadata import load_gguf_metadata
+from .models.gguf_model import forget_parsed, is_gguf_file, load_gguf_model
 from .models.gptq_awq import checkpoint_quantization
 from .models.llama import LlamaForCausalLM
 from .models.loader import load_config, load_model, resolve_dtype
@@ -108,7 +103,7 @@ def _load_base_model(cfg: EngineConfig, progress: bool) -> BaseModel:
                          f"checkpoint; {path.name} is a GGUF file, served in its own "
                          f"quantization (give --quantization auto, or none for its "
                          f"float32 conversion)")
-    config = load_gguf_config(path) if gguf else load_config(path)
+    config, tokenizer = load_gguf_metadata(path) if gguf else (load_config(path), None)
     max_model_len = _max_model_len(cfg, config)
     device = resolve_device(cfg.device)
     backend_cls = backend_class(backend_name(device))  # the one choice of kernels
@@ -119,7 +114,6 @@ def _load_base_model(cfg: EngineConfig, progress: bool) -> BaseModel:
     kernels = backend_cls(device, dtype)
     if gguf:
         model = load_gguf_model(path, config, kernels, max_model_len)
-        tokenizer = load_gguf_tokenizer(path)
         defaults, eos = {}, set()
     else:
         model = load_model(path, config, kernels, max_model_len, progress, cfg.quantization)

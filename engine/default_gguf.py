@@ -8,6 +8,7 @@ conversion (embedded_model.py) reads it once and does not keep it.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import subprocess
@@ -32,6 +33,15 @@ def loraplex_home() -> Path:
     """``$LORAPLEX_HOME``, else ``~/.cache/loraplex``."""
     env = os.environ.get(HOME_ENV)
     return Path(env).expanduser() if env else Path.home() / ".cache" / "loraplex"
+
+
+def gguf_cache_dir(path: Path, kind: str) -> Path:
+    """Where something made from the GGUF file ``path`` is kept: named by ``kind``, the
+    file's name, and a digest of its real path, size and mtime (a changed file, a new
+    name)."""
+    st = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode())
+    return loraplex_home() / "models" / f"{kind}-{path.stem}-{key.hexdigest()[:12]}"
 
 
 def default_gguf_path() -> Path:

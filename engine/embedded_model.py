@@ -12,7 +12,6 @@ sibling temp dir and renamed into place under a file lock.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
 import tempfile
@@ -29,6 +28,7 @@ from .default_gguf import (  # noqa: F401 - re-exported: the embedded model's na
     default_gguf_path,
     ensure_default_gguf,
     fetch_default_gguf,
+    gguf_cache_dir,
     loraplex_home,
     stage,
 )
@@ -73,9 +73,7 @@ def resolve_model(model: str | None, quantization: str = "auto") -> Path:
 
 def gguf_model_dir(gguf_path: Path) -> Path:
     """Where ``gguf_path``'s conversion lives: named by the file's name, size and mtime."""
-    st = gguf_path.stat()
-    key = hashlib.sha256(f"{gguf_path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode())
-    return loraplex_home() / "models" / f"gguf-{gguf_path.stem}-{key.hexdigest()[:12]}"
+    return gguf_cache_dir(gguf_path, "gguf")
 
 
 def ensure_gguf_model(gguf_path: Path, progress: bool = True) -> Path:
