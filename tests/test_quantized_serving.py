@@ -362,3 +362,21 @@ def test_gguf_auto_dtype_is_a_16_bit_checkpoints(family, monkeypatch):
     _, path, _ = family("llama")
     expected = torch.bfloat16 if isa.HALF_NATIVE else torch.float32
     assert engine_for(path, dtype="auto").base.dtype == expected
+
+
+def test_gguf_config_is_kept_and_serves_the_same(family, tmp_path, monkeypatch):
+    """A GGUF's config (and tokenizer, when it has one) is kept as HF files after the first
+    load (engine/gguf_metadata.py); a load from the kept copy has the same config and is
+    exact against transformers' GGUF loader + PEFT."""
+    from loraplex.engine.default_gguf import gguf_cache_dir
+
+    monkeypatch.setenv("LORAPLEX_HOME", str(tmp_path))
+    model_dir, path, adapters = family("llama")
+    first = engine_for(path).base.hf_config.to_dict()
+    assert (gguf_cache_dir(path, "gguf-meta") / "config.json").is_file()
+    engine = engine_for(path)
+    second = engine.base.hf_config.to_dict()
+    for config in (first, second):
+        config.pop("_name_or_path", None)
+    assert second == first
+    check_against(engine, adapters, gguf_oracle(path, model_dir, adapters))
