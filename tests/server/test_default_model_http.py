@@ -38,7 +38,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]
     log_path = tmp_path_factory.mktemp("serve") / "serve.log"
     cmd = [sys.executable, "-m", "loraplex.cli", "serve", "--port", "0", "--http-port", "0",
            "--device", "cpu", "--dtype", "float32", "--max-model-len", "256"]
-    proc, port = launch_serve(cmd, log_path)
+    proc, port = launch_serve(cmd, log_path, timeout=300)  # the real model, 2 cores
     try:
         wait_until(lambda: "OpenAI-compatible HTTP on" in log_path.read_text(), timeout=60,
                    what="the HTTP front")
