@@ -1,6 +1,9 @@
 """``python -m loraplex.benchmarks.memory``: the resident memory of ``loraplex serve`` as
 ``make serve`` runs it (the embedded model and the demo adapters), after answering the
 README's four requests, and of ``serve --ray --num-replicas 2`` with Ray included.
+``--quantization auto none`` measures plain serve once per value, in that order (the
+default, auto, serves the embedded model's own Q4_1 / Q8_0 weights; none, its float32
+conversion); each report gives the seconds from launch to SERVING (start-up).
 
 Each server runs as a subprocess; its memory is summed over its whole process tree (for
 ``--ray``: the driver, Ray's GCS, raylet, dashboard and agents, and the replicas' workers,
@@ -31,6 +34,7 @@ import torch
 from ..client import Client
 from ..config import ServeConfig
 from ..config_flags import to_argv
+from ..engine.engine_config import QUANTIZATIONS, EngineConfig
 from ..server.ray.ray_options import RayOptions
 from .server_process import free_port
 
@@ -104,6 +108,7 @@ def measure(name: str, config: ServeConfig, log_path: Path, python: str) -> list
     served = dataclasses.replace(config, server=dataclasses.replace(
         config.server, host="127.0.0.1", port=port, http_port=free_port()))
     cmd = [python, "-m", "loraplex.cli", "serve", *to_argv(served)]
+    launched = time.monotonic()
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)
@@ -111,9 +116,8 @@ def measure(name: str, config: ServeConfig, log_path: Path, python: str) -> list
              + ("" if python == sys.executable else f" ({python})"), ""]
     try:
         with Client(f"127.0.0.1:{port}") as client:
-            start = time.monotonic()
             client.wait_until_serving(timeout=START_TIMEOUT_S)
-            up = time.monotonic() - start
+            up = time.monotonic() - launched
             serving = tree_memory(proc.pid)
             answers = [client.generate(QUESTION, adapter=a, apply_chat_template=True,
                                        temperature=0.0, max_new_tokens=64, timeout=300).text
@@ -131,7 +135,7 @@ def measure(name: str, config: ServeConfig, log_path: Path, python: str) -> list
     target = TARGETS[name]
     verdict = "meets" if after.rss <= target else "MISSES"
     lines += [
-        f"SERVING after {up:.0f} s. Answers (greedy): "
+        f"SERVING {up:.1f} s after launch. Answers (greedy): "
         + "; ".join(f"{a or 'base'}: {t.strip()!r}" for a, t in zip(ADAPTERS, answers)), "",
         "| when | RSS (sum) | PSS (sum) | processes |", "| --- | --- | --- | --- |",
         f"| SERVING | {serving.row()} |", f"| after the four requests | {after.row()} |", "",
@@ -168,6 +172,8 @@ def machine() -> str:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--skip-ray", action="store_true", help="measure plain serve only")
+    p.add_argument("--quantization", nargs="+", default=["auto"], choices=QUANTIZATIONS,
+                   help="plain serve's --quantization, one run each in this order")
     p.add_argument("--out", type=Path, help="also write the report here (Markdown)")
     p.add_argument("--server-python", default=sys.executable,
                    help="the Python that runs the servers (another checkout's venv, to "
@@ -175,7 +181,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--log", type=Path, default=Path("bench-memory-server.log"),
                    help="the servers' output")
     args = p.parse_args(argv)
-    runs = [("serve", ServeConfig())]  # the command's defaults: the embedded model, demos
+    # the command's defaults (the embedded model, the demos) but --quantization
+    runs = [("serve", ServeConfig(engine=EngineConfig(quantization=q)))
+            for q in args.quantization]
     if not args.skip_ray:
         runs.append(("serve --ray --num-replicas 2",
                      ServeConfig(ray=RayOptions(num_replicas=2))))

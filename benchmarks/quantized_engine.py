@@ -3,7 +3,7 @@ kernels of kernel_backends/cpu/csrc/quant_gemm*.cpp) against the same checkpoint
 bfloat16 (the packed float linears), in one process: prefill of one long prompt, decode of
 one sequence and decode of a batch.
 
-    python -m loraplex.benchmarks.quantized_engine [--models smollm2 llama1b]
+    python -m loraplex.benchmarks.quantized_engine [--models smollm2 llama1b default]
         [--quantization int4 int8] [--prompt 512] [--batch 32] [--steps 16] [--rounds 3]
         [--llama1b-layers 4] [--dtype bfloat16] [--threads N] [--clock wall|cpu]
 
@@ -13,6 +13,9 @@ The models are random Llama checkpoints with SmolLM2-135M's shapes (30 layers of
 of its 16 layers, to keep the run short: a layer's cost does not depend on how many
 follow); speed does not depend on the values. The embedding and the tied head stay in the
 serving dtype on both sides (``--quantization`` quantizes the decoder linears).
+``default`` is the embedded model as served: its own GGUF (Q4_1 linears, a Q8_0 embedding
+and tied head; ``--quantization auto``) against its float32 conversion (``none``); the
+``--quantization`` list does not apply to it.
 
 Each figure is a difference of two timed ``generate`` calls on one engine (so that start-up
 and the first step's prefill cancel):
@@ -92,7 +95,8 @@ def figures(engine, vocab: int, prompt: int, batch: int, steps: int,
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--models", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    ap.add_argument("--models", nargs="+", default=list(SHAPES),
+                    choices=[*SHAPES, "default"])
     ap.add_argument("--quantization", nargs="+", default=["int4", "int8"])
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--prompt", type=int, default=512)
@@ -117,14 +121,15 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models:
             layers = args.llama1b_layers if name == "llama1b" else None
-            model_dir = write_model(Path(tmp), name, layers)
+            model = None if name == "default" else str(write_model(Path(tmp), name, layers))
             label = f"{name} ({layers} layers)" if layers else name
-            vocab = SHAPES[name]["vocab_size"]
+            vocab = SHAPES["smollm2" if name == "default" else name]["vocab_size"]
             common = {"dtype": args.dtype, "max_num_seqs": args.batch, "max_model_len": 1024,
                           "max_num_batched_tokens": max(args.prompt, 2048)}
-            engines = {"none": LLMEngine(model=str(model_dir), **common)}
-            for q in args.quantization:
-                engines[q] = LLMEngine(model=str(model_dir), quantization=q, **common)
+            quantizations = ["auto"] if name == "default" else args.quantization
+            engines = {"none": LLMEngine(model=model, quantization="none", **common)}
+            for q in quantizations:
+                engines[q] = LLMEngine(model=model, quantization=q, **common)
             for engine in engines.values():  # warm-up: every path once
                 figures(engine, vocab, 64, 2, 2)
             got: dict[str, list[dict[str, float]]] = {q: [] for q in engines}
@@ -133,7 +138,7 @@ def main() -> None:
                 for q in order:
                     got[q].append(figures(engines[q], vocab, args.prompt, args.batch,
                                           args.steps, clock))
-            for q in args.quantization:
+            for q in quantizations:
                 for fig in got["none"][0]:
                     base = statistics.median(g[fig] for g in got["none"])
                     quant = statistics.median(g[fig] for g in got[q])

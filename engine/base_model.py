@@ -14,13 +14,8 @@ from transformers import AutoTokenizer, GenerationConfig, PretrainedConfig
 from ..kernel_backends import backend_class, backend_name
 from ..kernel_backends.backend import KernelBackend
 from .engine_config import EngineConfig
-from .models.gguf_model import (
-    forget_parsed,
-    is_gguf_file,
-    load_gguf_config,
-    load_gguf_model,
-    load_gguf_tokenizer,
-)
+from .gguf_metadata import load_gguf_metadata
+from .models.gguf_model import forget_parsed, is_gguf_file, load_gguf_model
 from .models.gptq_awq import checkpoint_quantization
 from .models.llama import LlamaForCausalLM
 from .models.loader import load_config, load_model, resolve_dtype
@@ -45,10 +40,10 @@ class BaseModel:
     weights: WeightsInfo  # what the weights are: format, bits, bytes
 
 
-def resolve_model_dir(model: str | None) -> Path:
+def resolve_model_dir(model: str | None, quantization: str = "auto") -> Path:
     from .embedded_model import resolve_model
 
-    return Path(resolve_model(model))
+    return Path(resolve_model(model, quantization))
 
 
 def resolve_device(device: str) -> torch.device:
@@ -101,21 +96,24 @@ def load_base_model(cfg: EngineConfig, progress: bool = False) -> BaseModel:
 
 
 def _load_base_model(cfg: EngineConfig, progress: bool) -> BaseModel:
-    path = resolve_model_dir(cfg.model)
-    gguf = is_gguf_file(path)
-    if gguf and cfg.quantization != "none":
+    path = resolve_model_dir(cfg.model, cfg.quantization)
+    gguf = is_gguf_file(path)  # never with "none": resolve_model gives its conversion
+    if gguf and cfg.quantization != "auto":
         raise ValueError(f"--quantization {cfg.quantization} quantizes a 16/32-bit "
                          f"checkpoint; {path.name} is a GGUF file, served in its own "
-                         f"quantization (give --quantization none)")
-    config = load_gguf_config(path) if gguf else load_config(path)
+                         f"quantization (give --quantization auto, or none for its "
+                         f"float32 conversion)")
+    config, tokenizer = load_gguf_metadata(path) if gguf else (load_config(path), None)
     max_model_len = _max_model_len(cfg, config)
     device = resolve_device(cfg.device)
     backend_cls = backend_class(backend_name(device))  # the one choice of kernels
-    dtype = resolve_dtype(config, cfg.dtype, device, backend_cls)
+    # a GGUF's quantized weights are fp16 scales times small integers: served as a 16-bit
+    # checkpoint (bf16 activations where the CPU has native bf16, else float32)
+    dtype = resolve_dtype(config, cfg.dtype, device, backend_cls,
+                          torch.bfloat16 if gguf else None)
     kernels = backend_cls(device, dtype)
     if gguf:
         model = load_gguf_model(path, config, kernels, max_model_len)
-        tokenizer = load_gguf_tokenizer(path)
         defaults, eos = {}, set()
     else:
         model = load_model(path, config, kernels, max_model_len, progress, cfg.quantization)

@@ -18,7 +18,7 @@ from .logprobs import LOGPROBS_MODES
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 BATCH_INVARIANT = ("auto", "on", "off")  # --batch-invariant (docs/sampling.md)
 DEVICES = ("auto", "cpu", "cuda")
-QUANTIZATIONS = ("none", "int8", "int4")  # vLLM's --quantization flag, these values
+QUANTIZATIONS = ("auto", "none", "int8", "int4")  # vLLM's --quantization flag, these values
 DEFAULT_CPU_KV_BYTES = 1 << 30  # 1 GiB, further capped by what max_num_seqs × max_model_len needs
 MODEL = "model"
 CAPACITY = "capacity"
@@ -47,10 +47,12 @@ class EngineConfig:
     device: str = flag("auto", group=MODEL, choices=DEVICES,
                        help="auto: cuda when there is one, else cpu")
     quantization: str = flag(
-        "none", group=MODEL, choices=QUANTIZATIONS,
-        help="int8 / int4: quantize a 16/32-bit checkpoint's linears on load (weight-only; "
-        "int8 per output channel, int4 in groups with zero points); none: serve the "
-        "checkpoint as stored (a .gguf file is always served in its own quantization)")
+        "auto", group=MODEL, choices=QUANTIZATIONS,
+        help="auto: the checkpoint as stored (a .gguf file, GPTQ or AWQ in its own "
+        "quantization; the embedded default from its Q4_1 GGUF); none: float weights (the "
+        "embedded default's or a .gguf's float32 conversion, made once); int8 / int4: "
+        "quantize a 16/32-bit checkpoint's linears on load (weight-only; int8 per output "
+        "channel, int4 in groups with zero points)")
     max_num_seqs: int = flag(32, group=CAPACITY, help="requests running in a step")
     max_num_batched_tokens: int = flag(512, group=CAPACITY, help="token budget per step")
     max_model_len: int | None = flag(None, group=CAPACITY,  # None: max_position_embeddings

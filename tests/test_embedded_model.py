@@ -91,7 +91,11 @@ def test_wheel_override_must_exist(monkeypatch: pytest.MonkeyPatch, tmp_path: Pa
     "name", [None, "", "default", DEFAULT_MODEL_NAME, f"HuggingFaceTB/{DEFAULT_MODEL_NAME}"]
 )
 def test_default_names_resolve_to_converted_dir(converted_dir: Path, name: str | None) -> None:
-    assert resolve_model(name) == converted_dir == default_model_dir()
+    """--quantization none (and int8 / int4, which quantize a float checkpoint) serve the
+    float32 conversion; auto (the default) the GGUF file itself (kept beside it)."""
+    for quantization in ("none", "int8", "int4"):
+        assert resolve_model(name, quantization) == converted_dir == default_model_dir()
+    assert resolve_model(name) == resolve_model(name, "auto") == embedded.default_gguf_path()
 
 
 def test_converted_files_are_plain_hf(converted_dir: Path) -> None:

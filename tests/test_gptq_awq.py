@@ -315,7 +315,7 @@ def test_unsupported_quantization_configs_are_named(qc, message):
 
 def test_refused_at_load_before_anything_is_read(checkpoints, tmp_path):
     """A GPTQ dir whose config says 8 bits: refused by the engine with the config's name;
-    --quantization int4 on a GPTQ checkpoint: refused."""
+    --quantization int4 (or none) on a GPTQ checkpoint: refused."""
     quant, _, _ = checkpoints("llama")
     bad = tmp_path / "bad"
     bad.mkdir()
@@ -328,6 +328,9 @@ def test_refused_at_load_before_anything_is_read(checkpoints, tmp_path):
         engine_for(bad)
     with pytest.raises(ValueError, match="GPTQ checkpoint, served in its own quantization"):
         engine_for(quant, quantization="int4")
+    # none asks for float weights: a GPTQ checkpoint is not dequantized on load
+    with pytest.raises(ValueError, match="none serves float weights; .* GPTQ checkpoint"):
+        engine_for(quant, quantization="none")
 
 
 def test_a_missing_part_is_named(checkpoints, tmp_path):

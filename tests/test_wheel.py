@@ -133,9 +133,9 @@ def test_the_installed_package_finds_its_demo_adapters(installed: Path, tmp_path
 
 def test_the_installed_wheel_serves_the_demo_adapters(installed: Path, tmp_path: Path) -> None:
     from loraplex.client import Client
-    from loraplex.engine.embedded_model import ensure_default_model
+    from loraplex.engine.embedded_model import ensure_default_gguf
 
-    ensure_default_model(progress=False)  # converted once per machine, outside the timeout
+    ensure_default_gguf(progress=False)  # fetched once per machine, outside the timeout
     cwd = tmp_path / "cwd"
     cwd.mkdir()
     log_path = tmp_path / "serve.log"

@@ -144,7 +144,7 @@ def _destination(model: LlamaForCausalLM, key: str,
 
 
 def load_weights(model: LlamaForCausalLM, files: list[Path], progress: bool = False,
-                 quantization: str = "none") -> None:
+                 quantization: str = "auto") -> None:
     """Fill every parameter of ``model`` from ``files`` (and its QuantizedLinears with their
     tensors quantized by ``quantization``); ValueError names the file and the tensor that is
     unexpected or misshapen, or the tensors no file holds."""
@@ -157,13 +157,14 @@ def load_weights(model: LlamaForCausalLM, files: list[Path], progress: bool = Fa
 
     names = ", ".join(f.name for f in files)
     quantize = None
-    if quantization != "none":
+    if quantization in QUANTIZE_ON_LOAD:
         quantize = functools.partial(_quantize_on_load, method=quantization,
                                      device=next(model.parameters()).device)
     fill_weights(model, tensors(), f"the checkpoint in {files[0].parent} ({names})", quantize)
 
 
 CheckpointTensor = torch.Tensor | QuantizedWeight
+QUANTIZE_ON_LOAD = ("int8", "int4")  # the --quantization values that quantize on load
 
 
 def _quantize_on_load(tensor: torch.Tensor, method: str, device: torch.device) -> QuantizedWeight:
@@ -233,12 +234,14 @@ def _fill_quantized(module: QuantizedLinear | QuantizedEmbedding, rows: slice | 
 
 
 def resolve_dtype(config: PretrainedConfig, dtype: str, device: torch.device,
-                  backend: type[KernelBackend]) -> torch.dtype:
-    """``dtype``, or for "auto" the checkpoint's dtype as the backend serves it on
-    ``device`` (float32 where the checkpoint names none)."""
+                  backend: type[KernelBackend], stored: torch.dtype | None = None
+                  ) -> torch.dtype:
+    """``dtype``, or for "auto" the checkpoint's dtype (``stored`` where the caller knows
+    it, else the config's) as the backend serves it on ``device`` (float32 where the
+    checkpoint names none)."""
     if dtype != "auto":
         return getattr(torch, dtype)
-    native = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    native = stored or getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
     if isinstance(native, str):
         native = getattr(torch, native, None)
     if native not in (torch.float32, torch.bfloat16, torch.float16):
@@ -248,19 +251,22 @@ def resolve_dtype(config: PretrainedConfig, dtype: str, device: torch.device,
 
 def load_model(
     model_dir: Path, config: PretrainedConfig, backend: KernelBackend, max_positions: int,
-    progress: bool = False, quantization: str = "none",
+    progress: bool = False, quantization: str = "auto",
 ) -> LlamaForCausalLM:
     """The model on the backend's device and dtype, its kernels run by ``backend``;
     ``quantization`` "int8" / "int4" quantizes its decoder linears on load
-    (kernel_backends/weight_quantization.py), "none" serves the checkpoint's floats."""
+    (kernel_backends/weight_quantization.py), "auto" serves the checkpoint as stored (a
+    GPTQ / AWQ one in its own quantization), "none" a float checkpoint's floats (a GPTQ /
+    AWQ one is refused: it is not dequantized on load)."""
     files = weight_files(model_dir)
     scheme = checkpoint_quantization(config)
     if scheme is not None:
-        if quantization != "none":
-            raise ValueError(f"--quantization {quantization} quantizes a 16/32-bit "
-                             f"checkpoint; {model_dir} is a {scheme.method.upper()} "
-                             f"checkpoint, served in its own quantization (give "
-                             f"--quantization none)")
+        if quantization != "auto":
+            what = "serves float weights" if quantization == "none" else \
+                "quantizes a 16/32-bit checkpoint"
+            raise ValueError(f"--quantization {quantization} {what}; {model_dir} is a "
+                             f"{scheme.method.upper()} checkpoint, served in its own "
+                             f"quantization (give --quantization auto)")
         prefixes = quantized_prefixes(files)
         model = build_model(config, backend, max_positions,
                             lambda m: _stored_quantized(m, prefixes, scheme.method))
@@ -269,7 +275,8 @@ def load_model(
                      f"the {scheme.method.upper()} checkpoint in {model_dir} ({names})")
         return finish_model(model)
     model = build_model(config, backend, max_positions,
-                        lambda m: decoder_linears(m) if quantization != "none" else set())
+                        lambda m: decoder_linears(m) if quantization in QUANTIZE_ON_LOAD
+                        else set())
     load_weights(model, files, progress, quantization)
     return finish_model(model)
 

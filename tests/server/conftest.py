@@ -33,14 +33,16 @@ def wait_until(predicate: Callable[[], bool], timeout: float = 10.0,
         time.sleep(0.02)
 
 
-def launch_serve(cmd: list[str], log_path: Path) -> tuple[subprocess.Popen, int]:
-    """Start a ``loraplex serve`` process (output to ``log_path``); its port once listening."""
+def launch_serve(cmd: list[str], log_path: Path,
+                 timeout: float = 90.0) -> tuple[subprocess.Popen, int]:
+    """Start a ``loraplex serve`` process (output to ``log_path``); its port once listening
+    (within ``timeout`` seconds)."""
     with log_path.open("w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                                 env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
         wait_until(lambda: "listening on" in log_path.read_text() or proc.poll() is not None,
-                   timeout=90, what="listening")
+                   timeout=timeout, what="listening")
         port = int(re.search(r"listening on 127\.0\.0\.1:(\d+)", log_path.read_text())[1])
     except BaseException:
         proc.kill()
