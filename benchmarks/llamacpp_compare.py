@@ -1,12 +1,19 @@
 """loraplex against llama.cpp on the same GGUF file, on this machine (issue 44, item 5).
 
-    python -m loraplex.benchmarks.llamacpp_compare --llama-cpp DIR [--quant Q4_K_M]
+    bash benchmarks/llamacpp_setup.sh DIR    # once: llama.cpp built, its converters' venv
+    export LLAMA_CPP=DIR/llama_cpp_python-0.3.36/vendor/llama.cpp
+    export LLAMA_CPP_PYTHON=DIR/venv/bin/python LORAPLEX_LLAMACPP_WORK=DIR/models
+    python -m loraplex.benchmarks.llamacpp_compare --both-orders [--quant Q4_K_M]
         [--requests 32 --prompt-len 128 --new-tokens 128] [--only single,base,mixed,int4]
+        [--dtype auto] [--json FILE]
 
-DIR is a llama.cpp source tree with ``build/bin/{llama-bench,llama-server,llama-quantize}``.
-The model (Llama-3.2-1B's shapes, random weights), its GGUFs and the PEFT adapters are made
-once under ``--work`` (benchmarks/llamacpp_models.py). Measured, each in a fresh process,
-the baseline first (and again after, with ``--both-orders``):
+``--llama-cpp`` (default $LLAMA_CPP) is a llama.cpp source tree with
+``build/bin/{llama-bench,llama-server,llama-quantize}``; ``--convert-python`` (default
+$LLAMA_CPP_PYTHON) runs its converters. The model (Llama-3.2-1B's shapes, random weights),
+its GGUFs and the PEFT adapters are made once under ``--work`` (default
+$LORAPLEX_LLAMACPP_WORK; benchmarks/llamacpp_models.py, which also makes them alone).
+Measured, each in a fresh process, the baseline first (and again after, with
+``--both-orders``):
 
 - single: decode tok/s at batch 1, llama-bench's tg128 against ``LLMEngine`` on the same
   .gguf (new tokens after the first, timed past the prefill) -- target >= 0.9x;
@@ -14,10 +21,13 @@ the baseline first (and again after, with ``--both-orders``):
   ``loraplex serve`` against ``llama-server -np N`` (continuous batching), output tok/s --
   target >= 2x;
 - mixed: the same, request i on adapter i mod ``--adapters`` -- target >= 4x;
-- int4: loraplex at batch 1 on the HF dir, ``--quantization int4`` against bf16 -- >= 2.5x.
+- int4: loraplex at batch 1 on the HF dir, ``--quantization int4`` against ``none`` (its
+  float weights in the serving dtype) -- >= 2.5x.
 
-llama-server's LoRA traps: a request without a ``lora`` field runs with every loaded
-adapter applied, so every request here names every adapter, at scale 0 but for its own.
+loraplex serves at ``--dtype`` (default auto: the engine's own rule, so a bf16 checkpoint
+runs in bf16 only where the CPU has native bf16, float32 elsewhere, and a GGUF's float
+activations are float32); every row names the dtype the engine reports it served in.
+llama-server's LoRA traps are handled in llamacpp_runs.py.
 """
 
 from __future__ import annotations
@@ -31,16 +41,17 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .common import machine_line, random_prompts
+from .llamacpp_runs import PROMPT_VOCAB, llama_bench_tg, llama_server_tps, request_adapters
 
+if TYPE_CHECKING:
+    from .llamacpp_models import BenchFiles, LlamaCppTools
 STEPS = ("single", "base", "mixed", "int4")
 TARGETS = {"single": 0.9, "base": 2.0, "mixed": 4.0, "int4": 2.5}
-PROMPT_VOCAB = 49152  # the SmolLM2 tokenizer's real tokens (the rest are [PAD] fillers)
 
 
 @dataclass(frozen=True)
@@ -53,6 +64,7 @@ class Row:
     baseline: float  # tok/s
     ours: float  # tok/s
     unit: str = "tok/s"
+    dtype: str = ""  # the float dtype loraplex served in (the engine's report)
 
     @property
     def ratio(self) -> float:
@@ -69,11 +81,20 @@ def ratio(ours: float, baseline: float) -> float:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--llama-cpp", type=Path, required=True, help="llama.cpp tree, built")
-    ap.add_argument("--convert-python", default=sys.executable,
-                    help="the interpreter for llama.cpp's converters (needs sentencepiece)")
-    ap.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) /
-                    "loraplex-llamacpp", help="where the model and its files are kept")
+    tree = os.environ.get("LLAMA_CPP")
+    ap.add_argument("--llama-cpp", type=Path, required=tree is None, default=tree,
+                    help="llama.cpp tree, built (default $LLAMA_CPP)")
+    ap.add_argument("--convert-python", default=os.environ.get("LLAMA_CPP_PYTHON",
+                                                               sys.executable),
+                    help="the interpreter for llama.cpp's converters (needs sentencepiece; "
+                         "default $LLAMA_CPP_PYTHON, else this one)")
+    ap.add_argument("--work", type=Path, default=os.environ.get(
+                        "LORAPLEX_LLAMACPP_WORK",
+                        Path(tempfile.gettempdir()) / "loraplex-llamacpp"),
+                    help="where the model and its files are kept "
+                         "(default $LORAPLEX_LLAMACPP_WORK)")
+    ap.add_argument("--dtype", default="auto",
+                    help="loraplex's --dtype (auto: the engine's rule for each model)")
     ap.add_argument("--quant", default="Q4_K_M", choices=("Q8_0", "Q4_K_M"),
                     help="the GGUF both engines serve")
     ap.add_argument("--only", default=",".join(STEPS), type=_steps)
@@ -99,29 +120,6 @@ def _steps(value: str) -> tuple[str, ...]:
     return steps
 
 
-# --- llama-server's request bodies -----------------------------------------------------
-
-def lora_field(n_adapters: int, adapter: int | None) -> list[dict[str, float | int]]:
-    """The ``lora`` field of a llama-server request: every loaded adapter named (an absent
-    field applies them all), scale 1 for ``adapter`` and 0 for the rest (None: the base)."""
-    return [{"id": i, "scale": 1.0 if i == adapter else 0.0} for i in range(n_adapters)]
-
-
-def completion_body(prompt: list[int], new_tokens: int, n_adapters: int,
-                    adapter: int | None) -> dict:
-    """A greedy ``/completion`` request of ``new_tokens`` tokens, EOS ignored, no cache."""
-    body = {"prompt": prompt, "n_predict": new_tokens, "ignore_eos": True, "temperature": 0.0,
-            "cache_prompt": False, "stream": False}
-    if n_adapters:
-        body["lora"] = lora_field(n_adapters, adapter)
-    return body
-
-
-def request_adapters(requests: int, n_adapters: int) -> list[int | None]:
-    """Request i's adapter index: i mod n (None for every request when n is 0)."""
-    return [i % n_adapters if n_adapters else None for i in range(requests)]
-
-
 # --- the report --------------------------------------------------------------------------
 
 def format_table(rows: list[Row]) -> str:
@@ -134,79 +132,25 @@ def format_table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
-# --- llama.cpp's side --------------------------------------------------------------------
-
-def llama_bench_tg(bench: Path, gguf: Path, new_tokens: int, threads: int) -> float:
-    """llama-bench's tg<new_tokens> on ``gguf`` (mean tok/s of its 2 repetitions)."""
-    out = subprocess.run([str(bench), "-m", str(gguf), "-p", "0", "-n", str(new_tokens),
-                          "-t", str(threads), "-r", "2", "-o", "json"],
-                         capture_output=True, text=True, check=True).stdout
-    return float(json.loads(out)[0]["avg_ts"])
-
-
-def llama_server_tps(server: Path, gguf: Path, lora_ggufs: list[Path], args: argparse.Namespace,
-                     n_adapters: int, log: Path) -> float:
-    """Output tok/s of ``args.requests`` concurrent requests to a fresh llama-server."""
-    from .server_process import free_port
-
-    port = free_port()
-    per_seq = args.prompt_len + args.new_tokens + 16
-    cmd = [str(server), "-m", str(gguf), "-np", str(args.requests), "-c",
-           str(per_seq * args.requests), "-t", str(args.threads), "-cb", "--port", str(port),
-           "--host", "127.0.0.1", "--no-warmup"]
-    for lora in lora_ggufs:
-        cmd += ["--lora", str(lora)]
-    with open(log, "ab") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        _wait_health(url, proc)
-        prompts = random_prompts(args.requests, args.prompt_len, PROMPT_VOCAB, seed=7)
-        adapters = request_adapters(args.requests, n_adapters)
-        bodies = [completion_body(p, args.new_tokens, len(lora_ggufs), a)
-                  for p, a in zip(prompts, adapters)]
-        start = time.perf_counter()
-        with ThreadPoolExecutor(len(bodies)) as pool:
-            counts = list(pool.map(lambda b: _post(url + "/completion", b)["tokens_predicted"],
-                                   bodies))
-        return sum(counts) / (time.perf_counter() - start)
-    finally:
-        proc.terminate()
-        proc.wait(60)
-
-
-def _post(url: str, body: dict) -> dict:
-    req = urllib.request.Request(url, json.dumps(body).encode(),
-                                 {"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=3600) as resp:
-        return json.load(resp)
-
-
-def _wait_health(url: str, proc: subprocess.Popen) -> None:
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"llama-server exited with {proc.returncode}")
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=5) as resp:
-                if resp.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(1)
-    raise TimeoutError("llama-server did not become healthy")
-
-
 # --- loraplex's side ---------------------------------------------------------------------
 
-def loraplex_decode_tps(model: str, quantization: str, new_tokens: int) -> float:
+@dataclass(frozen=True)
+class Measured:
+    """One loraplex figure and the float dtype the engine reports it served in."""
+
+    tps: float
+    dtype: str
+
+
+def loraplex_decode_tps(model: str, quantization: str, dtype: str, new_tokens: int) -> Measured:
     """Decode tok/s at batch 1: (new_tokens) / (time of 1 + new_tokens tokens - time of 1
     token), each on a fresh 16-token prompt (the prefill is in both and cancels)."""
     from .. import LLMEngine, SamplingParams
     from ..engine.engine_config import EngineConfig
 
     engine = LLMEngine.from_config(EngineConfig(model=model, quantization=quantization,
-                                                max_num_seqs=1, max_model_len=1024))
+                                                dtype=dtype, max_num_seqs=1,
+                                                max_model_len=1024))
     prompts = iter(random_prompts(8, 16, PROMPT_VOCAB, seed=3))
 
     def run(n: int) -> float:
@@ -217,16 +161,19 @@ def loraplex_decode_tps(model: str, quantization: str, new_tokens: int) -> float
 
     run(8)  # warm-up
     first = min(run(1) for _ in range(2))
-    return new_tokens / (run(1 + new_tokens) - first)
+    tps = new_tokens / (run(1 + new_tokens) - first)
+    return Measured(tps, str(engine.base.dtype).removeprefix("torch."))
 
 
 def loraplex_server_tps(gguf: Path, adapters: dict[str, Path], args: argparse.Namespace,
-                        n_adapters: int, log: Path) -> float:
+                        n_adapters: int, log: Path) -> Measured:
+    """Output tok/s of ``args.requests`` concurrent streams to a fresh ``loraplex serve``,
+    request i on adapter i mod ``n_adapters``; the dtype is GetServerInfo's."""
     from .server_process import serve_config, served
 
     names = list(adapters)[:n_adapters]
     config = serve_config(gguf, {n: adapters[n] for n in names}, max_num_seqs=args.requests,
-                          max_lora_rank=args.rank, max_model_len=1024)
+                          max_lora_rank=args.rank, max_model_len=1024, dtype=args.dtype)
     prompts = random_prompts(args.requests, args.prompt_len, PROMPT_VOCAB, seed=7)
     with served(config, log) as target:
         asyncio.run(_loraplex_round(target, prompts[:2], [None, None], 4))  # warm-up
@@ -234,7 +181,15 @@ def loraplex_server_tps(gguf: Path, adapters: dict[str, Path], args: argparse.Na
                   for a in request_adapters(args.requests, n_adapters)]
         start = time.perf_counter()
         count = asyncio.run(_loraplex_round(target, prompts, chosen, args.new_tokens))
-        return count / (time.perf_counter() - start)
+        tps = count / (time.perf_counter() - start)
+        return Measured(tps, asyncio.run(_served_dtype(target)))
+
+
+async def _served_dtype(target: str) -> str:
+    from ..client import AsyncClient
+
+    async with AsyncClient(target) as client:
+        return (await client.server_info()).dtype
 
 
 async def _loraplex_round(target: str, prompts: list[list[int]], adapters: list[str | None],
@@ -253,21 +208,21 @@ async def _loraplex_round(target: str, prompts: list[list[int]], adapters: list[
         return sum(await asyncio.gather(*(one(p, a) for p, a in zip(prompts, adapters))))
 
 
-def in_child(args: argparse.Namespace, what: dict) -> float:
+def in_child(args: argparse.Namespace, what: dict) -> Measured:
     """One loraplex measurement in a fresh interpreter (no state shared with the others)."""
     argv = [sys.executable, "-m", "loraplex.benchmarks.llamacpp_compare",
             "--llama-cpp", str(args.llama_cpp), "--work", str(args.work),
             "--child", json.dumps(what)]
     out = subprocess.run(argv, capture_output=True, text=True, check=True).stdout
-    return float(out.split("RESULT ")[-1])
+    return Measured(**json.loads(out.split("RESULT ")[-1]))
 
 
 def run_child(what: dict) -> None:
-    if what["kind"] == "decode":
-        tps = loraplex_decode_tps(what["model"], what["quantization"], what["new_tokens"])
-    else:
+    if what["kind"] != "decode":
         raise ValueError(what)
-    print(f"RESULT {tps}")
+    measured = loraplex_decode_tps(what["model"], what["quantization"], what["dtype"],
+                                   what["new_tokens"])
+    print(f"RESULT {json.dumps(asdict(measured))}")
 
 
 # --- the run -------------------------------------------------------------------------------
@@ -277,51 +232,77 @@ def measure(args: argparse.Namespace) -> list[Row]:
 
     tools = LlamaCppTools(args.llama_cpp, args.convert_python)
     files = ensure_files(args.work, tools, args.adapters, args.rank)
-    gguf = files.ggufs[args.quant]
     rows: list[Row] = []
-    log = args.work / "servers.log"
-    twice = 2 if args.both_orders else 1
     if "single" in args.only:
-        base = [llama_bench_tg(tools.binary("llama-bench"), gguf, args.single_new_tokens,
-                               args.threads)]
-        ours = in_child(args, {"kind": "decode", "model": str(gguf), "quantization": "none",
-                               "new_tokens": args.single_new_tokens})
-        if twice == 2:
-            base.append(llama_bench_tg(tools.binary("llama-bench"), gguf,
-                                       args.single_new_tokens, args.threads))
-        _note("single", base, ours)
-        rows.append(Row("single", f"decode, batch 1, {args.quant} .gguf, tg"
-                        f"{args.single_new_tokens}", "llama-bench", statistics.mean(base), ours))
+        rows.append(_single(args, tools, files.ggufs[args.quant]))
     for step, n in (("base", 0), ("mixed", args.adapters)):
-        if step not in args.only:
-            continue
-        loras = [files.adapter_ggufs[k] for k in list(files.adapter_ggufs)[:n]]
-        base = [llama_server_tps(tools.binary("llama-server"), gguf, loras, args, n, log)]
-        ours = loraplex_server_tps(gguf, files.adapters, args, n, log)
-        if twice == 2:
-            base.append(llama_server_tps(tools.binary("llama-server"), gguf, loras, args, n,
-                                         log))
-        _note(step, base, ours)
-        what = f"{args.requests} concurrent x {args.prompt_len}+{args.new_tokens}, {args.quant}"
-        what += f", {n} adapters mixed" if n else ", base"
-        rows.append(Row(step, what, "llama-server", statistics.mean(base), ours))
+        if step in args.only:
+            rows.append(_served(args, step, n, tools, files))
     if "int4" in args.only:
-        decode = {"kind": "decode", "model": str(files.model_dir),
-                  "new_tokens": args.single_new_tokens}
-        bf16 = [in_child(args, {**decode, "quantization": "none"})]
-        int4 = in_child(args, {**decode, "quantization": "int4"})
-        if twice == 2:
-            bf16.append(in_child(args, {**decode, "quantization": "none"}))
-        _note("int4", bf16, int4)
-        rows.append(Row("int4", "decode, batch 1, HF dir, --quantization int4 vs none",
-                        "loraplex bf16", statistics.mean(bf16), int4))
+        rows.append(_int4(args, files.model_dir))
     return rows
 
 
-def _note(step: str, baseline: list[float], ours: float) -> None:
+def _single(args: argparse.Namespace, tools: LlamaCppTools, gguf: Path) -> Row:
+    def bench() -> float:
+        return llama_bench_tg(tools.binary("llama-bench"), gguf, args.single_new_tokens,
+                              args.threads)
+
+    base = [bench()]
+    ours = in_child(args, {"kind": "decode", "model": str(gguf), "quantization": "none",
+                           "dtype": args.dtype, "new_tokens": args.single_new_tokens})
+    if args.both_orders:
+        base.append(bench())
+    _note("single", base, ours)
+    return Row("single", f"decode, batch 1, {args.quant} .gguf, tg{args.single_new_tokens}, "
+               f"loraplex in {ours.dtype}", "llama-bench", statistics.mean(base), ours.tps,
+               dtype=ours.dtype)
+
+
+def _served(args: argparse.Namespace, step: str, n: int, tools: LlamaCppTools,
+            files: BenchFiles) -> Row:
+    gguf = files.ggufs[args.quant]
+    loras = [files.adapter_ggufs[k] for k in list(files.adapter_ggufs)[:n]]
+
+    def server() -> float:
+        return llama_server_tps(tools.binary("llama-server"), gguf, loras,
+                                requests=args.requests, prompt_len=args.prompt_len,
+                                new_tokens=args.new_tokens, threads=args.threads,
+                                n_adapters=n, log=args.work / "servers.log")
+
+    base = [server()]
+    ours = loraplex_server_tps(gguf, files.adapters, args, n, args.work / "servers.log")
+    if args.both_orders:
+        base.append(server())
+    _note(step, base, ours)
+    what = f"{args.requests} concurrent x {args.prompt_len}+{args.new_tokens}, {args.quant}"
+    what += f", {n} adapters mixed" if n else ", base"
+    return Row(step, what + f", loraplex in {ours.dtype}", "llama-server",
+               statistics.mean(base), ours.tps, dtype=ours.dtype)
+
+
+def _int4(args: argparse.Namespace, model_dir: Path) -> Row:
+    decode = {"kind": "decode", "model": str(model_dir), "dtype": args.dtype,
+              "new_tokens": args.single_new_tokens}
+    floats = [in_child(args, {**decode, "quantization": "none"})]
+    int4 = in_child(args, {**decode, "quantization": "int4"})
+    if args.both_orders:
+        floats.append(in_child(args, {**decode, "quantization": "none"}))
+    dtypes = {m.dtype for m in floats} | {int4.dtype}
+    if len(dtypes) != 1:  # activations must match, or the ratio is not int4's alone
+        raise RuntimeError(f"int4 and its baseline served in different dtypes: {dtypes}")
+    _note("int4", floats, int4)
+    return Row("int4", f"decode, batch 1, HF dir, --quantization int4 vs none "
+               f"({int4.dtype} activations)", f"loraplex {int4.dtype}",
+               statistics.mean(m.tps for m in floats), int4.tps, dtype=int4.dtype)
+
+
+def _note(step: str, baseline: list[float | Measured], ours: Measured) -> None:
     load = " ".join(f"{v:.1f}" for v in os.getloadavg())
-    print(f"  {step}: baseline {' '.join(f'{v:.2f}' for v in baseline)} tok/s, "
-          f"loraplex {ours:.2f} tok/s (load average after: {load})", flush=True)
+    figures = [b.tps if isinstance(b, Measured) else b for b in baseline]
+    print(f"  {step}: baseline {' '.join(f'{v:.2f}' for v in figures)} tok/s, "
+          f"loraplex {ours.tps:.2f} tok/s in {ours.dtype} (load average after: {load})",
+          flush=True)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -330,9 +311,7 @@ def main(argv: list[str] | None = None) -> None:
         run_child(json.loads(args.child))
         return
     args.work.mkdir(parents=True, exist_ok=True)
-    from .lora_overhead import resolve_dtype
-
-    machine = machine_line("cpu", f"loraplex dtype {resolve_dtype('auto')} (--dtype auto)")
+    machine = machine_line("cpu", f"loraplex --dtype {args.dtype} (each row: the dtype served)")
     load = " ".join(f"{v:.1f}" for v in os.getloadavg())
     print(machine + f"; llama.cpp threads {args.threads}; load average {load} "
           f"on {os.cpu_count()} CPUs", flush=True)

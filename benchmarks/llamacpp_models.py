@@ -4,7 +4,13 @@ conversions by llama.cpp's own tools (BF16, then ``llama-quantize`` to Q8_0 and 
 and PEFT adapters made with ``peft`` on it, each also converted by llama.cpp's
 ``convert_lora_to_gguf.py`` for ``llama-server``.
 
-Random weights: decode speed depends on the shapes and the bytes read, not on the values."""
+Random weights: decode speed depends on the shapes and the bytes read, not on the values.
+
+    python -m loraplex.benchmarks.llamacpp_models [--llama-cpp DIR] [--convert-python PY]
+        [--work DIR] [--adapters 8] [--rank 16]
+
+makes them alone (llamacpp_compare.py makes what is missing before it measures; the same
+flags and environment variables: LLAMA_CPP, LLAMA_CPP_PYTHON, LORAPLEX_LLAMACPP_WORK)."""
 
 from __future__ import annotations
 
@@ -95,7 +101,7 @@ def ensure_model(out: Path) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     torch.manual_seed(0)
     config = LlamaConfig(**{k: v for k, v in LLAMA_3_2_1B.items() if k != "torch_dtype"})
-    model = LlamaForCausalLM._from_config(config, torch_dtype=torch.bfloat16)
+    model = LlamaForCausalLM._from_config(config, dtype=torch.bfloat16)
     model.save_pretrained(tmp, safe_serialization=True)
     tokenizer_dir = ensure_default_model(progress=False)
     for name in ("tokenizer.json", "tokenizer_config.json"):
@@ -116,7 +122,7 @@ def ensure_adapters(model_dir: Path, root: Path, n: int, rank: int) -> dict[str,
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    base = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.bfloat16)
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
     for i, path in missing:
         torch.manual_seed(1000 + i)
         config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=list(ADAPTER_TARGETS),
@@ -128,3 +134,18 @@ def ensure_adapters(model_dir: Path, root: Path, n: int, rank: int) -> dict[str,
         tmp.rename(path)
         base = peft_model.unload()
     return paths
+
+
+def main(argv: list[str] | None = None) -> None:
+    from .llamacpp_compare import parse_args
+
+    args = parse_args(argv)
+    args.work.mkdir(parents=True, exist_ok=True)
+    files = ensure_files(args.work, LlamaCppTools(args.llama_cpp, args.convert_python),
+                         args.adapters, args.rank)
+    for name, path in {**files.ggufs, **files.adapter_ggufs}.items():
+        print(f"{name}: {path} ({path.stat().st_size / 2**20:.0f} MiB)")
+
+
+if __name__ == "__main__":
+    main()

@@ -5,29 +5,35 @@ import math
 from pathlib import Path
 
 import pytest
-from loraplex.benchmarks.llamacpp_compare import (
-    TARGETS,
-    Row,
-    completion_body,
-    format_table,
-    lora_field,
-    parse_args,
-    ratio,
-    request_adapters,
-)
+from loraplex.benchmarks.llamacpp_compare import TARGETS, Row, format_table, parse_args, ratio
 from loraplex.benchmarks.llamacpp_models import LLAMA_3_2_1B, LlamaCppTools
+from loraplex.benchmarks.llamacpp_runs import completion_body, lora_field, request_adapters
 
 
-def test_defaults_are_the_issues_workload():
+def test_defaults_are_the_issues_workload(monkeypatch):
+    monkeypatch.delenv("LLAMA_CPP", raising=False)
     args = parse_args(["--llama-cpp", "/x"])
     assert args.llama_cpp == Path("/x")
     assert (args.requests, args.prompt_len, args.new_tokens) == (32, 128, 128)
     assert (args.single_new_tokens, args.adapters, args.rank) == (128, 8, 16)
     assert args.only == ("single", "base", "mixed", "int4")
     assert args.quant == "Q4_K_M" and not args.both_orders
+    assert args.dtype == "auto"  # the engine's own rule, as `loraplex serve` applies it
 
 
-def test_flags_parse_and_bad_steps_are_refused(capsys):
+def test_paths_come_from_the_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv("LLAMA_CPP", "/trees/llama.cpp")
+    monkeypatch.setenv("LLAMA_CPP_PYTHON", "/venvs/convert/bin/python")
+    monkeypatch.setenv("LORAPLEX_LLAMACPP_WORK", str(tmp_path))
+    args = parse_args([])
+    assert args.llama_cpp == Path("/trees/llama.cpp")
+    assert args.convert_python == "/venvs/convert/bin/python"
+    assert args.work == tmp_path
+    assert parse_args(["--llama-cpp", "/y"]).llama_cpp == Path("/y")  # a flag wins
+
+
+def test_flags_parse_and_bad_steps_are_refused(capsys, monkeypatch):
+    monkeypatch.delenv("LLAMA_CPP", raising=False)
     args = parse_args(["--llama-cpp", "/x", "--only", "base,int4", "--requests", "4",
                        "--quant", "Q8_0", "--both-orders"])
     assert args.only == ("base", "int4") and args.requests == 4
@@ -100,3 +106,29 @@ def test_model_has_llama_3_2_1b_shapes():
 def test_missing_binary_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="llama-bench"):
         LlamaCppTools(tmp_path).binary("llama-bench")
+
+
+def _int4_args(tmp_path: Path, both_orders: bool):
+    return parse_args(["--llama-cpp", "/x", "--work", str(tmp_path), "--single-new-tokens",
+                       "8"] + (["--both-orders"] if both_orders else []))
+
+
+def test_int4_row_names_the_served_dtype(monkeypatch, tmp_path):
+    from loraplex.benchmarks import llamacpp_compare as compare
+
+    figures = {"none": 10.0, "int4": 25.0}
+    monkeypatch.setattr(compare, "in_child", lambda args, what: compare.Measured(
+        figures[what["quantization"]], "float32"))
+    row = compare._int4(_int4_args(tmp_path, True), tmp_path)
+    assert row.baseline_name == "loraplex float32" and row.dtype == "float32"
+    assert "float32" in row.what and row.ratio == 2.5 and row.met
+
+
+def test_int4_refuses_a_baseline_in_another_dtype(monkeypatch, tmp_path):
+    from loraplex.benchmarks import llamacpp_compare as compare
+
+    dtypes = {"none": "bfloat16", "int4": "float32"}
+    monkeypatch.setattr(compare, "in_child", lambda args, what: compare.Measured(
+        1.0, dtypes[what["quantization"]]))
+    with pytest.raises(RuntimeError, match="different dtypes"):
+        compare._int4(_int4_args(tmp_path, False), tmp_path)
