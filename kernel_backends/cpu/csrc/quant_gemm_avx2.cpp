@@ -62,6 +62,11 @@ inline Column column(const Problem& p, int64_t n) {
 
 template <int F>
 constexpr int unit_weights() { return k_quant(F) ? 256 : 32; }
+template <int F>  // the bytes of a unit
+constexpr int unit_bytes() {
+  return F == kQ8_0 ? 34 : F == kQ4_0 ? 18 : F == kQ4_1 ? 20 : F == kInt8 ? 32 : F == kInt4 ? 16
+         : F == kQ4_K ? 144 : F == kQ5_K ? 176 : 210;
+}
 
 // Low nibbles of 16 bytes are weights 0-15, high ones 16-31 (ggml's Q4_0 / Q4_1; int4's
 // evens then odds, as quant_linear orders x): w = f(nibble) for both halves of 8 bytes.

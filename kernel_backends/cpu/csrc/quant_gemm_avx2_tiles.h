@@ -64,8 +64,14 @@ inline void tile_decoded_here(const Problem& p, int64_t m, int64_t n) {
       acc[c].x[r] = p.x + (m + r) * p.K;
     }
   }
+  // The next C columns' bytes, requested into cache while these are decoded (C sequential
+  // streams at once are otherwise read from memory slower than the one stream of a column
+  // at a time: 0.7x at one row, cold; with the requests, 0.9-1.5x faster than that).
+  const uint8_t* next[C];
+  for (int c = 0; c < C; ++c) next[c] = p.data + std::min(n + C + c, p.N - 1) * p.row_bytes;
   for (int64_t u = 0; u < units; ++u) {
     for (int c = 0; c < C; ++c) {
+      _mm_prefetch(reinterpret_cast<const char*>(next[c] + u * unit_bytes<F>()), _MM_HINT_T0);
       decode_unit<F>(p, col[c], u, acc[c]);
       for (int r = 0; r < R; ++r) acc[c].x[r] += UW;
     }
