@@ -71,7 +71,9 @@ inline void tile_decoded_here(const Problem& p, int64_t m, int64_t n) {
   for (int c = 0; c < C; ++c) next[c] = p.data + std::min(n + C + c, p.N - 1) * p.row_bytes;
   for (int64_t u = 0; u < units; ++u) {
     for (int c = 0; c < C; ++c) {
-      _mm_prefetch(reinterpret_cast<const char*>(next[c] + u * unit_bytes<F>()), _MM_HINT_T0);
+      for (int b = 0; b < unit_bytes<F>(); b += 64)  // each cache line of the unit
+        _mm_prefetch(reinterpret_cast<const char*>(next[c] + u * unit_bytes<F>() + b),
+                     _MM_HINT_T0);
       decode_unit<F>(p, col[c], u, acc[c]);
       for (int r = 0; r < R; ++r) acc[c].x[r] += UW;
     }
