@@ -175,6 +175,19 @@ def test_a_row_alone_equals_the_row_among_up_to_200(ext, isa: str, name: str,
 
 
 @pytest.mark.parametrize("name", FORMATS)
+def test_avx2_weights_are_the_twins_bit_for_bit(ext, name: str) -> None:
+    """The AVX2 path decodes each weight to the twin's value (gguf-py's operations): x the
+    rows of the identity gives every weight back exactly (one product by 1, sums of zeros),
+    so y = dequantize(W)ᵀ bit for bit; odd seeds: random blocks, zero and subnormal scales."""
+    if "avx2" not in ext.quant_isas():
+        pytest.skip(f"this CPU does not run the avx2 path (it runs {ext.quant_isas()})")
+    for seed in (0, 3):
+        weight = make_weight(name, 19, 512, seed=seed)
+        y = kernels.quantized_linear(ext, torch.eye(512), weight, isa="avx2")
+        assert torch.equal(y, twin.dequantize(weight).T)
+
+
+@pytest.mark.parametrize("name", FORMATS)
 def test_dequantized_linear_equals_twin(ext, name: str, monkeypatch) -> None:
     """The AMX route for many bf16 rows: the kernel's bf16 weights (int4's interleaved back
     into order) multiplied by F.linear, a tile of columns at a time (a small tile here, so

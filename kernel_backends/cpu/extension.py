@@ -13,7 +13,8 @@
 - csrc/panel_gemm.cpp: float32 linears over weights packed into 16-column panels (AVX2).
 - csrc/panel_gemm_bf16.cpp: bfloat16 linears over 32-column panels of k pairs (AVX512-BF16).
 - csrc/quant_gemm*.cpp: linears over weight-only quantized weights read in their own bytes
-  (Q8_0, Q4_0, Q4_1, Q4_K, int8, int4), one path per ISA chosen at run time (AVX-512 and
+  (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, int8, int4; the AVX2 path's own loop in
+  quant_gemm_avx2_tiles.h), one path per ISA chosen at run time (AVX-512 and
   AVX512-BF16, AVX2, plain C, each built with its own target so that one build tests all
   this CPU runs), any row count (many rows: a tile of columns decoded once into L2); and
   quant_dequantize_bf16, a weight's bf16 values for oneDNN's AMX GEMM to take many rows.
@@ -49,7 +50,8 @@ SOURCES = [CSRC / name for name in ("bindings.cpp", "lora_gather.cpp", "paged_de
                                     "quant_gemm.cpp", "quant_gemm_avx2.cpp",
                                     "quant_gemm_avx512.cpp")]
 HEADERS = [CSRC / name for name in ("vec.h", "tile_6x16.h", "lora_blocks.h", "online_softmax.h",
-                                    "strips.h", "quant_gemm.h", "quant_gemm_body.h")]
+                                    "strips.h", "quant_gemm.h", "quant_gemm_body.h",
+                                    "quant_gemm_avx2_tiles.h")]
 _lock = threading.Lock()
 _module: ModuleType | None = None
 _error: Exception | None = None

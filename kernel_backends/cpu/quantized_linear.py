@@ -14,7 +14,10 @@ runs serves; tests run every one of them. Any number of rows: from 8 bf16 rows o
 float32 ones: prefill, batched decode) each tile of output columns is decoded once into a scratch that stays in
 L2 and every block of rows reads it there (a float GEMM plus one decode of W), with the
 very values and operations the few-row loop uses, so a row's result does not depend on
-how many rows share the call (benchmarks/results/notebook.md has the figures).
+how many rows share the call (benchmarks/results/notebook.md has the figures). The AVX2
+path (Zen 3 and other CPUs without AVX-512) decodes each weight to its value w, the
+twin's bit for bit, and decodes in registers at every row count, a block of up to 4 rows
+at a time (benchmarks/results/2026-12-06-s23-quantized-avx2.md).
 
 Where the CPU has AMX, oneDNN's AMX tiles multiply bfloat16 many times faster than any
 AVX-512 loop (the float path uses them there: packed_linear.py), so bfloat16 inputs of

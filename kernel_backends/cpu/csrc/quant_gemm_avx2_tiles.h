@@ -1,0 +1,113 @@
+// The AVX2 path's loops over rows and columns (included by quant_gemm_avx2.cpp after its
+// decoders, under its target pragma).
+//
+// Every (row m, column n) is the same operations whatever the call: two accumulators, the
+// unit's vectors taken in the decoder's order, vector k into accumulator k & 1 by one FMA
+// (acc += w · x), over the units in order; then y = hsum(acc0 + acc1) (int8: + its K % 32
+// tail, times its scale), + bias. How rows and columns are grouped into register tiles
+// (R rows x C columns: each decoded w serves R rows, each x vector C columns) changes no
+// value and no order, so a row's result does not depend on the rows beside it, nor on the
+// row count, nor on the threads.
+//
+// Rows come in blocks of up to 4, columns in tiles of ~kTileBytes of weight (kept in L2
+// while every block of rows takes them); each unit is decoded in registers once per block
+// of rows and column. (A float32 scratch of decoded columns, read by every block of rows as
+// the other paths do from 16 rows on, was 1.3-1.6x slower here at 8 to 128 rows: its x and
+// decoded w stream from L2, where the decode in registers reads a quarter of the bytes.)
+constexpr int64_t kTileBytes = 96 * 1024;  // weight bytes a tile of columns holds
+
+inline float hsum(__m256 a) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// Accumulators of R rows against one column; x points at the rows' current unit.
+template <int R>
+struct Acc {
+  __m256 a[R][2];
+  const float* x[R];
+  inline void operator()(int off, int par, __m256 w) {
+    for (int r = 0; r < R; ++r) a[r][par] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x[r] + off), a[r][par]);
+  }
+};
+
+// y[m .. m + R, n] from the accumulators: the sums, int8's tail past the last chunk, bias.
+template <int F, int R>
+inline void finish(const Problem& p, const Acc<R>& acc, int64_t m, int64_t n) {
+  const int64_t full = p.K / 32 * 32;
+  for (int r = 0; r < R; ++r) {
+    float sum = hsum(_mm256_add_ps(acc.a[r][0], acc.a[r][1]));
+    if constexpr (F == kInt8) {
+      const int8_t* q = reinterpret_cast<const int8_t*>(p.data + n * p.row_bytes);
+      const float* x = p.x + (m + r) * p.K;
+      for (int64_t k = full; k < p.K; ++k) sum += float(q[k]) * x[k];
+      sum *= p.scales[n];
+    }
+    if (p.bias) sum += p.bias[n];
+    p.y[(m + r) * p.N + n] = sum;
+  }
+}
+
+// Rows m .. m + R against columns n .. n + C, each unit decoded in registers.
+template <int F, int R, int C>
+inline void tile_decoded_here(const Problem& p, int64_t m, int64_t n) {
+  constexpr int UW = unit_weights<F>();
+  const int64_t units = p.K / UW;
+  Acc<R> acc[C];
+  Column col[C];
+  for (int c = 0; c < C; ++c) {
+    col[c] = column(p, n + c);
+    for (int r = 0; r < R; ++r) {
+      acc[c].a[r][0] = acc[c].a[r][1] = _mm256_setzero_ps();
+      acc[c].x[r] = p.x + (m + r) * p.K;
+    }
+  }
+  // The next C columns' bytes, requested into cache while these are decoded (C sequential
+  // streams at once are otherwise read from memory slower than the one stream of a column
+  // at a time: 0.7x at one row, cold; with the requests, 0.9-1.5x faster than that).
+  const uint8_t* next[C];
+  for (int c = 0; c < C; ++c) next[c] = p.data + std::min(n + C + c, p.N - 1) * p.row_bytes;
+  for (int64_t u = 0; u < units; ++u) {
+    for (int c = 0; c < C; ++c) {
+      for (int b = 0; b < unit_bytes<F>(); b += 64)  // each cache line of the unit
+        _mm_prefetch(reinterpret_cast<const char*>(next[c] + u * unit_bytes<F>() + b),
+                     _MM_HINT_T0);
+      decode_unit<F>(p, col[c], u, acc[c]);
+      for (int r = 0; r < R; ++r) acc[c].x[r] += UW;
+    }
+  }
+  for (int c = 0; c < C; ++c) finish<F, R>(p, acc[c], m, n + c);
+}
+
+// Rows m .. m + R (R = 1 .. 4) against columns t0 .. t1, decoded here: C columns a time
+// (C = 4 / R: eight accumulators), the last ones one a time.
+template <int F, int R>
+inline void rows_decoded_here(const Problem& p, int64_t m, int64_t t0, int64_t t1) {
+  constexpr int C = R == 1 ? 4 : R == 2 ? 2 : 1;
+  int64_t n = t0;
+  for (; n + C <= t1; n += C) tile_decoded_here<F, R, C>(p, m, n);
+  for (; n < t1; ++n) tile_decoded_here<F, R, 1>(p, m, n);
+}
+
+// Every row against columns t0 .. t1, in blocks of 4 rows, then the last 1-3.
+template <int F>
+inline void all_rows(const Problem& p, int64_t t0, int64_t t1) {
+  int64_t m = 0;
+  for (; m + 4 <= p.M; m += 4) rows_decoded_here<F, 4>(p, m, t0, t1);
+  switch (p.M - m) {
+    case 3: rows_decoded_here<F, 3>(p, m, t0, t1); break;
+    case 2: rows_decoded_here<F, 2>(p, m, t0, t1); break;
+    case 1: rows_decoded_here<F, 1>(p, m, t0, t1); break;
+    default: break;
+  }
+}
+
+// Columns n0 .. n1 of y, every row (one thread): tiles of ~kTileBytes of weight, each read
+// from memory once and from L2 by every block of rows.
+template <int F>
+void columns(const Problem& p, int64_t n0, int64_t n1) {
+  const int64_t tile = std::max<int64_t>(4, kTileBytes / p.row_bytes);
+  for (int64_t t0 = n0; t0 < n1; t0 += tile) all_rows<F>(p, t0, std::min(n1, t0 + tile));
+}
