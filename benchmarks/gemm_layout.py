@@ -4,7 +4,7 @@ rules it informs are ``kernel_backends/cpu/packed_linear.GEMM_LAYOUT`` (BF16_GEM
 keyed by ``isa.cpu_isa()``.
 
     python -m loraplex.benchmarks.gemm_layout [--rows 1 8 32 128 512] [--rounds 5]
-        [--dtype float32|bfloat16]
+        [--dtype float32|bfloat16] [--layouts panels onednn onednn_fixed]
     python -m loraplex.benchmarks.gemm_layout --engine [--rounds 5]
 
 Linears alone: SmolLM2-135M's (30 layers: qkv, o, gate_up, down) plus the logits head,
@@ -12,7 +12,9 @@ every layer with weights of its own, so weights come cold from memory as in serv
 ``--engine``: the whole engine, two engines in one process (one per layout) on the same
 requests (32 x 64 prompt x 32 new tokens, base model and 32 distinct rank-8 adapters).
 Either way the two layouts run alternately, round by round; the table gives the best
-round of each and the ratio (> 1: panels faster).
+round of each and the ratio (> 1: panels faster). ``--layouts`` picks the layouts of the
+linears-alone table (the first is the one the others are divided by); onednn_fixed is
+``--batch-invariant``'s candidate (packed_linear.INVARIANT_GEMM_LAYOUT).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import time
 import torch
 
 from ..kernel_backends.cpu.isa import cpu_isa
-from ..kernel_backends.cpu.packed_linear import BF16_GEMM_LAYOUT, GEMM_LAYOUT, PackedLinear
+from ..kernel_backends.cpu.packed_linear import BF16_GEMM_LAYOUT, GEMM_LAYOUT, LAYOUTS, PackedLinear
 from .common import machine_line
 
 HIDDEN, INTER, QKV, VOCAB, LAYERS = 576, 1536, 960, 49152, 30
@@ -102,6 +104,8 @@ def main() -> None:
     ap.add_argument("--engine", action="store_true", help="whole engine, not linears alone")
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                     help="linears alone: the weights' and inputs' dtype")
+    ap.add_argument("--layouts", nargs="+", choices=LAYOUTS, default=["panels", "onednn"],
+                    help="linears alone: the layouts compared (ratios to the first)")
     args = ap.parse_args()
     if args.engine:
         engine_ab(args.rounds)
@@ -110,23 +114,25 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     name, rules = (("GEMM_LAYOUT", GEMM_LAYOUT) if dtype == torch.float32
                    else ("BF16_GEMM_LAYOUT", BF16_GEMM_LAYOUT))
-    models = {layout: build(layout, dtype) for layout in ("panels", "onednn")}
+    models = {layout: build(layout, dtype) for layout in args.layouts}
     for layers, head in models.values():  # oneDNN builds a primitive per row count
         for rows in args.rows:
             run(layers, head, rows)
     print(machine_line("cpu", args.dtype))
     print(f"SmolLM2 linears x {LAYERS} layers + head, cold weights, best of {args.rounds}; "
           f"{name}[{cpu_isa()!r}] = {rules.get(cpu_isa(), 'onednn (unlisted)')!r}")
-    print("| rows | panels ms | oneDNN ms | oneDNN / panels |")
-    print("|---|---|---|---|")
+    first = args.layouts[0]
+    others = args.layouts[1:]
+    print("| rows | " + " | ".join(f"{lay} ms" for lay in args.layouts)
+          + "".join(f" | {lay} / {first}" for lay in others) + " |")
+    print("|---" * (1 + len(args.layouts) + len(others)) + "|")
     for rows in args.rows:
         best = {layout: float("inf") for layout in models}
         for _ in range(args.rounds):
             for layout, (layers, head) in models.items():
                 best[layout] = min(best[layout], run(layers, head, rows))
-        print(f"| {rows} | {best['panels'] * 1e3:.1f} | {best['onednn'] * 1e3:.1f} | "
-              f"{best['onednn'] / best['panels']:.2f} |")
-
+        print(f"| {rows} | " + " | ".join(f"{best[lay] * 1e3:.1f}" for lay in args.layouts)
+              + "".join(f" | {best[lay] / best[first]:.2f}" for lay in others) + " |")
 
 if __name__ == "__main__":
     main()

@@ -44,17 +44,22 @@ needs_cpu = pytest.mark.skipif(not cpu_backend.available(),
 @needs_cpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("softcap", "window"), [(0.0, 0), (30.0, 0), (0.0, 50)])
-def test_a_positions_attention_is_the_same_bits_in_every_split(dtype, softcap, window):
+@pytest.mark.parametrize(("heads", "kv_heads"), [(4, 2), (9, 3), (7, 1), (8, 8)])
+def test_a_positions_attention_is_the_same_bits_in_every_split(dtype, softcap, window, heads,
+                                                               kv_heads):
     """A sequence of 150 tokens (past two 64-position key chunks), its queries computed as one
     prefill, in chunked-prefill pieces over the cached prefix (17, 1, 64, 2, ...), and one
     token at a time as decodes, beside another sequence: each position's output is the same
-    bits every way (the decode kernel's two-pass softmax was not), and near the oracle."""
+    bits every way (the decode kernel's two-pass softmax was not), and near the oracle. The
+    KV-head groups of 2, 3, 7 and 1 query heads put a row in register tiles of every size
+    (a decode's group is one tile of its own rows, a prefill's rows tiles of six)."""
     from loraplex.kernel_backends.cpu import extension
 
     ext = extension.load()
     total, other = 150, 70
-    k_cache, v_cache, tables = make_paged_cache([total, other], 16, 2, 64, dtype, seed=3)
-    q = torch.randn(total + other, 4, 64, generator=torch.Generator().manual_seed(4)).to(dtype)
+    k_cache, v_cache, tables = make_paged_cache([total, other], 16, kv_heads, 64, dtype, seed=3)
+    q = torch.randn(total + other, heads, 64,
+                    generator=torch.Generator().manual_seed(4)).to(dtype)
     qa, qb = q[:total], q[total:]
     scale = 64**-0.5
     b_then_a = tables[[1, 0]].contiguous()

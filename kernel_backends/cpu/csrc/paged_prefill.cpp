@@ -41,16 +41,20 @@ struct Item {
 };
 
 #if defined(__AVX2__) && defined(__FMA__)
+// The register tile's first R rows (R <= kRows, a template parameter where these are used):
+// the rows past R are declared but never touched, so the compiler drops them. Row r's
+// arithmetic is the same whatever R, so a row's sums do not depend on its tile's size.
 #define LP_ACC_DECLARE LP_TILE_ROWS(LP_TILE_DECLARE)
-#define LP_SIX_ROWS(a, stride, b0, b1)                                  \
-  LP_TILE_FMA(0, _mm256_broadcast_ss(a), b0, b1)                        \
-  LP_TILE_FMA(1, _mm256_broadcast_ss((a) + (stride)), b0, b1)           \
-  LP_TILE_FMA(2, _mm256_broadcast_ss((a) + 2 * (stride)), b0, b1)       \
-  LP_TILE_FMA(3, _mm256_broadcast_ss((a) + 3 * (stride)), b0, b1)       \
-  LP_TILE_FMA(4, _mm256_broadcast_ss((a) + 4 * (stride)), b0, b1)       \
-  LP_TILE_FMA(5, _mm256_broadcast_ss((a) + 5 * (stride)), b0, b1)
-#define LP_STORE_ROW(r) LP_TILE_STORE(r, lp_dst, lp_stride)
-#define LP_STORE_SIX(dst, stride)                 \
+#define LP_IF_ROW(r, ...) \
+  if constexpr (R > r) { __VA_ARGS__ }
+#define LP_FMA_ROW(r, a, stride, b0, b1) \
+  LP_IF_ROW(r, LP_TILE_FMA(r, _mm256_broadcast_ss((a) + r * (stride)), b0, b1))
+#define LP_R_ROWS(a, stride, b0, b1)                                                   \
+  LP_FMA_ROW(0, a, stride, b0, b1) LP_FMA_ROW(1, a, stride, b0, b1)                    \
+  LP_FMA_ROW(2, a, stride, b0, b1) LP_FMA_ROW(3, a, stride, b0, b1)                    \
+  LP_FMA_ROW(4, a, stride, b0, b1) LP_FMA_ROW(5, a, stride, b0, b1)
+#define LP_STORE_ROW(r) LP_IF_ROW(r, LP_TILE_STORE(r, lp_dst, lp_stride))
+#define LP_STORE_R(dst, stride)                   \
   {                                               \
     float* lp_dst = (dst);                        \
     const int64_t lp_stride = (stride);           \
@@ -58,25 +62,26 @@ struct Item {
   }
 #endif
 
-// s[r][j] = Σ_d q[r][d] · kt[d][j] for kRows rows (q rows D apart) and the first `keys`
+// s[r][j] = Σ_d q[r][d] · kt[d][j] for R <= kRows rows (q rows D apart) and the first `keys`
 // keys (keys <= kChunk, a multiple of 16; kt rows and s rows kChunk apart), sixteen keys at
-// a time.
+// a time: each score one FMA chain over d in order, whatever R.
+template <int R>
 void scores_rows(const float* q, const float* kt, int64_t dim, int64_t keys, float* s) {
   int64_t j0 = 0;
 #if defined(__AVX2__) && defined(__FMA__)
-  static_assert(kRows == 6, "the register tile is six rows");
+  static_assert(R >= 1 && R <= kRows, "the register tile is up to six rows");
   for (; j0 < keys; j0 += 16) {
     LP_ACC_DECLARE
     c00 = c01 = c10 = c11 = c20 = c21 = c30 = c31 = c40 = c41 = c50 = c51 = _mm256_setzero_ps();
     for (int64_t d = 0; d < dim; ++d) {
       const __m256 k0 = _mm256_loadu_ps(kt + d * kChunk + j0);
       const __m256 k1 = _mm256_loadu_ps(kt + d * kChunk + j0 + 8);
-      LP_SIX_ROWS(q + d, dim, k0, k1)
+      LP_R_ROWS(q + d, dim, k0, k1)
     }
-    LP_STORE_SIX(s + j0, kChunk)
+    LP_STORE_R(s + j0, kChunk)
   }
 #endif
-  for (int r = 0; r < kRows; ++r)
+  for (int r = 0; r < R; ++r)
     for (int64_t j = j0; j < keys; ++j) {
       float acc = 0.f;
       for (int64_t d = 0; d < dim; ++d) acc += q[r * dim + d] * kt[d * kChunk + j];
@@ -84,33 +89,37 @@ void scores_rows(const float* q, const float* kt, int64_t dim, int64_t keys, flo
     }
 }
 
-// o[r][:] = o[r][:] · alpha[r] + Σ_{j < keys} p[r][j] · v[j][:] for kRows rows (o and v rows
-// D apart, p rows kChunk apart), sixteen columns at a time. The positions j >= keys hold
-// p = 0 in every row (masked), so leaving them out adds nothing that the sum would hold.
-void accumulate_rows(const float* p, const float* v, int64_t dim, int64_t keys,
+// o[r][:] = o[r][:] · alpha[r] + Σ_{j < keys} p[r][j] · v[j][:] for R <= kRows rows (o rows
+// D apart, p rows kChunk apart; v[j] the cached row of the chunk's position j, read in
+// place), sixteen columns at a time. The positions j >= keys hold p = 0 in every row
+// (masked), so leaving them out adds nothing that the sum would hold.
+template <int R, typename scalar_t>
+void accumulate_rows(const float* p, const scalar_t* const* v, int64_t dim, int64_t keys,
                      const float* alpha, float* o) {
   int64_t d0 = 0;
 #if defined(__AVX2__) && defined(__FMA__)
   for (; d0 + 16 <= dim; d0 += 16) {
     float* od = o + d0;
-#define LP_SCALED(r)                                                                  \
-  c##r##0 = _mm256_mul_ps(_mm256_set1_ps(alpha[r]), _mm256_loadu_ps(od + r * dim));     \
-  c##r##1 = _mm256_mul_ps(_mm256_set1_ps(alpha[r]), _mm256_loadu_ps(od + r * dim + 8));
+#define LP_SCALED(r)                                                                     \
+  LP_IF_ROW(r, c##r##0 = _mm256_mul_ps(_mm256_set1_ps(alpha[r]), _mm256_loadu_ps(od + r * dim)); \
+            c##r##1 = _mm256_mul_ps(_mm256_set1_ps(alpha[r]), _mm256_loadu_ps(od + r * dim + 8));)
     LP_ACC_DECLARE
+    c00 = c01 = c10 = c11 = c20 = c21 = c30 = c31 = c40 = c41 = c50 = c51 = _mm256_setzero_ps();
     LP_SCALED(0) LP_SCALED(1) LP_SCALED(2) LP_SCALED(3) LP_SCALED(4) LP_SCALED(5)
 #undef LP_SCALED
     for (int64_t j = 0; j < keys; ++j) {
-      const __m256 v0 = _mm256_loadu_ps(v + j * dim + d0);
-      const __m256 v1 = _mm256_loadu_ps(v + j * dim + d0 + 8);
-      LP_SIX_ROWS(p + j, kChunk, v0, v1)
+      const __m256 v0 = load8(v[j] + d0);
+      const __m256 v1 = load8(v[j] + d0 + 8);
+      LP_R_ROWS(p + j, kChunk, v0, v1)
     }
-    LP_STORE_SIX(od, dim)
+    LP_STORE_R(od, dim)
   }
 #endif
-  for (int r = 0; r < kRows; ++r)
+  for (int r = 0; r < R; ++r)
     for (int64_t d = d0; d < dim; ++d) {
       float acc = o[r * dim + d] * alpha[r];
-      for (int64_t j = 0; j < keys; ++j) acc += p[r * kChunk + j] * v[j * dim + d];
+      for (int64_t j = 0; j < keys; ++j)
+        acc += p[r * kChunk + j] * static_cast<float>(v[j][d]);
       o[r * dim + d] = acc;
     }
 }
@@ -119,40 +128,39 @@ void accumulate_rows(const float* p, const float* v, int64_t dim, int64_t keys,
 // The storage is the thread's own and kept from call to call (it only grows), so a call
 // neither allocates it nor faults its pages in.
 struct Buffers {
-  float *q, *o, *s, *kt, *v, *m, *l, *alpha;
+  float *q, *o, *s, *kt, *m, *l, *alpha;
   Buffers(int64_t rows, int64_t dim) {
     thread_local std::vector<float> storage;
-    const int64_t sizes[] = {rows * dim, rows * dim, rows * kChunk, dim * kChunk, kChunk * dim,
-                             rows, rows, rows};
+    const int64_t sizes[] = {rows * dim, rows * dim, rows * kChunk, dim * kChunk, rows, rows,
+                             rows};
     int64_t total = 16;
     for (int64_t n : sizes) total += (n + 15) / 16 * 16;
     if (static_cast<int64_t>(storage.size()) < total) storage.resize(total);
     float* next = reinterpret_cast<float*>(
         (reinterpret_cast<uintptr_t>(storage.data()) + 63) & ~uintptr_t(63));
-    float** slots[] = {&q, &o, &s, &kt, &v, &m, &l, &alpha};
-    for (int i = 0; i < 8; ++i) {
+    float** slots[] = {&q, &o, &s, &kt, &m, &l, &alpha};
+    for (int i = 0; i < 7; ++i) {
       *slots[i] = next;
       next += (sizes[i] + 15) / 16 * 16;
     }
   }
 };
 
-// The chunk's keys (transposed: kt[d][j]) and values (v[j][:]) for the positions
-// p0 + j <= last_pos, read in place through the block table. Columns past last_pos keep
-// whatever an earlier chunk left there: their scores are replaced by -inf (softmax_rows'
-// blend, not arithmetic, so even NaN there changes nothing) and their V rows never read.
+// The chunk's keys (transposed: kt[d][j]) and value rows (v[j], pointers into the cache)
+// for the positions p0 + j <= last_pos, read in place through the block table. Columns
+// past last_pos keep whatever an earlier chunk left there: their scores are replaced by
+// -inf (softmax_rows' blend, not arithmetic, so even NaN there changes nothing) and their V
+// rows never read.
 template <typename scalar_t>
 void load_chunk(const scalar_t* k_base, const scalar_t* v_base, const int32_t* table, int64_t bs,
                 int64_t blk_stride, int64_t row_stride, int64_t p0, int64_t last_pos,
-                int64_t dim, Buffers& b) {
+                int64_t dim, float* kt, const scalar_t** v) {
   const int64_t n = std::min(kChunk, last_pos + 1 - p0);
   const scalar_t* rows[kChunk];
   for (int64_t j = 0; j < n; ++j) {
     const int64_t pos = p0 + j;
     rows[j] = k_base + table[pos / bs] * blk_stride + (pos % bs) * row_stride;
-    const scalar_t* vsrc = v_base + (rows[j] - k_base);
-    float* vj = b.v + j * dim;
-    for (int64_t d = 0; d < dim; ++d) vj[d] = static_cast<float>(vsrc[d]);
+    v[j] = v_base + (rows[j] - k_base);
   }
   int64_t j0 = 0;
 #if defined(__AVX2__) && defined(__FMA__)
@@ -163,62 +171,94 @@ void load_chunk(const scalar_t* k_base, const scalar_t* v_base, const int32_t* t
           __m256 sq[8];
           for (int i = 0; i < 8; ++i) sq[i] = load8(rows[j0 + i] + d0);
           transpose8(sq);
-          for (int i = 0; i < 8; ++i) _mm256_storeu_ps(b.kt + (d0 + i) * kChunk + j0, sq[i]);
+          for (int i = 0; i < 8; ++i) _mm256_storeu_ps(kt + (d0 + i) * kChunk + j0, sq[i]);
         }
   }
 #endif
   for (int64_t j = j0; j < n; ++j)
-    for (int64_t d = 0; d < dim; ++d) b.kt[d * kChunk + j] = static_cast<float>(rows[j][d]);
+    for (int64_t d = 0; d < dim; ++d) kt[d * kChunk + j] = static_cast<float>(rows[j][d]);
 }
 
+// The chunk a register tile reads: its keys (transposed) and value rows from position p0,
+// and the item's head_dim, soft-cap and window.
+template <typename scalar_t>
+struct ChunkTile {
+  const float* kt;
+  const scalar_t* const* v;
+  int64_t p0, dim;
+  float softcap;
+  int64_t window;
+};
+
+// One chunk for R rows (a register tile) at positions pos[0..R): scores, mask, online
+// softmax, P·V. keys: the positions p0 .. p0 + keys - 1 the tile reads (up to its last
+// row's position). Row i's arithmetic depends only on its own q, position and the chunk.
+template <int R, typename scalar_t>
+void chunk_rows(const ChunkTile<scalar_t>& c, const int64_t* pos, int64_t keys, float* q,
+                float* s, float* m, float* l, float* alpha, float* o) {
+  const int64_t width = (keys + 7) / 8 * 8;
+  scores_rows<R>(q, c.kt, c.dim, (keys + 15) / 16 * 16, s);
+  int64_t vis_lo[R], vis_hi[R];  // row i sees positions p0 + [lo, hi)
+  for (int64_t i = 0; i < R; ++i) {
+    float* row = s + i * kChunk;
+    if (c.softcap > 0)
+      for (int64_t j = 0; j < width; ++j) row[j] = std::tanh(row[j] / c.softcap) * c.softcap;
+    // visible: p0 + j <= pos (causal), and p0 + j > pos - window with a window
+    vis_hi[i] = std::clamp<int64_t>(pos[i] + 1 - c.p0, 0, width);
+    vis_lo[i] = c.window > 0 ? std::clamp<int64_t>(pos[i] - c.window + 1 - c.p0, 0, width) : 0;
+  }
+  softmax_rows<R, kChunk>(s, width, vis_lo, vis_hi, m, l, alpha);
+  accumulate_rows<R>(s, c.v, c.dim, keys, alpha, o);
+}
+
+// A work item's rows in register tiles of kRows, the last one of rows % kRows (no pad
+// rows: a decode's KV-head group of 2-5 query heads is one tile of its own size).
 template <typename scalar_t>
 void tile_attention(const Item& it, const torch::Tensor& q, const torch::Tensor& k_cache,
                     const torch::Tensor& v_cache, const int32_t* table, int64_t first_pos,
                     double scale, float softcap, int64_t window, Buffers& b,
                     torch::Tensor& out) {
   const int64_t num_heads = q.size(1), dim = q.size(2), group = num_heads / k_cache.size(2);
-  const int64_t rows = (it.t1 - it.t0) * group, padded = (rows + kRows - 1) / kRows * kRows;
+  const int64_t rows = (it.t1 - it.t0) * group;
   const int64_t q_token = q.stride(0), q_head = q.stride(1);  // q rows may be strided
   const scalar_t* q_p = q.data_ptr<scalar_t>();
-  std::fill(b.q, b.q + padded * dim, 0.f);  // pad rows: zero queries, results dropped
   for (int64_t r = 0; r < rows; ++r) {  // row r = (token t0 + r / group, head r % group)
     const scalar_t* src =
         q_p + (it.t0 + r / group) * q_token + (it.kv_head * group + r % group) * q_head;
     for (int64_t d = 0; d < dim; ++d)
       b.q[r * dim + d] = static_cast<float>(src[d]) * static_cast<float>(scale);
   }
-  std::fill(b.o, b.o + padded * dim, 0.f);
-  std::fill(b.m, b.m + padded, kNegInf);
-  std::fill(b.l, b.l + padded, 0.f);
+  std::fill(b.o, b.o + rows * dim, 0.f);
+  std::fill(b.m, b.m + rows, kNegInf);
+  std::fill(b.l, b.l + rows, 0.f);
   const scalar_t* k_base = k_cache.data_ptr<scalar_t>() + it.kv_head * k_cache.stride(2);
   const scalar_t* v_base = v_cache.data_ptr<scalar_t>() + it.kv_head * v_cache.stride(2);
+  const scalar_t* v_rows[kChunk];
   const int64_t last_pos = first_pos + it.t1 - 1;  // the tile's last token's position
   // the tile's first token's window starts the positions read (whole chunks from there)
   const int64_t lo = window > 0 ? std::max<int64_t>(0, first_pos + it.t0 - window + 1) : 0;
   for (int64_t p0 = lo / kChunk * kChunk; p0 <= last_pos; p0 += kChunk) {
     load_chunk(k_base, v_base, table, k_cache.size(1), k_cache.stride(0), k_cache.stride(1),
-               p0, last_pos, dim, b);
-    for (int64_t r0 = 0; r0 < padded; r0 += kRows) {
-      // the register tile's keys: up to its last token's position (causal); a tile that sees
+               p0, last_pos, dim, b.kt, v_rows);
+    const ChunkTile<scalar_t> chunk{b.kt, v_rows, p0, dim, softcap, window};
+    for (int64_t r0 = 0; r0 < rows; r0 += kRows) {
+      const int64_t n = std::min(kRows, rows - r0);
+      int64_t pos[kRows];  // row r0 + i's token's position
+      for (int64_t i = 0; i < n; ++i) pos[i] = first_pos + it.t0 + (r0 + i) / group;
+      // the register tile's keys: up to its last row's position (causal); a tile that sees
       // none of this chunk's positions is left as it is (its rows would add 0, scale by 1)
-      const int64_t keys = std::min(
-          kChunk, first_pos + it.t0 + (std::min(r0 + kRows, rows) - 1) / group + 1 - p0);
+      const int64_t keys = std::min(kChunk, pos[n - 1] + 1 - p0);
       if (keys <= 0) continue;
-      const int64_t width = (keys + 7) / 8 * 8;
-      float* s = b.s + r0 * kChunk;
-      scores_rows(b.q + r0 * dim, b.kt, dim, (keys + 15) / 16 * 16, s);
-      int64_t vis_lo[kRows], vis_hi[kRows];  // row r0 + i sees positions p0 + [lo, hi)
-      for (int64_t i = 0; i < kRows; ++i) {
-        const int64_t pos = first_pos + it.t0 + std::min(r0 + i, rows - 1) / group;
-        float* row = s + i * kChunk;
-        if (softcap > 0)
-          for (int64_t j = 0; j < width; ++j) row[j] = std::tanh(row[j] / softcap) * softcap;
-        // visible: p0 + j <= pos (causal), and p0 + j > pos - window with a window
-        vis_hi[i] = std::clamp<int64_t>(pos + 1 - p0, 0, width);
-        vis_lo[i] = window > 0 ? std::clamp<int64_t>(pos - window + 1 - p0, 0, width) : 0;
+      float *q_r = b.q + r0 * dim, *s = b.s + r0 * kChunk, *o = b.o + r0 * dim;
+      float *m = b.m + r0, *l = b.l + r0, *alpha = b.alpha + r0;
+      switch (n) {
+        case 6: chunk_rows<6>(chunk, pos, keys, q_r, s, m, l, alpha, o); break;
+        case 5: chunk_rows<5>(chunk, pos, keys, q_r, s, m, l, alpha, o); break;
+        case 4: chunk_rows<4>(chunk, pos, keys, q_r, s, m, l, alpha, o); break;
+        case 3: chunk_rows<3>(chunk, pos, keys, q_r, s, m, l, alpha, o); break;
+        case 2: chunk_rows<2>(chunk, pos, keys, q_r, s, m, l, alpha, o); break;
+        default: chunk_rows<1>(chunk, pos, keys, q_r, s, m, l, alpha, o); break;
       }
-      softmax_rows<kRows, kChunk>(s, width, vis_lo, vis_hi, b.m + r0, b.l + r0, b.alpha + r0);
-      accumulate_rows(s, b.v, dim, keys, b.alpha + r0, b.o + r0 * dim);
     }
   }
   scalar_t* out_p = out.data_ptr<scalar_t>();
