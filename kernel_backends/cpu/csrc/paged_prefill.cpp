@@ -7,8 +7,8 @@
 // tokens), or with window > 0 the last `window` of them (positions p - window + 1 ..= p).
 // Scores are soft-capped (softcap · tanh(s / softcap)) when softcap > 0. A work item is (sequence, KV head, tile of up to kTile tokens): its rows are the
 // tile's tokens × the KV head's query heads, which all read the same K/V chunk; per chunk
-// S = Q·Kᵀ and O += P·V run as 6 x 16 register tiles (tile_6x16.h: every K or V vector
-// loaded once for six rows). Positions past a tile's last token are never read.
+// S = Q·Kᵀ and O += P·V run as 6 x 16 register tiles and one tile of the rest, 1-5 rows
+// (tile_6x16.h: every K or V vector loaded once for the tile's rows). Positions past a tile's last token are never read.
 //
 // Batch invariance: a query row's result is a function of its own query and its context
 // only. The key chunks sit at absolute positions (multiples of kChunk from 0), whatever the
