@@ -39,7 +39,6 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -80,19 +79,10 @@ def ratio(ours: float, baseline: float) -> float:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    from .llamacpp_models import add_file_args
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    tree = os.environ.get("LLAMA_CPP")
-    ap.add_argument("--llama-cpp", type=Path, required=tree is None, default=tree,
-                    help="llama.cpp tree, built (default $LLAMA_CPP)")
-    ap.add_argument("--convert-python", default=os.environ.get("LLAMA_CPP_PYTHON",
-                                                               sys.executable),
-                    help="the interpreter for llama.cpp's converters (needs sentencepiece; "
-                         "default $LLAMA_CPP_PYTHON, else this one)")
-    ap.add_argument("--work", type=Path, default=os.environ.get(
-                        "LORAPLEX_LLAMACPP_WORK",
-                        Path(tempfile.gettempdir()) / "loraplex-llamacpp"),
-                    help="where the model and its files are kept "
-                         "(default $LORAPLEX_LLAMACPP_WORK)")
+    add_file_args(ap)
     ap.add_argument("--dtype", default="auto",
                     help="loraplex's --dtype (auto: the engine's rule for each model)")
     ap.add_argument("--quant", default="Q4_K_M", choices=("Q8_0", "Q4_K_M"),
@@ -103,8 +93,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--single-new-tokens", type=int, default=128, help="tg of llama-bench")
-    ap.add_argument("--adapters", type=int, default=8)
-    ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--both-orders", action="store_true",
                     help="measure the baseline again after loraplex")
     ap.add_argument("--json", type=Path, help="write the rows and the machine here")

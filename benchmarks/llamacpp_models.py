@@ -14,10 +14,12 @@ flags and environment variables: LLAMA_CPP, LLAMA_CPP_PYTHON, LORAPLEX_LLAMACPP_
 
 from __future__ import annotations
 
+import argparse
 import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -136,10 +138,29 @@ def ensure_adapters(model_dir: Path, root: Path, n: int, rank: int) -> dict[str,
     return paths
 
 
-def main(argv: list[str] | None = None) -> None:
-    from .llamacpp_compare import parse_args
+def add_file_args(ap: argparse.ArgumentParser) -> None:
+    """The flags that say where llama.cpp and the files are, and which adapters to make
+    (llamacpp_compare's too)."""
+    tree = os.environ.get("LLAMA_CPP")
+    ap.add_argument("--llama-cpp", type=Path, required=tree is None, default=tree,
+                    help="llama.cpp tree, built (default $LLAMA_CPP)")
+    ap.add_argument("--convert-python", default=os.environ.get("LLAMA_CPP_PYTHON",
+                                                               sys.executable),
+                    help="the interpreter for llama.cpp's converters (needs sentencepiece; "
+                         "default $LLAMA_CPP_PYTHON, else this one)")
+    ap.add_argument("--work", type=Path, default=os.environ.get(
+                        "LORAPLEX_LLAMACPP_WORK",
+                        Path(tempfile.gettempdir()) / "loraplex-llamacpp"),
+                    help="where the model and its files are kept "
+                         "(default $LORAPLEX_LLAMACPP_WORK)")
+    ap.add_argument("--adapters", type=int, default=8)
+    ap.add_argument("--rank", type=int, default=16)
 
-    args = parse_args(argv)
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_file_args(ap)
+    args, _ = ap.parse_known_args(argv)  # llamacpp_compare's other flags are accepted
     args.work.mkdir(parents=True, exist_ok=True)
     files = ensure_files(args.work, LlamaCppTools(args.llama_cpp, args.convert_python),
                          args.adapters, args.rank)

@@ -6,9 +6,18 @@ TRITON_INTERPRET must be set before any ``@triton.jit`` definition is imported.
 from __future__ import annotations
 
 import os
+import platform
+import sys
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The Triton interpreter's tl.dot is numpy's matmul (OpenBLAS). OpenBLAS's Haswell/Zen sgemm
+# kernels give a row different bits by its place in the block (edge rows take another micro-
+# kernel), unlike a GPU's MMA tiles; the batch-invariance tests of the Triton kernels would
+# test OpenBLAS then. Its AVX (Sandybridge) kernels treat every row alike: pinned here, before
+# numpy is loaded (torch's own GEMMs do not use it).
+if platform.machine() in ("x86_64", "AMD64") and "numpy" not in sys.modules:
+    os.environ.setdefault("OPENBLAS_CORETYPE", "Sandybridge")
 
 import json
 import shutil
