@@ -30,7 +30,7 @@ serve: kernels
 	$(VENV)/bin/loraplex serve --host $(HOST) --port $(PORT) --http-port $(HTTP_PORT) $(SERVE_ARGS)
 
 test: kernels
-	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "not slow" --durations=30 $(PYTEST_ARGS)
 
 # the serving benchmark with its baselines (~15 min on 2 cores): benchmarks/results/<date>.{json,md,png}
 bench: kernels
