@@ -21,12 +21,15 @@ Invariants:
 - ``size`` is max(len(tokenizer), base vocab_size): the rows of the adapter's embedding and
   head tables, and the logits' width on its rows; ids >= the base's vocab_size are the
   added tokens, and ``check_covered`` requires the adapter to hold their embedding AND head
-  rows (PEFT would otherwise serve the random rows of a resize that were never saved).
+  rows (PEFT would otherwise serve the random rows of a resize that were never saved);
+- no tokenizer file over ``MAX_TOKENIZER_FILE_BYTES`` is read (its size is checked on the
+  open descriptor first), so the parse's time and memory are bounded.
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
 import tempfile
 import threading
 from collections import OrderedDict
@@ -34,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .adapter_files import AdapterFiles, MissingFile, read_all
+from .adapter_files import AdapterFiles, MissingFile
 from .peft_checks import AdapterError
 
 # what ``save_pretrained`` of a tokenizer writes (any of them may be absent)
@@ -43,6 +46,9 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "tokenizer.model", "vocab.json", "merges.txt")
 MARKERS = ("tokenizer.json", "tokenizer_config.json")  # a directory with one has a tokenizer
 _KEEP = 16  # tokenizers held by content (each shared by every adapter that has it)
+# The most bytes one tokenizer file may hold: well above real ones (Llama 3's tokenizer.json
+# is 9 MB, Gemma 3's 33 MB), so a file a client chose is never read or parsed past it.
+MAX_TOKENIZER_FILE_BYTES = 64 << 20
 
 
 @dataclass(frozen=True, eq=False)
@@ -96,14 +102,25 @@ def adapter_vocabulary(files: AdapterFiles, base_tokenizer: Any | None, base_siz
 
 
 def _tokenizer_files(files: AdapterFiles) -> dict[str, bytes]:
+    """The tokenizer files present, each read whole after its size was checked."""
     raw = {}
     for name in TOKENIZER_FILES:
         try:
             with files.open(name) as f:
-                raw[name] = read_all(f)
+                _check_size(os.fstat(f.fileno()).st_size, files.label(name))
+                f.seek(0)
+                raw[name] = f.read(MAX_TOKENIZER_FILE_BYTES + 1)  # it may grow meanwhile
+                _check_size(len(raw[name]), files.label(name))
         except MissingFile:
             continue
     return raw
+
+
+def _check_size(size: int, where: str) -> None:
+    if size > MAX_TOKENIZER_FILE_BYTES:
+        raise AdapterError(
+            f"{where} is {size} bytes, over the {MAX_TOKENIZER_FILE_BYTES} bytes (64 MiB) "
+            "an adapter's tokenizer file may hold")
 
 
 def _digest(raw: dict[str, bytes]) -> str:

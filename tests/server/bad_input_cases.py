@@ -10,6 +10,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from loraplex.lora.adapter_vocab import MAX_TOKENIZER_FILE_BYTES
+
 from tests.server.broken_adapters import CONFIG, WEIGHTS
 
 ALIAS = "tiny-base"
@@ -240,6 +242,9 @@ LOAD_CASES = [
          path="@head-other-vocab"),
     load("adapter-tokenizer-moves-base-ids", INVALID,
          "its tokenizer does not extend the base model's", path="@tokenizer-moves-base-ids"),
+    load("adapter-tokenizer-too-large", INVALID,
+         f"tokenizer.json is {MAX_TOKENIZER_FILE_BYTES + 1} bytes, over the "
+         f"{MAX_TOKENIZER_FILE_BYTES} bytes (64 MiB)", path="@tokenizer-too-large"),
     load("adapter-tokenizer-other-table", INVALID,
          "its vocabulary of 388 tokens differs from its tokenizer's 386",
          path="@tokenizer-other-table"),
@@ -435,6 +440,9 @@ HTTP_CASES = [
              "outside the adapter roots"),
     HttpCase("load-broken", "/v1/load_lora_adapter",
              {"lora_name": "new", "lora_path": "@nan"}, 400, "NaN or Inf"),
+    HttpCase("load-tokenizer-too-large", "/v1/load_lora_adapter",
+             {"lora_name": "new", "lora_path": "@tokenizer-too-large"}, 400,
+             f"tokenizer.json is {MAX_TOKENIZER_FILE_BYTES + 1} bytes"),
     HttpCase("load-missing-field", "/v1/load_lora_adapter", {"lora_name": "new"}, 400,
              "lora_path"),
     HttpCase("unload-unknown", "/v1/unload_lora_adapter", {"lora_name": "nope"}, 404,

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from loraplex.lora.adapter_vocab import MAX_TOKENIZER_FILE_BYTES
 from safetensors.torch import load_file
 
 from tests.adapter_dirs import edit_config, edit_tensors
@@ -94,6 +95,12 @@ def _head_of_vocab(rows: int) -> Callable[[dict[str, torch.Tensor]], None]:
     return edit
 
 
+def _sparse(path: Path, size: int) -> None:
+    """A file of ``size`` bytes that takes no disk (a hole): only its size is real."""
+    with path.open("wb") as f:
+        f.truncate(size)
+
+
 def _with_tokenizer(d: Path, added: list[str], swap: bool = False) -> None:
     """Its base's tokenizer saved in the adapter dir with ``added`` tokens (an adapter that
     brings its own tokenizer); ``swap``: two base tokens exchange their ids."""
@@ -115,6 +122,8 @@ BROKEN.update({
     "head-other-vocab": lambda d, x: (edit_config(d, modules_to_save=["lm_head"]),
                                       edit_tensors(d, _head_of_vocab(388))),
     "tokenizer-moves-base-ids": lambda d, x: _with_tokenizer(d, [], swap=True),
+    "tokenizer-too-large": lambda d, x: _sparse(d / "tokenizer.json",
+                                                MAX_TOKENIZER_FILE_BYTES + 1),
     "tokenizer-other-table": lambda d, x: (edit_config(d, modules_to_save=["lm_head"]),
                                            edit_tensors(d, _head_of_vocab(388)),
                                            _with_tokenizer(d, ["<|a|>", "<|b|>"])),
