@@ -69,9 +69,9 @@ class BlockManager:
     def _chain(self, seq: Sequence, num_full_blocks: int) -> list[bytes]:
         hashes = self.seq_hashes.setdefault(seq.seq_id, [])
         bs = self.block_size
-        scale = seq.params.lora_scale if seq.lora_id else 1.0
-        # scale 0, an aLoRA never invoked (lora_id 0): the base model's KV throughout
-        adapter_id = seq.lora_id if scale else 0
+        # lora_id 0 (scale 0, an aLoRA never invoked): the base model's KV throughout
+        adapter_id = seq.lora_id
+        scale = seq.params.lora_scale if adapter_id else 1.0
         start, base = seq.adapter_start, seq.base_prefix
         while len(hashes) < num_full_blocks:
             i = len(hashes)

@@ -78,8 +78,8 @@ class EngineAdapters:
     def bind_sequence(self, seq: Sequence) -> None:
         """Engine thread, as ``seq`` (on an adapter) is added: the load it runs on (a load
         in place since the request was checked moves it there, with that load's invocation)
-        and its request counted; an aLoRA never invoked (``seq.lora_id`` 0) reads nothing
-        and takes no slot."""
+        and its request counted; one at lora_scale 0 or an aLoRA never invoked
+        (``seq.lora_id`` 0) reads nothing and takes no slot."""
         adapter = self.lora.bind(seq.adapter_id, seq.adapter_name or "")
         if adapter.adapter_id != seq.adapter_id:
             seq.adapter_start = activation_start(seq.prompt_token_ids,

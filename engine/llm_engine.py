@@ -182,8 +182,9 @@ class LLMEngine(EngineAdapters):
     def prefetch_adapter(self, request: EngineRequest) -> None:
         """Any thread: start reading a checked request's adapter from disk ahead of it,
         while it is on its way to the engine thread (``AdapterCache.prefetch``); no-op for
-        the base model and an aLoRA never invoked."""
-        if self.needs_adapter(request.adapter_id, request.adapter_start):
+        the base model, lora_scale 0 and an aLoRA never invoked."""
+        if request.params.lora_scale and self.needs_adapter(request.adapter_id,
+                                                            request.adapter_start):
             self.lora.prefetch(request.adapter_name)  # type: ignore[arg-type]
 
     def unknown_adapter(self, name: str) -> AdapterNotFoundError:

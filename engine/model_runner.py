@@ -181,8 +181,8 @@ class ModelRunner:
             bt, bs = seq.block_table, self.block_size
             slots += [bt[p // bs] * bs + p % bs for p in range(c, c + n)]
             scale = seq.params.lora_scale
-            # scale 0 takes the base path: exactly the base model's output
-            slot = adapter_slots[seq.lora_id] if seq.lora_id and scale else -1
+            # lora_id 0 (scale 0 among them) takes the base path: exactly the base model's
+            slot = adapter_slots[seq.lora_id] if seq.lora_id else -1
             token_slots += _token_slots(slot, seq.adapter_start, c, n)
             token_scales += [scale] * n
             group = self._rows_group(with_rows, seq, adapter_slots)
@@ -211,7 +211,7 @@ class ModelRunner:
         """The group of ``seq``'s adapter if it has its own token rows (None: the base's
         rows; lora_scale 0 is the base model, rows included, as the prefix cache keys it)."""
         adapter_id = seq.lora_id  # 0: no adapter on the device (the base's rows)
-        if not adapter_id or not seq.params.lora_scale:
+        if not adapter_id:
             return None
         if adapter_id not in groups:
             rows = self.rows_of(adapter_id)
@@ -234,9 +234,8 @@ class ModelRunner:
         pending = self.grammar_bitmask.start(_matchers(seqs))  # forks included
         hidden = self.model(self.meta.input_ids, self.meta.positions)
         for seq, row, first, count in inputs.prompt_lp:
-            self._prompt_logprobs(hidden, seq, row, first, count,  # scale 0: the base's
-                                  inputs.head_rows.get(seq.lora_id)
-                                  if seq.params.lora_scale else None)
+            self._prompt_logprobs(hidden, seq, row, first, count,  # lora_id 0: the base's
+                                  inputs.head_rows.get(seq.lora_id))
         if not inputs.sample_rows:
             return [], SamplerOutput([], [])
         n = len(inputs.sample_rows)

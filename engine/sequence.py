@@ -96,10 +96,14 @@ class Sequence:
     @property
     def lora_id(self) -> int:
         """The adapter whose weights must be in a device slot for this sequence: its
-        adapter_id, or 0 (none) for the base model and for an activated LoRA never invoked
-        (activation.NEVER, no token rows of its own), which runs the base model throughout
-        and is scheduled and cached as a base request (it still reports its adapter)."""
-        return 0 if self.base_prefix == NEVER else self.adapter_id
+        adapter_id, or 0 (none) for the base model, for a request at lora_scale 0 (the
+        base model exactly, its adapter's token rows included) and for an activated LoRA
+        never invoked (activation.NEVER, no token rows of its own): those run the base
+        model throughout and are scheduled and cached as base requests (they still report
+        their adapter)."""
+        if self.base_prefix == NEVER or not self.params.lora_scale:
+            return 0
+        return self.adapter_id
 
     @property
     def seats(self) -> int:

@@ -17,7 +17,7 @@ from peft import PeftModel
 from peft.tuners.lora import LoraLayer
 from transformers import AutoModelForCausalLM
 
-from tests.conftest import ALL_TARGETS, make_adapter
+from tests.conftest import ALL_TARGETS, greedy_logprobs, make_adapter
 
 NEW = 8
 SPECS = {"all8": {"r": 8, "target_modules": ALL_TARGETS},
@@ -104,6 +104,38 @@ def test_scale_zero_is_the_base_model_exactly(tiny_llama, adapters, kernels, mon
                             adapters=[None] * len(PROMPTS))
     for zero, base in zip(zeros, bases):
         assert (zero.token_ids, zero.logprobs) == (base.token_ids, base.logprobs)
+
+
+def test_scale_zero_takes_no_slot_while_another_adapter_holds_it(tiny_llama, adapters):
+    """max_loras=1, another adapter running in the slot: a scale-0 request starts at once
+    beside it, evicting nothing and reading nothing; its tokens and logprobs are the base
+    model's (transformers'), and it reports its adapter."""
+    engine = LLMEngine(model=tiny_llama, dtype="float32", max_loras=1, max_lora_rank=16,
+                       max_model_len=128, block_size=4, debug_checks=True,
+                       lora_modules={n: str(p) for n, p in adapters.items()})
+    zero = engine.lora.names["all8"]
+    long = SamplingParams(temperature=0.0, max_new_tokens=3 * NEW, min_new_tokens=3 * NEW)
+    busy = engine.add_request(PROMPTS[1], long, "rs8")
+    while busy not in {s.request_id for s in engine.scheduler.running}:
+        engine.step()  # its read from disk on a loader thread, then its slot
+    counts = engine.lora.counts
+    zero_id = engine.add_request(PROMPTS[0], greedy(0.0, 1), "all8")
+    engine.step()  # admitted in the step it arrives: no wait for the slot
+    running = {s.request_id: s for s in engine.scheduler.running}
+    assert zero_id in running and busy in running
+    assert running[zero_id].lora_id == 0 and running[zero_id].adapter_id == zero.adapter_id
+    outs = {}
+    while engine.has_unfinished_requests():
+        outs |= {out.request_id: out for out in engine.step() if out.finished}
+        assert not engine.lora.on_device(zero.adapter_id)  # never placed, never read
+        assert engine.lora.host.weights(zero) is None
+    assert engine.lora.counts - counts == {}  # no device load, no lookup, no eviction
+    base = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    tokens, logprobs = greedy_logprobs(base, PROMPTS[0], NEW)
+    assert outs[zero_id].token_ids == tokens and outs[zero_id].adapter == "all8"
+    assert [lp.logprob for lp in outs[zero_id].logprobs] == pytest.approx(logprobs, abs=2e-3)
+    assert engine.lora.slots_in_use == 0 and engine.block_manager.num_used_blocks == 0
+    engine.check()
 
 
 def test_prefix_cache_keys_blocks_by_scale(tiny_llama, adapters):
