@@ -332,7 +332,7 @@ class GetServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetServerInfoResponse(_message.Message):
-    __slots__ = ("version", "model", "served_model_name", "dtype", "device", "max_model_len", "kv_cache_tokens", "block_size", "max_num_seqs", "max_queue", "max_num_batched_tokens", "max_loras", "max_lora_rank", "max_cpu_loras", "kv_cache_memory", "gpu_memory_utilization", "vocab_size", "api_token_required", "admin_token_required", "tls", "adapter_roots", "status", "max_loras_setting", "lora_memory", "lora_capacity", "lora_memory_committed", "kv_cache_bytes", "kv_cache_committed", "weights_format", "weights_bits", "weights_bytes")
+    __slots__ = ("version", "model", "served_model_name", "dtype", "device", "max_model_len", "kv_cache_tokens", "block_size", "max_num_seqs", "max_queue", "max_num_batched_tokens", "max_loras", "max_lora_rank", "max_cpu_loras", "kv_cache_memory", "gpu_memory_utilization", "vocab_size", "api_token_required", "admin_token_required", "tls", "adapter_roots", "status", "max_loras_setting", "lora_memory", "lora_capacity", "lora_memory_committed", "kv_cache_bytes", "kv_cache_committed", "weights_format", "weights_bits", "weights_bytes", "lora_extras_memory", "lora_extras_used")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     SERVED_MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
@@ -364,6 +364,8 @@ class GetServerInfoResponse(_message.Message):
     WEIGHTS_FORMAT_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_BITS_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LORA_EXTRAS_MEMORY_FIELD_NUMBER: _ClassVar[int]
+    LORA_EXTRAS_USED_FIELD_NUMBER: _ClassVar[int]
     version: str
     model: str
     served_model_name: str
@@ -395,7 +397,9 @@ class GetServerInfoResponse(_message.Message):
     weights_format: str
     weights_bits: float
     weights_bytes: int
-    def __init__(self, version: _Optional[str] = ..., model: _Optional[str] = ..., served_model_name: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., max_model_len: _Optional[int] = ..., kv_cache_tokens: _Optional[int] = ..., block_size: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_queue: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., max_loras: _Optional[int] = ..., max_lora_rank: _Optional[int] = ..., max_cpu_loras: _Optional[int] = ..., kv_cache_memory: _Optional[int] = ..., gpu_memory_utilization: _Optional[float] = ..., vocab_size: _Optional[int] = ..., api_token_required: _Optional[bool] = ..., admin_token_required: _Optional[bool] = ..., tls: _Optional[bool] = ..., adapter_roots: _Optional[_Iterable[str]] = ..., status: _Optional[str] = ..., max_loras_setting: _Optional[str] = ..., lora_memory: _Optional[int] = ..., lora_capacity: _Optional[str] = ..., lora_memory_committed: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., kv_cache_committed: _Optional[int] = ..., weights_format: _Optional[str] = ..., weights_bits: _Optional[float] = ..., weights_bytes: _Optional[int] = ...) -> None: ...
+    lora_extras_memory: int
+    lora_extras_used: int
+    def __init__(self, version: _Optional[str] = ..., model: _Optional[str] = ..., served_model_name: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., max_model_len: _Optional[int] = ..., kv_cache_tokens: _Optional[int] = ..., block_size: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_queue: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., max_loras: _Optional[int] = ..., max_lora_rank: _Optional[int] = ..., max_cpu_loras: _Optional[int] = ..., kv_cache_memory: _Optional[int] = ..., gpu_memory_utilization: _Optional[float] = ..., vocab_size: _Optional[int] = ..., api_token_required: _Optional[bool] = ..., admin_token_required: _Optional[bool] = ..., tls: _Optional[bool] = ..., adapter_roots: _Optional[_Iterable[str]] = ..., status: _Optional[str] = ..., max_loras_setting: _Optional[str] = ..., lora_memory: _Optional[int] = ..., lora_capacity: _Optional[str] = ..., lora_memory_committed: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., kv_cache_committed: _Optional[int] = ..., weights_format: _Optional[str] = ..., weights_bits: _Optional[float] = ..., weights_bytes: _Optional[int] = ..., lora_extras_memory: _Optional[int] = ..., lora_extras_used: _Optional[int] = ...) -> None: ...
 
 class GetStatsRequest(_message.Message):
     __slots__ = ()

@@ -36,6 +36,7 @@ def describe(engine: LLMEngine, options: ServerOptions) -> dict[str, Any]:
         "lora_memory": engine.lora_capacity.pool_bytes,
         "lora_capacity": engine.lora_capacity.reason,
         "lora_memory_committed": memory.lora_committed, "kv_cache_bytes": memory.kv_reserved,
+        "lora_extras_memory": memory.extras_reserved, "lora_extras_used": memory.extras_used,
         "kv_cache_committed": memory.kv_committed,
         "max_lora_rank": cfg.max_lora_rank, "max_cpu_loras": engine.resolved.max_cpu_loras,
         "kv_cache_memory": cfg.kv_cache_memory or 0,

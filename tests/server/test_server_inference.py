@@ -4,6 +4,7 @@ status path of a generate call, cancellation and deadlines freeing KV blocks."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from pathlib import Path
 from typing import Any
@@ -99,6 +100,24 @@ def test_server_info_reports_capacity(client: Client, server: Any) -> None:
     # what the weights are (issue 44): a float32 checkpoint, nothing quantized
     assert (info.weights_format, info.weights_bits) == ("float", 0.0)
     assert info.weights_bytes == engine.base.weights.bytes > 0
+
+
+def test_server_info_reports_the_slots_extras(client: Client, server: Any,
+                                              tiny_llama: Path) -> None:
+    """What each LoRA slot reserves beside the pool on a float base on the CPU: a lora_B
+    bias row and a DoRA gain row (float32), each as wide as every wrapped linear's outputs
+    (the model's config: q, k, v, o, gate, up, down per layer); token rows: none reserved
+    (the CPU's device copies are the host's). Nothing resident uses any yet."""
+    cfg = json.loads((tiny_llama / "config.json").read_text())
+    head = cfg["hidden_size"] // cfg["num_attention_heads"]
+    hidden, kv, inter = cfg["hidden_size"], cfg["num_key_value_heads"] * head, \
+        cfg["intermediate_size"]
+    outs = hidden + kv + kv + hidden + inter + inter + hidden  # q k v o gate up down
+    per_slot = 2 * 4 * outs * cfg["num_hidden_layers"]  # bias + gain rows, float32
+    info = client.server_info()
+    assert info.lora_extras_memory == info.max_loras * per_slot > 0
+    assert info.lora_extras_used == server.engine.memory_use().extras_used == 0
+    assert f"{info.max_loras} slots' extras" in info.lora_capacity
 
 
 # ---- outputs -----------------------------------------------------------------------------
