@@ -24,12 +24,12 @@ from loraplex.lora.peft_format import AdapterError, inspect_peft_adapter, read_p
 from transformers import AutoTokenizer
 
 from tests.adapter_dirs import edit_config, edit_tensors, shapes_of
-from tests.conftest import make_adapter
 from tests.vocab_adapters import (
     ADDED,
     BASE_VOCAB,
     NEW_IDS,
     STEER,
+    adapters_by_arch,
     extended_tokenizer,
     kinds,
     make_vocab_adapter,
@@ -45,17 +45,8 @@ TIED = {"llama": False, "qwen2": True, "gemma2": True}
 def made(tiny_models: Callable[[str], Path], tmp_path_factory: pytest.TempPathFactory
          ) -> Callable[[str], dict[str, Path]]:
     """made(arch) -> {kind: adapter dir} (plus "plain": a LoRA-only adapter)."""
-    cache: dict[str, dict[str, Path]] = {}
-
-    def get(arch: str) -> dict[str, Path]:
-        if arch not in cache:
-            base, root = tiny_models(arch), tmp_path_factory.mktemp(f"vocab_{arch}")
-            cache[arch] = {kind: make_vocab_adapter(base, root / kind, seed, **kw)
-                           for seed, (kind, kw) in enumerate(kinds(TIED[arch]).items(), 21)}
-            cache[arch]["plain"] = make_adapter(base, root / "plain", r=4, seed=3, scale=0.15)
-        return cache[arch]
-
-    return get
+    return adapters_by_arch(tiny_models, tmp_path_factory, "vocab",
+                            lambda arch: kinds(TIED[arch]), 21, make_vocab_adapter)
 
 
 def greedy(logprobs: int = 2) -> SamplingParams:

@@ -16,11 +16,12 @@ import pytest
 import torch
 from loraplex import LLMEngine, SamplingParams
 from loraplex.lora.peft_format import AdapterError, inspect_peft_adapter, read_peft_adapter
-from peft import LoraConfig, PeftModel, get_peft_model
+from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
 from tests.adapter_dirs import edit_config, edit_tensors, shapes_of
-from tests.conftest import greedy_logprobs, make_adapter
+from tests.conftest import greedy_logprobs
+from tests.vocab_adapters import adapters_by_arch, make_peft_adapter
 
 NEW = 6
 TOKENS = [7, 120, 250, 301]  # the trainable token ids; the prompts use some of them
@@ -35,43 +36,17 @@ DELTA = "base_model.model.model.embed_tokens.token_adapter.trainable_tokens_delt
 
 
 def make_token_adapter(base: Path, out: Path, seed: int, **token_kwargs) -> Path:
-    """A PEFT LoRA adapter on q/v with ``token_kwargs`` (trainable_token_indices /
-    modules_to_save), every trainable parameter perturbed (the rows of a saved table at
-    the test tokens strongly, so that its greedy choices move), saved by PEFT."""
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
-                        lora_dropout=0.0, task_type="CAUSAL_LM", **token_kwargs)
-    model = get_peft_model(model, config)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_" in name:
-                p.normal_(0.0, 0.15)
-            elif p.requires_grad:  # trainable tokens' rows, or a modules_to_save copy
-                p.add_(torch.randn_like(p) * 0.05)
-                if p.shape[0] > len(TOKENS):
-                    p[TOKENS] += torch.randn(len(TOKENS), p.shape[1]) * 0.6
-                else:
-                    p.add_(torch.randn_like(p) * 0.6)
-    model.save_pretrained(out)
-    return out
+    """A PEFT LoRA adapter on q/v with ``token_kwargs``, the rows of a saved table at the
+    test tokens perturbed strongly (tests/vocab_adapters.py's make_peft_adapter)."""
+    return make_peft_adapter(base, out, seed, strong_rows=TOKENS, **token_kwargs)
 
 
 @pytest.fixture(scope="module")
 def made(tiny_models: Callable[[str], Path], tmp_path_factory: pytest.TempPathFactory
          ) -> Callable[[str], dict[str, Path]]:
     """made(arch) -> {kind: adapter dir} (plus "plain": a LoRA-only adapter)."""
-    cache: dict[str, dict[str, Path]] = {}
-
-    def get(arch: str) -> dict[str, Path]:
-        if arch not in cache:
-            base, root = tiny_models(arch), tmp_path_factory.mktemp(f"tokens_{arch}")
-            cache[arch] = {kind: make_token_adapter(base, root / kind, seed, **kw)
-                           for seed, (kind, kw) in enumerate(KINDS.items(), start=11)}
-            cache[arch]["plain"] = make_adapter(base, root / "plain", r=4, seed=3, scale=0.15)
-        return cache[arch]
-
-    return get
+    return adapters_by_arch(tiny_models, tmp_path_factory, "tokens", lambda arch: KINDS, 11,
+                            make_token_adapter)
 
 
 def peft_run(base: Path, adapter: Path | None, prompt: list[int]

@@ -12,13 +12,14 @@ to the adapter's tokenizer, as its user serves it with transformers."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tests.conftest import greedy_logprobs
+from tests.conftest import greedy_logprobs, make_adapter
 
 ADDED = ["<|judge|>", "<|verdict|>"]
 BASE_VOCAB = 384  # tests/conftest.py's TINY_COMMON
@@ -42,23 +43,67 @@ def extended_tokenizer(base: Path):
 
 
 def make_vocab_adapter(base: Path, out: Path, seed: int, **token_kwargs) -> Path:
-    tok = extended_tokenizer(base)
+    return make_peft_adapter(base, out, seed, extended_tokenizer(base), **token_kwargs)
+
+
+def make_peft_adapter(base: Path, out: Path, seed: int, tokenizer=None,
+                      strong_rows: list[int] | None = None, **token_kwargs) -> Path:
+    """A PEFT LoRA adapter on q/v with ``token_kwargs`` (trainable_token_indices /
+    modules_to_save), saved by PEFT: with ``tokenizer`` (which adds tokens), over the base
+    resized to it, its head steered (``_steer``) and the tokenizer saved beside; every
+    trainable parameter perturbed (``_perturb``)."""
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    model.resize_token_embeddings(len(tok))
+    if tokenizer is not None:
+        model.resize_token_embeddings(len(tokenizer))
     config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
                         lora_dropout=0.0, task_type="CAUSAL_LM", **token_kwargs)
     model = get_peft_model(model, config)
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_" in name:
-                p.normal_(0.0, 0.15)
-            elif p.requires_grad:
-                p.add_(torch.randn_like(p) * 0.05)
-        _steer(model, tok, token_kwargs)
+        _perturb(model, strong_rows)
+        if tokenizer is not None:
+            _steer(model, tokenizer, token_kwargs)
     model.save_pretrained(out)
-    tok.save_pretrained(out)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out)
     return out
+
+
+def _perturb(model: PeftModel, strong_rows: list[int] | None) -> None:
+    """LoRA weights ~ N(0, 0.15); the trained rows (trainable tokens' rows, a
+    modules_to_save copy) moved off the base's by N(0, 0.05), and with ``strong_rows`` by a
+    further N(0, 0.6) (a table's rows at those ids; trainable tokens' rows all), so that
+    greedy choices move."""
+    for name, p in model.named_parameters():
+        if "lora_" in name:
+            p.normal_(0.0, 0.15)
+        elif p.requires_grad:
+            p.add_(torch.randn_like(p) * 0.05)
+            if strong_rows is None:
+                continue
+            if p.shape[0] > len(strong_rows):
+                p[strong_rows] += torch.randn(len(strong_rows), p.shape[1]) * 0.6
+            else:
+                p.add_(torch.randn_like(p) * 0.6)
+
+
+def adapters_by_arch(tiny_models: Callable[[str], Path], tmp_path_factory, name: str,
+                     kinds_of: Callable[[str], dict[str, dict]], first_seed: int,
+                     make: Callable[..., Path]) -> Callable[[str], dict[str, Path]]:
+    """A module's ``made(arch) -> {kind: adapter dir}`` (plus "plain": a LoRA-only
+    adapter), each arch's made once: ``make(base, dir, seed, **kinds_of(arch)[kind])``, the
+    seeds counted from ``first_seed``."""
+    cache: dict[str, dict[str, Path]] = {}
+
+    def get(arch: str) -> dict[str, Path]:
+        if arch not in cache:
+            base, root = tiny_models(arch), tmp_path_factory.mktemp(f"{name}_{arch}")
+            cache[arch] = {kind: make(base, root / kind, seed, **kw) for seed, (kind, kw)
+                           in enumerate(kinds_of(arch).items(), first_seed)}
+            cache[arch]["plain"] = make_adapter(base, root / "plain", r=4, seed=3, scale=0.15)
+        return cache[arch]
+
+    return get
 
 
 def _steer(model: PeftModel, tok, token_kwargs: dict) -> None:
