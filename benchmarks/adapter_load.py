@@ -36,9 +36,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from ..lora.base_shapes import BaseShapes
 from ..lora.peft_checks import MODULE_PARENT
 from ..lora.peft_files import PARSED
-from ..lora.peft_format import BaseShapes, inspect_peft_adapter, read_peft_adapter
+from ..lora.peft_format import inspect_peft_adapter, read_peft_adapter
 from .common import ALL_TARGETS, machine_line
 
 RANK = 8

@@ -63,7 +63,7 @@ def _adapter_writer(base_dir: Path, rank: int, targets: Sequence[str]
     from safetensors.torch import save_file
     from transformers import AutoConfig
 
-    from ..lora.peft_format import BaseShapes
+    from ..lora.base_shapes import BaseShapes
 
     shapes = BaseShapes.from_hf_config(AutoConfig.from_pretrained(base_dir), str(base_dir))
     config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=list(targets),

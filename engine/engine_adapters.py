@@ -11,12 +11,12 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import InvalidRequestError
 from ..kernel_backends import intra_op
+from ..lora.base_shapes import BaseShapes
 from ..lora.cache import AdapterCache
 from ..lora.cached_adapter import AdapterInfo
 from ..lora.peft_format import (
     AdapterError,
     AdapterMeta,
-    BaseShapes,
     LoRAWeights,
     inspect_peft_adapter,
     read_peft_adapter,

@@ -10,9 +10,9 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import AdapterNotFoundError, InvalidRequestError
+from ..lora.base_shapes import BaseShapes
 from ..lora.cache import AdapterCache
 from ..lora.layers import attach_lora, rank_row_bytes
-from ..lora.peft_format import BaseShapes
 from ..lora.rank_pool import RankPool
 from ..lora.slots import SlotBuffers
 from ..lora.upload_store import UploadStore

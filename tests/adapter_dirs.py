@@ -9,7 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from loraplex.lora.peft_format import BaseShapes
+from loraplex.lora.base_shapes import BaseShapes
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig
 

@@ -29,7 +29,7 @@ import pytest
 import torch
 
 if TYPE_CHECKING:
-    from loraplex.lora.peft_format import BaseShapes
+    from loraplex.lora.base_shapes import BaseShapes
 
 TINY_COMMON = {
     "vocab_size": 384,

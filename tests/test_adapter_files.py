@@ -18,8 +18,9 @@ from pathlib import Path
 import pytest
 from loraplex.errors import AdapterConfinementError
 from loraplex.lora.adapter_files import AdapterFiles, MissingFile, opened_path
+from loraplex.lora.base_shapes import BaseShapes
 from loraplex.lora.peft_checks import AdapterError
-from loraplex.lora.peft_format import BaseShapes, inspect_peft_adapter, read_peft_adapter
+from loraplex.lora.peft_format import inspect_peft_adapter, read_peft_adapter
 
 from tests.adapter_dirs import edit_config
 

@@ -13,8 +13,9 @@ import torch
 from loraplex import LLMEngine, SamplingParams
 from loraplex.engine.activation import NEVER, activation_start
 from loraplex.engine.block_manager import block_hash
+from loraplex.lora.base_shapes import BaseShapes
 from loraplex.lora.peft_checks import AdapterError
-from loraplex.lora.peft_format import BaseShapes, inspect_peft_adapter
+from loraplex.lora.peft_format import inspect_peft_adapter
 from peft import LoraConfig, PeftModel, get_peft_model
 from peft.tuners.lora.variants import calculate_alora_offsets
 from transformers import AutoConfig, AutoModelForCausalLM

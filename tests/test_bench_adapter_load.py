@@ -7,7 +7,8 @@ from pathlib import Path
 
 import torch
 from loraplex.benchmarks.adapter_load import QKVO, bench_case, make_adapter, methods
-from loraplex.lora.peft_format import BaseShapes, read_peft_adapter
+from loraplex.lora.base_shapes import BaseShapes
+from loraplex.lora.peft_format import read_peft_adapter
 from safetensors.torch import load_file
 
 

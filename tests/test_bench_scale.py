@@ -177,7 +177,8 @@ def test_random_adapters_are_what_peft_saves(tiny_llama, tmp_path) -> None:
     import json
 
     from loraplex.benchmarks.common import make_random_adapters
-    from loraplex.lora.peft_format import BaseShapes, read_peft_adapter
+    from loraplex.lora.base_shapes import BaseShapes
+    from loraplex.lora.peft_format import read_peft_adapter
     from safetensors.torch import load_file
     from transformers import AutoConfig
 

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from loraplex.lora.base_shapes import BaseShapes
 from loraplex.lora.peft_format import (
     LORA_TARGETS,
-    BaseShapes,
     LoRAWeights,
     read_peft_adapter,
 )

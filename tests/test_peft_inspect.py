@@ -14,12 +14,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from loraplex.lora.base_shapes import BaseShapes
 from loraplex.lora.peft_checks import parse_name
 from loraplex.lora.peft_files import PARSED, config_key, header_key
 from loraplex.lora.peft_format import (
     AdapterError,
     AdapterMeta,
-    BaseShapes,
     inspect_peft_adapter,
     read_peft_adapter,
 )

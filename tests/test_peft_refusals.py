@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from loraplex.lora.base_shapes import BaseShapes
 from loraplex.lora.peft_format import (
     AdapterError,
-    BaseShapes,
     inspect_peft_adapter,
     read_peft_adapter,
 )

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from loraplex.lora.peft_format import AdapterError, BaseShapes, read_peft_adapter
+from loraplex.lora.base_shapes import BaseShapes
+from loraplex.lora.peft_format import AdapterError, read_peft_adapter
 from loraplex.lora.weight_bounds import SHRINK_LIMIT, check_bounds, gain_limit
 
 from tests.adapter_dirs import Q0, edit_tensors, shapes_of
