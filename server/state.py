@@ -20,7 +20,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from ..engine.async_engine import AsyncEngine
-from ..engine.llm_engine import names_base_model
+from ..engine.base_model_names import names_base_model
 from .adapter_paths import check_canonical, is_loopback
 from .error_code import ErrorCode, ServiceError
 from .server_metrics import ServerMetrics

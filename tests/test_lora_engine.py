@@ -275,7 +275,7 @@ def test_the_base_model_has_one_set_of_names(tiny_llama, adapters, peft_referenc
     """``names_base_model`` is the engine's rule and the servers' (server/state.py):
     empty, the served model name, and ``model_name`` (the --model argument here) all run
     the base model, and none of them can name an adapter."""
-    from loraplex.engine.llm_engine import names_base_model
+    from loraplex.engine.base_model_names import names_base_model
     from loraplex.errors import InvalidRequestError
 
     engine = LLMEngine(model=tiny_llama, dtype="float32", max_model_len=128)
