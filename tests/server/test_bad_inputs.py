@@ -25,14 +25,13 @@ from google.protobuf.message import Message
 from loraplex import SamplingParams
 from loraplex.proto import loraplex_pb2 as pb
 
+from tests.server.bad_http_cases import HTTP_CASES, HttpCase
 from tests.server.bad_input_cases import (
     ALIAS,
     ALL_CASES,
     GENERATE_CASES,
     GOOD,
-    HTTP_CASES,
     Case,
-    HttpCase,
 )
 from tests.server.broken_adapters import BROKEN, CONFIG, WEIGHTS
 from tests.server.conftest import slow_steps, wait_until
