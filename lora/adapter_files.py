@@ -122,7 +122,19 @@ def fd_path(f: BinaryIO) -> str:
     return f"/proc/self/fd/{fd}" if os.path.isdir("/proc/self/fd") else f"/dev/fd/{fd}"
 
 
-def read_all(f: BinaryIO) -> bytes:
-    """The whole file, from its start."""
+# The most a JSON config of an adapter dir (adapter_config.json, a base's config.json) may
+# hold: real ones are 1-100 KB; a request must not make the server read and parse more.
+MAX_CONFIG_FILE_BYTES = 4 << 20
+
+
+def read_all(f: BinaryIO, where: str, limit: int = MAX_CONFIG_FILE_BYTES) -> bytes:
+    """The whole file, from its start; AdapterError, before anything is read, if it holds
+    more than ``limit`` bytes (its size from the open file; at most ``limit`` + 1 bytes are
+    read, should it grow meanwhile)."""
+    size = os.fstat(f.fileno()).st_size
     f.seek(0)
-    return f.read()
+    raw = f.read(limit + 1) if size <= limit else b""
+    if size > limit or len(raw) > limit:
+        raise AdapterError(f"{where} is {max(size, len(raw))} bytes, over the {limit} bytes "
+                           f"({limit >> 20} MiB) a config file may hold")
+    return raw

@@ -104,7 +104,7 @@ def _base_shapes(files: AdapterFiles, model_dir: Path) -> BaseShapes | str | Non
     shaped; None if it cannot be read (then nothing can be compared): ``_shapes_of``."""
     try:
         with AdapterFiles(model_dir, files.root).open("config.json") as f:
-            raw = read_all(f)
+            raw = read_all(f, "config.json")
             key = content_key(real_path(f, model_dir / "config.json"), len(raw), raw)
     except ValueError:  # missing, unreadable, outside the root (AdapterError and kin)
         return None

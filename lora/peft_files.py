@@ -51,7 +51,7 @@ def config_key(path: Path) -> ContentKey:
     """The key of this version of a config file (opened by name, unconfined); AdapterError if
     it cannot be read."""
     with AdapterFiles(path.parent).open(path.name) as f:
-        raw = read_all(f)
+        raw = read_all(f, str(path.name))
         return content_key(real_path(f, path), len(raw), raw)
 
 
@@ -153,7 +153,7 @@ def lora_config(files: AdapterFiles) -> tuple[LoraConfig, ContentKey]:
     where = files.label(CONFIG_NAME)
     try:
         with files.open(CONFIG_NAME) as f:
-            raw = read_all(f)
+            raw = read_all(f, where)
             key = content_key(real_path(f, files.dir / CONFIG_NAME), len(raw), raw)
     except MissingFile:
         raise AdapterError(f"{where} is missing; a PEFT LoRA adapter directory holds "

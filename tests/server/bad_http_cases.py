@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from loraplex.lora.adapter_files import MAX_CONFIG_FILE_BYTES
 from loraplex.lora.adapter_vocab import MAX_TOKENIZER_FILE_BYTES
 
 from tests.server.bad_input_cases import (
@@ -154,6 +155,9 @@ HTTP_CASES = [
     HttpCase("load-tokenizer-too-large", "/v1/load_lora_adapter",
              {"lora_name": "new", "lora_path": "@tokenizer-too-large"}, 400,
              f"tokenizer.json is {MAX_TOKENIZER_FILE_BYTES + 1} bytes"),
+    HttpCase("load-config-too-large", "/v1/load_lora_adapter",
+             {"lora_name": "new", "lora_path": "@config-too-large"}, 400,
+             f"adapter_config.json is {MAX_CONFIG_FILE_BYTES + 1} bytes"),
     HttpCase("load-missing-field", "/v1/load_lora_adapter", {"lora_name": "new"}, 400,
              "lora_path"),
     HttpCase("unload-unknown", "/v1/unload_lora_adapter", {"lora_name": "nope"}, 404,

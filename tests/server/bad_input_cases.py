@@ -9,6 +9,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from loraplex.lora.adapter_files import MAX_CONFIG_FILE_BYTES
 from loraplex.lora.adapter_vocab import MAX_TOKENIZER_FILE_BYTES
 
 from tests.server.broken_adapters import CONFIG, WEIGHTS
@@ -244,6 +245,10 @@ LOAD_CASES = [
     load("adapter-tokenizer-too-large", INVALID,
          f"tokenizer.json is {MAX_TOKENIZER_FILE_BYTES + 1} bytes, over the "
          f"{MAX_TOKENIZER_FILE_BYTES} bytes (64 MiB)", path="@tokenizer-too-large"),
+    load("adapter-config-too-large", INVALID,
+         f"adapter_config.json is {MAX_CONFIG_FILE_BYTES + 1} bytes, over the "
+         f"{MAX_CONFIG_FILE_BYTES} bytes (4 MiB) a config file may hold",
+         path="@config-too-large"),
     load("adapter-tokenizer-other-table", INVALID,
          "its vocabulary of 388 tokens differs from its tokenizer's 386",
          path="@tokenizer-other-table"),

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from loraplex.lora.adapter_files import MAX_CONFIG_FILE_BYTES
 from loraplex.lora.adapter_vocab import MAX_TOKENIZER_FILE_BYTES
 from safetensors.torch import load_file
 
@@ -124,6 +125,7 @@ BROKEN.update({
     "tokenizer-moves-base-ids": lambda d, x: _with_tokenizer(d, [], swap=True),
     "tokenizer-too-large": lambda d, x: _sparse(d / "tokenizer.json",
                                                 MAX_TOKENIZER_FILE_BYTES + 1),
+    "config-too-large": lambda d, x: _sparse(d / CONFIG, MAX_CONFIG_FILE_BYTES + 1),
     "tokenizer-other-table": lambda d, x: (edit_config(d, modules_to_save=["lm_head"]),
                                            edit_tensors(d, _head_of_vocab(388)),
                                            _with_tokenizer(d, ["<|a|>", "<|b|>"])),
