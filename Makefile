@@ -8,7 +8,7 @@ PORT ?= 50051
 HTTP_PORT ?= 8000
 PYTEST_ARGS ?=
 
-.PHONY: venv kernels serve test bench bench-scale soak clean
+.PHONY: venv kernels serve test test-slow bench bench-scale soak clean
 
 venv: $(STAMP)
 
@@ -31,6 +31,11 @@ serve: kernels
 
 test: kernels
 	$(PY) -m pytest -q -m "not slow" --durations=30 $(PYTEST_ARGS)
+
+# the tests marked slow (soak-like runs, whole-GGUF reads, Ray autoscaling and clusters),
+# none of which `make test` runs
+test-slow: kernels
+	$(PY) -m pytest -q -m slow --durations=30 $(PYTEST_ARGS)
 
 # the serving benchmark with its baselines (~15 min on 2 cores): benchmarks/results/<date>.{json,md,png}
 bench: kernels

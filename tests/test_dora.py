@@ -6,6 +6,7 @@ follow their slot through eviction, reload and compaction; refusals name what is
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 from types import SimpleNamespace
@@ -41,14 +42,23 @@ def adapters(tiny_llama: Path, tmp_path_factory) -> dict[str, Path]:
 def peft_run(base: Path, adapter: Path | None, prompt: list[int],
              plain: bool = False) -> tuple[list[int], list[float]]:
     """PEFT's greedy tokens and their logprobs (``plain``: the DoRA adapter's A and B as
-    plain LoRA, its magnitudes ignored, to show they matter)."""
+    plain LoRA, its magnitudes ignored, to show they matter); computed once per argument
+    set (each kernels parametrization asks the same)."""
+    tokens, logprobs = _peft_run(base, adapter, tuple(prompt), plain)
+    return list(tokens), list(logprobs)
+
+
+@functools.cache
+def _peft_run(base: Path, adapter: Path | None, prompt: tuple[int, ...],
+              plain: bool) -> tuple[tuple[int, ...], tuple[float, ...]]:
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     if adapter is not None:
         model = PeftModel.from_pretrained(model, adapter)
         if plain:
             for module in model.modules():
                 getattr(module, "lora_variant", {}).clear()  # vanilla LoRA's forward
-    return greedy_logprobs(model.eval(), prompt, NEW)
+    tokens, logprobs = greedy_logprobs(model.eval(), list(prompt), NEW)
+    return tuple(tokens), tuple(logprobs)
 
 
 def greedy(scale: float = 1.0) -> SamplingParams:

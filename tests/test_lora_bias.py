@@ -7,6 +7,7 @@ backend (the path is shared)."""
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 
@@ -35,7 +36,15 @@ def adapters(tiny_llama: Path, tmp_path_factory) -> dict[str, Path]:
 def peft_run(base: Path, adapter: Path | None, scale: float, prompt: list[int],
              zero_bias: bool = False) -> tuple[list[int], list[float]]:
     """PEFT's greedy tokens and their logprobs, every LoRA layer's scaling × ``scale``
-    (``zero_bias``: with lora_B's biases set to 0, to show they matter)."""
+    (``zero_bias``: with lora_B's biases set to 0, to show they matter); computed once per
+    argument set (each kernels parametrization asks the same)."""
+    tokens, logprobs = _peft_run(base, adapter, scale, tuple(prompt), zero_bias)
+    return list(tokens), list(logprobs)
+
+
+@functools.cache
+def _peft_run(base: Path, adapter: Path | None, scale: float, prompt: tuple[int, ...],
+              zero_bias: bool) -> tuple[tuple[int, ...], tuple[float, ...]]:
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     if adapter is not None:
         model = PeftModel.from_pretrained(model, adapter)
@@ -45,7 +54,8 @@ def peft_run(base: Path, adapter: Path | None, scale: float, prompt: list[int],
                 if zero_bias:
                     for b in module.lora_B.values():
                         torch.nn.init.zeros_(b.bias)
-    return greedy_logprobs(model.eval(), prompt, NEW)
+    tokens, logprobs = greedy_logprobs(model.eval(), list(prompt), NEW)
+    return tuple(tokens), tuple(logprobs)
 
 
 def greedy(scale: float = 1.0) -> SamplingParams:

@@ -84,9 +84,18 @@ def references(model_dir: Path, adapters: dict[str, Path], items) -> dict:
     return out
 
 
-@pytest.mark.parametrize("kernels", ["cpu", "torch", pytest.param("triton",
-                                                                  marks=pytest.mark.triton)])
-@pytest.mark.parametrize("arch", ARCHS)
+# Triton (the interpreter: 15-30 s a run on 2 cores) in `make test` on the families whose
+# attention runs its own Triton kernel code (gemma2: soft-caps, alternating windows; gemma3:
+# windows, local RoPE); phi3 (longrope: a torch op) and mistral_window (a window, as gemma's)
+# run on Triton the paths those and test_engine_triton.py cover: marked slow.
+TRITON_SLOW = ("phi3", "mistral_window")
+ARCH_KERNELS = [pytest.param(arch, kernels, id=f"{arch}-{kernels}", marks=(
+    [] if kernels != "triton" else
+    [pytest.mark.triton, pytest.mark.slow] if arch in TRITON_SLOW else [pytest.mark.triton]))
+    for kernels in ("cpu", "torch", "triton") for arch in ARCHS]
+
+
+@pytest.mark.parametrize(("arch", "kernels"), ARCH_KERNELS)
 def test_mixed_batch_exact(arch, kernels, family, monkeypatch):
     """24-token steps split the long prompts; 7 blocks of 16 tokens force preemption."""
     monkeypatch.setenv("LORAPLEX_KERNELS", kernels)

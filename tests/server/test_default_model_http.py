@@ -68,6 +68,31 @@ def _ask(url: str, model: str) -> Any:
         extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
 
 
+def _peft_oracle(ref_dir: Path) -> PeftModel:
+    """The float32 conversion loaded once, every demo adapter on it by its name (PEFT's
+    ``load_adapter``; ``set_adapter`` picks one, ``disable_adapter`` gives the base)."""
+    base = AutoModelForCausalLM.from_pretrained(ref_dir, dtype=torch.float32)
+    model = PeftModel.from_pretrained(base, ADAPTERS / NAMES[1], adapter_name=NAMES[1])
+    for name in NAMES[2:]:
+        model.load_adapter(ADAPTERS / name, adapter_name=name)
+    return model.eval()
+
+
+def _oracle_logits(model: PeftModel, name: str, prompt: list[int],
+                   tokens: list[int]) -> torch.Tensor:
+    """The oracle's float32 logits of each of ``tokens`` after ``prompt`` (row j predicts
+    token j; ignore_eos: EOS may be among them), under adapter ``name`` ("" = the base)."""
+    ids = torch.tensor([prompt + tokens])
+    with torch.no_grad():
+        if not name:
+            with model.disable_adapter():
+                logits = model(ids).logits
+        else:
+            model.set_adapter(name)
+            logits = model(ids).logits
+    return logits[0, len(prompt) - 1:-1].float()
+
+
 def test_default_model_card_says_quantized(server: tuple[str, str]) -> None:
     url, base = server
     oai = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=60)
@@ -87,17 +112,13 @@ def test_default_served_quantized_equals_transformers_peft(server: tuple[str, st
     text = tok.apply_chat_template([{"role": "user", "content": QUESTION}],
                                    add_generation_prompt=True, tokenize=False)
     prompt = tok(text, add_special_tokens=False).input_ids
+    model = _peft_oracle(ref_dir)
     for name, reply in zip(NAMES, replies):
         assert reply.usage.prompt_tokens == len(prompt), name
-        model = AutoModelForCausalLM.from_pretrained(ref_dir, dtype=torch.float32)
-        if name:
-            model = PeftModel.from_pretrained(model, ADAPTERS / name)
         got = reply.choices[0].logprobs.content
         tokens = [int(c.token.removeprefix("token_id:")) for c in got]
         assert len(tokens) == NEW, name
-        with torch.no_grad():  # row j predicts token j (ignore_eos: EOS may be among them)
-            logits = model.eval()(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1]
-        ref = torch.log_softmax(logits.float(), -1)
+        ref = torch.log_softmax(_oracle_logits(model, name, prompt, tokens), -1)
         assert tokens == ref.argmax(-1).tolist(), name  # greedy: each the oracle's argmax
         assert [c.logprob for c in got] == pytest.approx(
             ref.gather(1, torch.tensor(tokens)[:, None])[:, 0].tolist(), abs=5e-3), name

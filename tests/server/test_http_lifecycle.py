@@ -109,7 +109,10 @@ def test_cli_serve_http_port_and_sigterm(tiny_llama: Path, tmp_path: Path) -> No
     log_path = tmp_path / "serve.log"
     cmd = [sys.executable, "-m", "loraplex.cli", "serve", "--model", str(tiny_llama),
            "--served-model-name", "tiny", "--port", "0", "--http-port", "0", "--device",
-           "cpu", "--dtype", "float32", "--max-model-len", "256"]
+           "cpu", "--dtype", "float32", "--max-model-len", "256",
+           # the drain is the point, not the default 20 s: 150 tokens outlast it on a
+           # loaded 2-core machine (a stream cut there failed this test at load ~15)
+           "--shutdown-grace-period", "120"]
     proc, port = launch_serve(cmd, log_path)
     try:
         wait_until(lambda: "OpenAI-compatible HTTP on" in log_path.read_text(), timeout=60,

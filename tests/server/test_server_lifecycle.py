@@ -109,7 +109,10 @@ def test_cli_serve_drains_on_sigterm(tiny_llama: Path, tmp_path: Path) -> None:
     log_path = tmp_path / "serve.log"
     cmd = [sys.executable, "-m", "loraplex.cli", "serve", "--model", str(tiny_llama),
            "--port", "0", "--device", "cpu", "--dtype", "float32", "--max-model-len", "256",
-           "--max-queue", "8"]
+           "--max-queue", "8",
+           # the drain is the point, not the default 20 s: 200 tokens may outlast it on a
+           # loaded 2-core machine
+           "--shutdown-grace-period", "120"]
     proc, port = launch_serve(cmd, log_path)
     try:
         with Client(f"127.0.0.1:{port}") as client:
