@@ -237,7 +237,9 @@ def _single(args: argparse.Namespace, tools: LlamaCppTools, gguf: Path) -> Row:
                               args.threads)
 
     base = [bench()]
-    ours = in_child(args, {"kind": "decode", "model": str(gguf), "quantization": "none",
+    # "auto": the .gguf served in its own quantization ("none" would be its float32
+    # conversion, engine/embedded_model.py: what this row measured from c71afbc to s24)
+    ours = in_child(args, {"kind": "decode", "model": str(gguf), "quantization": "auto",
                            "dtype": args.dtype, "new_tokens": args.single_new_tokens})
     if args.both_orders:
         base.append(bench())

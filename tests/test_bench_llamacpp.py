@@ -132,3 +132,22 @@ def test_int4_refuses_a_baseline_in_another_dtype(monkeypatch, tmp_path):
         1.0, dtypes[what["quantization"]]))
     with pytest.raises(RuntimeError, match="different dtypes"):
         compare._int4(_int4_args(tmp_path, False), tmp_path)
+
+
+def test_single_row_serves_the_gguf_in_its_own_quantization(monkeypatch, tmp_path):
+    """The single-stream row times the .gguf's own quantized weights ("auto"), never its
+    float32 conversion ("none"), against llama-bench on the same file."""
+    from loraplex.benchmarks import llamacpp_compare as compare
+
+    asked = []
+    monkeypatch.setattr(compare, "in_child", lambda args, what: asked.append(what) or
+                        compare.Measured(20.0, "float32"))
+    monkeypatch.setattr(compare, "llama_bench_tg", lambda *a: 25.0)
+
+    class Tools:
+        def binary(self, name: str) -> Path:
+            return tmp_path / name
+
+    row = compare._single(_int4_args(tmp_path, False), Tools(), tmp_path / "m.gguf")
+    assert [w["quantization"] for w in asked] == ["auto"]
+    assert asked[0]["model"] == str(tmp_path / "m.gguf") and row.ratio == 0.8

@@ -176,9 +176,11 @@ def test_a_row_alone_equals_the_row_among_up_to_200(ext, isa: str, name: str,
 
 @pytest.mark.parametrize("name", FORMATS)
 def test_avx2_weights_are_the_twins_bit_for_bit(ext, name: str) -> None:
-    """The AVX2 path decodes each weight to the twin's value (gguf-py's operations): x the
-    rows of the identity gives every weight back exactly (one product by 1, sums of zeros),
-    so y = dequantize(W)ᵀ bit for bit; odd seeds: random blocks, zero and subnormal scales."""
+    """The AVX2 path's products are exact but the last rounding where a chunk has one
+    nonzero x (d q exact; Q4_0 / Q4_1 decode w whole, as gguf-py does; int4 and Q6_K take
+    q - z in integers): x the rows of the identity gives every weight back exactly (one
+    product by 1, sums of zeros), so y = dequantize(W)ᵀ bit for bit; odd seeds: random
+    blocks, zero and subnormal scales."""
     if "avx2" not in ext.quant_isas():
         pytest.skip(f"this CPU does not run the avx2 path (it runs {ext.quant_isas()})")
     for seed in (0, 3):

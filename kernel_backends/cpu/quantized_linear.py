@@ -15,9 +15,11 @@ float32 ones: prefill, batched decode) each tile of output columns is decoded on
 L2 and every block of rows reads it there (a float GEMM plus one decode of W), with the
 very values and operations the few-row loop uses, so a row's result does not depend on
 how many rows share the call (benchmarks/results/notebook.md has the figures). The AVX2
-path (Zen 3 and other CPUs without AVX-512) decodes each weight to its value w, the
-twin's bit for bit, and decodes in registers at every row count, a block of up to 4 rows
-at a time (benchmarks/results/2026-12-06-s23-quantized-avx2.md).
+path (Zen 3 and other CPUs without AVX-512) dots each group's integers with x and applies
+the group's scale once (K-quant offsets through x's chunk sums; Q4_0 / Q4_1 decode w whole),
+exact where a chunk has one nonzero x (the identity gives the twin's weights bit for bit),
+and decodes in registers at every row count, a block of up to 4 rows at a time
+(benchmarks/results/2026-12-07-s24-q4-decode.md).
 
 Where the CPU has AMX, oneDNN's AMX tiles multiply bfloat16 many times faster than any
 AVX-512 loop (the float path uses them there: packed_linear.py), so bfloat16 inputs of

@@ -190,7 +190,8 @@ torch::Tensor quant_linear(torch::Tensor x, torch::Tensor data, c10::optional<to
   if (format == kInt4)  // each chunk's evens then odds, as the nibbles decode
     xf = xf.view({M, K / 32, 16, 2}).transpose(2, 3).contiguous().view({M, K});
   torch::Tensor xsum;
-  if (has_offset(int(format)) && !bf16_path && isa != kAvx2)  // AVX2: w decoded whole
+  const bool avx2_sums = format == kQ4_K || format == kQ5_K;  // quant_gemm_avx2.cpp's offsets
+  if (has_offset(int(format)) && !bf16_path && (isa != kAvx2 || avx2_sums))
     xsum = xf.view({M, K / 32, 32}).sum(2).contiguous();
   auto y = torch::empty({M, N}, x.options().dtype(torch::kFloat));
   if (M > 0 && N > 0) {

@@ -11,12 +11,14 @@
 // Q4_K and Q5_K: d = d_sb * scale_j, c = -dmin_sb * min_j of the 32-weight sub-block j of its
 // 256-weight super-block; Q8_0 and int8: no offset.) Q6_K has two scales a chunk (one a 16
 // weights: d_sb * scale_i) and q - 32 signed: its chunks are decoded with their scales
-// applied (w itself, as int8's q), d = 1, no offset.
+// applied (w itself, as int8's q), d = 1, no offset. (The AVX2 path, quant_gemm_avx2.cpp,
+// has its own loop on the same sum: Q6_K's scales a 16 weights, Q4_0 / Q4_1 decoded whole.)
 #pragma once
 
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace lp_quant {
@@ -39,6 +41,23 @@ struct Problem {
   const float* bias;     // [N] or null
   float* y;              // [M, N]
 };
+
+// fn(std::integral_constant<int, F>{}) for format F (nothing for an unknown one): the one
+// switch from a run-time format to each path's template instance.
+template <class Fn>
+inline void with_format(int format, Fn&& fn) {
+  switch (format) {
+    case kQ8_0: fn(std::integral_constant<int, kQ8_0>{}); break;
+    case kQ4_0: fn(std::integral_constant<int, kQ4_0>{}); break;
+    case kQ4_1: fn(std::integral_constant<int, kQ4_1>{}); break;
+    case kInt8: fn(std::integral_constant<int, kInt8>{}); break;
+    case kInt4: fn(std::integral_constant<int, kInt4>{}); break;
+    case kQ4_K: fn(std::integral_constant<int, kQ4_K>{}); break;
+    case kQ5_K: fn(std::integral_constant<int, kQ5_K>{}); break;
+    case kQ6_K: fn(std::integral_constant<int, kQ6_K>{}); break;
+    default: break;
+  }
+}
 
 // y[:, n0:n1) of the problem, on one thread.
 void run_scalar(const Problem& p, int64_t n0, int64_t n1);

@@ -1,13 +1,14 @@
 // The AVX2 path's loops over rows and columns (included by quant_gemm_avx2.cpp after its
 // decoders, under its target pragma).
 //
-// Every (row m, column n) is the same operations whatever the call: two accumulators, the
-// unit's vectors taken in the decoder's order, vector k into accumulator k & 1 by one FMA
-// (acc += w · x), over the units in order; then y = hsum(acc0 + acc1) (int8: + its K % 32
+// Every (row m, column n) is the same operations whatever the call: the unit's calls in the
+// decoder's order, each group's t = Σ q x (its first product a multiply, the rest FMAs), then
+// a += d t, the offsets into a (offsets8), over the units in order (Q4_0 and Q4_1: each w x
+// into a or t by its par, put_w); then y = hsum(a) (put_w: hsum(a + t); int8: + its K % 32
 // tail, times its scale), + bias. How rows and columns are grouped into register tiles
-// (R rows x C columns: each decoded w serves R rows, each x vector C columns) changes no
-// value and no order, so a row's result does not depend on the rows beside it, nor on the
-// row count, nor on the threads.
+// (R rows x C columns: each decoded vector serves R rows, each x vector C columns) changes
+// no value and no order, so a row's result does not depend on the rows beside it, nor on
+// the row count, nor on the threads.
 //
 // Rows come in blocks of up to 4, columns in tiles of ~kTileBytes of weight (kept in L2
 // while every block of rows takes them); each unit is decoded in registers once per block
@@ -23,13 +24,30 @@ inline float hsum(__m256 a) {
   return _mm_cvtss_f32(s);
 }
 
-// Accumulators of R rows against one column; x points at the rows' current unit.
+// Accumulators of R rows against one column; x and xs point at the rows' current unit (xs:
+// its chunks' sums of x).
 template <int R>
 struct Acc {
-  __m256 a[R][2];
+  __m256 a[R], t[R];
   const float* x[R];
-  inline void operator()(int off, int par, __m256 w) {
-    for (int r = 0; r < R; ++r) a[r][par] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x[r] + off), a[r][par]);
+  const float* xs[R];
+  inline void put(int off, bool first, __m256 q) {
+    for (int r = 0; r < R; ++r) {
+      const __m256 v = _mm256_loadu_ps(x[r] + off);
+      t[r] = first ? _mm256_mul_ps(q, v) : _mm256_fmadd_ps(q, v, t[r]);
+    }
+  }
+  inline void fold(__m256 d) {
+    for (int r = 0; r < R; ++r) a[r] = _mm256_fmadd_ps(d, t[r], a[r]);
+  }
+  inline void put_w(int off, int par, __m256 w) {
+    for (int r = 0; r < R; ++r) {
+      __m256& s = par ? t[r] : a[r];
+      s = _mm256_fmadd_ps(w, _mm256_loadu_ps(x[r] + off), s);
+    }
+  }
+  inline void offsets8(__m256 c) {
+    for (int r = 0; r < R; ++r) a[r] = _mm256_fmadd_ps(c, _mm256_loadu_ps(xs[r]), a[r]);
   }
 };
 
@@ -38,7 +56,7 @@ template <int F, int R>
 inline void finish(const Problem& p, const Acc<R>& acc, int64_t m, int64_t n) {
   const int64_t full = p.K / 32 * 32;
   for (int r = 0; r < R; ++r) {
-    float sum = hsum(_mm256_add_ps(acc.a[r][0], acc.a[r][1]));
+    float sum = hsum(whole_w(F) ? _mm256_add_ps(acc.a[r], acc.t[r]) : acc.a[r]);
     if constexpr (F == kInt8) {
       const int8_t* q = reinterpret_cast<const int8_t*>(p.data + n * p.row_bytes);
       const float* x = p.x + (m + r) * p.K;
@@ -60,8 +78,9 @@ inline void tile_decoded_here(const Problem& p, int64_t m, int64_t n) {
   for (int c = 0; c < C; ++c) {
     col[c] = column(p, n + c);
     for (int r = 0; r < R; ++r) {
-      acc[c].a[r][0] = acc[c].a[r][1] = _mm256_setzero_ps();
+      acc[c].a[r] = acc[c].t[r] = _mm256_setzero_ps();
       acc[c].x[r] = p.x + (m + r) * p.K;
+      acc[c].xs[r] = p.xsum ? p.xsum + (m + r) * (p.K / 32) : nullptr;
     }
   }
   // The next C columns' bytes, requested into cache while these are decoded (C sequential
@@ -75,7 +94,10 @@ inline void tile_decoded_here(const Problem& p, int64_t m, int64_t n) {
         _mm_prefetch(reinterpret_cast<const char*>(next[c] + u * unit_bytes<F>() + b),
                      _MM_HINT_T0);
       decode_unit<F>(p, col[c], u, acc[c]);
-      for (int r = 0; r < R; ++r) acc[c].x[r] += UW;
+      for (int r = 0; r < R; ++r) {
+        acc[c].x[r] += UW;
+        if constexpr (F == kQ4_K || F == kQ5_K) acc[c].xs[r] += UW / 32;
+      }
     }
   }
   for (int c = 0; c < C; ++c) finish<F, R>(p, acc[c], m, n + c);

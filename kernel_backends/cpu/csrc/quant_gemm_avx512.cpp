@@ -311,31 +311,12 @@ void dequantize_rows_bf16(const Problem& p, int64_t n0, int64_t n1, uint16_t* ou
 }  // namespace
 
 void dequantize_avx512_bf16(const Problem& p, int64_t n0, int64_t n1, uint16_t* out) {
-  switch (p.format) {
-    case kQ8_0: dequantize_rows_bf16<kQ8_0>(p, n0, n1, out); break;
-    case kQ4_0: dequantize_rows_bf16<kQ4_0>(p, n0, n1, out); break;
-    case kQ4_1: dequantize_rows_bf16<kQ4_1>(p, n0, n1, out); break;
-    case kInt8: dequantize_rows_bf16<kInt8>(p, n0, n1, out); break;
-    case kInt4: dequantize_rows_bf16<kInt4>(p, n0, n1, out); break;
-    case kQ4_K: dequantize_rows_bf16<kQ4_K>(p, n0, n1, out); break;
-    case kQ5_K: dequantize_rows_bf16<kQ5_K>(p, n0, n1, out); break;
-    case kQ6_K: dequantize_rows_bf16<kQ6_K>(p, n0, n1, out); break;
-    default: break;
-  }
+  with_format(p.format,
+              [&](auto f) { dequantize_rows_bf16<decltype(f)::value>(p, n0, n1, out); });
 }
 
 void run_avx512_bf16(const Problem& p, int64_t n0, int64_t n1) {
-  switch (p.format) {
-    case kQ8_0: columns_bf16<kQ8_0>(p, n0, n1); break;
-    case kQ4_0: columns_bf16<kQ4_0>(p, n0, n1); break;
-    case kQ4_1: columns_bf16<kQ4_1>(p, n0, n1); break;
-    case kInt8: columns_bf16<kInt8>(p, n0, n1); break;
-    case kInt4: columns_bf16<kInt4>(p, n0, n1); break;
-    case kQ4_K: columns_bf16<kQ4_K>(p, n0, n1); break;
-    case kQ5_K: columns_bf16<kQ5_K>(p, n0, n1); break;
-    case kQ6_K: columns_bf16<kQ6_K>(p, n0, n1); break;
-    default: break;
-  }
+  with_format(p.format, [&](auto f) { columns_bf16<decltype(f)::value>(p, n0, n1); });
 }
 
 }  // namespace lp_quant

@@ -181,15 +181,5 @@ void columns(const Problem& p, int64_t n0, int64_t n1) {
 }
 
 void run(const Problem& p, int64_t n0, int64_t n1) {
-  switch (p.format) {
-    case kQ8_0: columns<kQ8_0>(p, n0, n1); break;
-    case kQ4_0: columns<kQ4_0>(p, n0, n1); break;
-    case kQ4_1: columns<kQ4_1>(p, n0, n1); break;
-    case kInt8: columns<kInt8>(p, n0, n1); break;
-    case kInt4: columns<kInt4>(p, n0, n1); break;
-    case kQ4_K: columns<kQ4_K>(p, n0, n1); break;
-    case kQ5_K: columns<kQ5_K>(p, n0, n1); break;
-    case kQ6_K: columns<kQ6_K>(p, n0, n1); break;
-    default: break;
-  }
+  with_format(p.format, [&](auto f) { columns<decltype(f)::value>(p, n0, n1); });
 }
