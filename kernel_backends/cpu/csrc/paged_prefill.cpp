@@ -96,9 +96,9 @@ void accumulate_rows(const float* p, const scalar_t* const* v, int64_t dim, int6
 #endif
   for (int r = 0; r < R; ++r)
     for (int64_t d = d0; d < dim; ++d) {
-      float acc = o[r * dim + d] * alpha[r];
+      float acc = o[r * dim + d] * alpha[r];  // the vector lanes' ops: one multiply, FMAs
       for (int64_t j = 0; j < keys; ++j)
-        acc += p[r * kChunk + j] * static_cast<float>(v[j][d]);
+        acc = std::fma(p[r * kChunk + j], static_cast<float>(v[j][d]), acc);
       o[r * dim + d] = acc;
     }
 }
@@ -198,6 +198,9 @@ void tile_attention(const Item& it, const torch::Tensor& q, const torch::Tensor&
   const scalar_t* k_base = k_cache.data_ptr<scalar_t>() + it.kv_head * k_cache.stride(2);
   const scalar_t* v_base = v_cache.data_ptr<scalar_t>() + it.kv_head * v_cache.stride(2);
   const scalar_t *k_rows[kChunk], *v_rows[kChunk];
+  const int64_t last_pos = first_pos + it.t1 - 1;  // the tile's last token's position
+  // the tile's first token's window starts the positions read (whole chunks from there)
+  const int64_t lo = window > 0 ? std::max<int64_t>(0, first_pos + it.t0 - window + 1) : 0;
   for (int64_t p0 = lo / kChunk * kChunk; p0 <= last_pos; p0 += kChunk) {
     load_chunk(k_base, v_base, table, k_cache.size(1), k_cache.stride(0), k_cache.stride(1),
                p0, last_pos, k_rows, v_rows);
