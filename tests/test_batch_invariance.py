@@ -95,6 +95,42 @@ def test_a_positions_attention_is_the_same_bits_in_every_split(dtype, softcap, w
     assert torch.equal(decodes, whole)
 
 
+@needs_cpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 20])
+@pytest.mark.parametrize("group", [1, 2, 3, 4, 5, 6, 7])
+def test_a_decode_is_its_rows_bits_in_prefill_tiles_of_every_size(dtype, head_dim, group):
+    """Each of the last tokens of a 137-token context, as a one-token decode, gives the bits
+    of its row in a prefill of the last n tokens over the cached rest, for n = 1..13, 33 and
+    137: with query-head groups of 1-7 a row sits at every place of register tiles of every
+    size (1-6 rows), among 1-64 key positions of its last chunk (padded to the score tile).
+    head_dim 20 takes the scalar twin of the score order (not a multiple of 8)."""
+    from loraplex.kernel_backends.cpu import extension
+
+    ext = extension.load()
+    total = 137
+    k_cache, v_cache, tables = make_paged_cache([total], 16, 1, head_dim, dtype, seed=5)
+    q = torch.randn(total, group, head_dim,
+                    generator=torch.Generator().manual_seed(6)).to(dtype)
+    scale = head_dim**-0.5
+    decodes = torch.cat([
+        cpu_attention.paged_attention_decode(ext, q[t:t + 1], k_cache, v_cache, tables,
+                                             torch.tensor([t + 1], dtype=torch.int32), scale,
+                                             0.0, 0, True)
+        for t in range(total)])
+    want = reference.paged_attention_prefill(q, k_cache, v_cache, tables,
+                                             torch.tensor([0, total], dtype=torch.int32),
+                                             torch.tensor([total], dtype=torch.int32), scale)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(decodes.float(), want.float(), rtol=tol, atol=tol)
+    for n in [*range(1, 14), 33, total]:
+        out = cpu_attention.paged_attention_prefill(
+            ext, q[total - n:], k_cache, v_cache, tables,
+            torch.tensor([0, n], dtype=torch.int32), torch.tensor([total], dtype=torch.int32),
+            scale, 0.0, 0, True)
+        assert torch.equal(out, decodes[total - n:]), n
+
+
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory) -> str:
     """A tiny llama with 64-wide heads in groups of two (GQA): the kernels' vector paths

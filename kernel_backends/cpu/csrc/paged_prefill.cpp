@@ -5,10 +5,13 @@
 // Token t of a sequence with context_len c and q_len n new tokens sits at position
 // c - n + t and attends positions 0 ..= that one (causal over the cached prefix and the new
 // tokens), or with window > 0 the last `window` of them (positions p - window + 1 ..= p).
-// Scores are soft-capped (softcap · tanh(s / softcap)) when softcap > 0. A work item is (sequence, KV head, tile of up to kTile tokens): its rows are the
-// tile's tokens × the KV head's query heads, which all read the same K/V chunk; per chunk
-// S = Q·Kᵀ and O += P·V run as 6 x 16 register tiles and one tile of the rest, 1-5 rows
-// (tile_6x16.h: every K or V vector loaded once for the tile's rows). Positions past a tile's last token are never read.
+// Scores are soft-capped (softcap · tanh(s / softcap)) when softcap > 0. A work item is
+// (sequence, KV head, tile of up to kTile tokens): its rows are the tile's tokens × the KV
+// head's query heads, which all read the same K/V chunk, in register tiles of six rows and
+// one of the rest (1-5). Per chunk, S = Q·Kᵀ reads the key rows in place, each score in the
+// one fixed order of attention_scores.h; O += P·V runs as 6 x 16 register tiles (tile_6x16.h:
+// every V vector loaded once for the tile's rows). Positions past a tile's last token are
+// never read.
 //
 // Batch invariance: a query row's result is a function of its own query and its context
 // only. The key chunks sit at absolute positions (multiples of kChunk from 0), whatever the
@@ -25,6 +28,7 @@
 #include <limits>
 #include <vector>
 
+#include "attention_scores.h"
 #include "online_softmax.h"
 #include "tile_6x16.h"
 #include "vec.h"
@@ -35,6 +39,8 @@ constexpr int64_t kTile = 32;  // query tokens per work item
 constexpr int64_t kChunk = 64;  // key positions per step (any block size)
 constexpr int64_t kRows = 6;    // rows per register tile
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+using loraplex_scores::dot_scores;
+using loraplex_scores::kPositions;
 
 struct Item {
   int64_t seq, kv_head, t0, t1, cost;
@@ -61,33 +67,6 @@ struct Item {
     LP_TILE_ROWS(LP_STORE_ROW)                    \
   }
 #endif
-
-// s[r][j] = Σ_d q[r][d] · kt[d][j] for R <= kRows rows (q rows D apart) and the first `keys`
-// keys (keys <= kChunk, a multiple of 16; kt rows and s rows kChunk apart), sixteen keys at
-// a time: each score one FMA chain over d in order, whatever R.
-template <int R>
-void scores_rows(const float* q, const float* kt, int64_t dim, int64_t keys, float* s) {
-  int64_t j0 = 0;
-#if defined(__AVX2__) && defined(__FMA__)
-  static_assert(R >= 1 && R <= kRows, "the register tile is up to six rows");
-  for (; j0 < keys; j0 += 16) {
-    LP_ACC_DECLARE
-    c00 = c01 = c10 = c11 = c20 = c21 = c30 = c31 = c40 = c41 = c50 = c51 = _mm256_setzero_ps();
-    for (int64_t d = 0; d < dim; ++d) {
-      const __m256 k0 = _mm256_loadu_ps(kt + d * kChunk + j0);
-      const __m256 k1 = _mm256_loadu_ps(kt + d * kChunk + j0 + 8);
-      LP_R_ROWS(q + d, dim, k0, k1)
-    }
-    LP_STORE_R(s + j0, kChunk)
-  }
-#endif
-  for (int r = 0; r < R; ++r)
-    for (int64_t j = j0; j < keys; ++j) {
-      float acc = 0.f;
-      for (int64_t d = 0; d < dim; ++d) acc += q[r * dim + d] * kt[d * kChunk + j];
-      s[r * kChunk + j] = acc;
-    }
-}
 
 // o[r][:] = o[r][:] · alpha[r] + Σ_{j < keys} p[r][j] · v[j][:] for R <= kRows rows (o rows
 // D apart, p rows kChunk apart; v[j] the cached row of the chunk's position j, read in
@@ -117,9 +96,9 @@ void accumulate_rows(const float* p, const scalar_t* const* v, int64_t dim, int6
 #endif
   for (int r = 0; r < R; ++r)
     for (int64_t d = d0; d < dim; ++d) {
-      float acc = o[r * dim + d] * alpha[r];
+      float acc = o[r * dim + d] * alpha[r];  // the vector lanes' ops: one multiply, FMAs
       for (int64_t j = 0; j < keys; ++j)
-        acc += p[r * kChunk + j] * static_cast<float>(v[j][d]);
+        acc = std::fma(p[r * kChunk + j], static_cast<float>(v[j][d]), acc);
       o[r * dim + d] = acc;
     }
 }
@@ -128,62 +107,47 @@ void accumulate_rows(const float* p, const scalar_t* const* v, int64_t dim, int6
 // The storage is the thread's own and kept from call to call (it only grows), so a call
 // neither allocates it nor faults its pages in.
 struct Buffers {
-  float *q, *o, *s, *kt, *m, *l, *alpha;
+  float *q, *o, *s, *m, *l, *alpha;
   Buffers(int64_t rows, int64_t dim) {
     thread_local std::vector<float> storage;
-    const int64_t sizes[] = {rows * dim, rows * dim, rows * kChunk, dim * kChunk, rows, rows,
-                             rows};
+    const int64_t sizes[] = {rows * dim, rows * dim, rows * kChunk, rows, rows, rows};
     int64_t total = 16;
     for (int64_t n : sizes) total += (n + 15) / 16 * 16;
     if (static_cast<int64_t>(storage.size()) < total) storage.resize(total);
     float* next = reinterpret_cast<float*>(
         (reinterpret_cast<uintptr_t>(storage.data()) + 63) & ~uintptr_t(63));
-    float** slots[] = {&q, &o, &s, &kt, &m, &l, &alpha};
-    for (int i = 0; i < 7; ++i) {
+    float** slots[] = {&q, &o, &s, &m, &l, &alpha};
+    for (int i = 0; i < 6; ++i) {
       *slots[i] = next;
       next += (sizes[i] + 15) / 16 * 16;
     }
   }
 };
 
-// The chunk's keys (transposed: kt[d][j]) and value rows (v[j], pointers into the cache)
-// for the positions p0 + j <= last_pos, read in place through the block table. Columns
-// past last_pos keep whatever an earlier chunk left there: their scores are replaced by
-// -inf (softmax_rows' blend, not arithmetic, so even NaN there changes nothing) and their V
-// rows never read.
+// The chunk's key and value rows k[j], v[j] (pointers into the cache, read in place) for
+// the positions p0 + j <= last_pos; k is padded to a multiple of kPositions with the last
+// row (their scores are computed, then masked: softmax_rows' blend, not arithmetic).
+// Returns the positions loaded.
 template <typename scalar_t>
-void load_chunk(const scalar_t* k_base, const scalar_t* v_base, const int32_t* table, int64_t bs,
-                int64_t blk_stride, int64_t row_stride, int64_t p0, int64_t last_pos,
-                int64_t dim, float* kt, const scalar_t** v) {
+int64_t load_chunk(const scalar_t* k_base, const scalar_t* v_base, const int32_t* table,
+                   int64_t bs, int64_t blk_stride, int64_t row_stride, int64_t p0,
+                   int64_t last_pos, const scalar_t** k, const scalar_t** v) {
   const int64_t n = std::min(kChunk, last_pos + 1 - p0);
-  const scalar_t* rows[kChunk];
+  int64_t block = p0 / bs, in_block = p0 % bs;  // stepped, not divided, position by position
   for (int64_t j = 0; j < n; ++j) {
-    const int64_t pos = p0 + j;
-    rows[j] = k_base + table[pos / bs] * blk_stride + (pos % bs) * row_stride;
-    v[j] = v_base + (rows[j] - k_base);
+    k[j] = k_base + table[block] * blk_stride + in_block * row_stride;
+    v[j] = v_base + (k[j] - k_base);
+    if (++in_block == bs) in_block = 0, ++block;
   }
-  int64_t j0 = 0;
-#if defined(__AVX2__) && defined(__FMA__)
-  if constexpr (kVec8<scalar_t>) {
-    if (dim % 8 == 0)
-      for (; j0 + 8 <= n; j0 += 8)  // 8 x 8 squares: eight rows in, eight kt rows out
-        for (int64_t d0 = 0; d0 < dim; d0 += 8) {
-          __m256 sq[8];
-          for (int i = 0; i < 8; ++i) sq[i] = load8(rows[j0 + i] + d0);
-          transpose8(sq);
-          for (int i = 0; i < 8; ++i) _mm256_storeu_ps(kt + (d0 + i) * kChunk + j0, sq[i]);
-        }
-  }
-#endif
-  for (int64_t j = j0; j < n; ++j)
-    for (int64_t d = 0; d < dim; ++d) kt[d * kChunk + j] = static_cast<float>(rows[j][d]);
+  for (int64_t j = n; j % kPositions; ++j) k[j] = k[n - 1];
+  return n;
 }
 
-// The chunk a register tile reads: its keys (transposed) and value rows from position p0,
-// and the item's head_dim, soft-cap and window.
+// The chunk a register tile reads: its key and value rows from position p0, and the
+// item's head_dim, soft-cap and window.
 template <typename scalar_t>
 struct ChunkTile {
-  const float* kt;
+  const scalar_t* const* k;
   const scalar_t* const* v;
   int64_t p0, dim;
   float softcap;
@@ -197,7 +161,7 @@ template <int R, typename scalar_t>
 void chunk_rows(const ChunkTile<scalar_t>& c, const int64_t* pos, int64_t keys, float* q,
                 float* s, float* m, float* l, float* alpha, float* o) {
   const int64_t width = (keys + 7) / 8 * 8;
-  scores_rows<R>(q, c.kt, c.dim, (keys + 15) / 16 * 16, s);
+  dot_scores<R>(q, c.dim, c.k, (keys + kPositions - 1) / kPositions * kPositions, s, kChunk);
   int64_t vis_lo[R], vis_hi[R];  // row i sees positions p0 + [lo, hi)
   for (int64_t i = 0; i < R; ++i) {
     float* row = s + i * kChunk;
@@ -233,14 +197,14 @@ void tile_attention(const Item& it, const torch::Tensor& q, const torch::Tensor&
   std::fill(b.l, b.l + rows, 0.f);
   const scalar_t* k_base = k_cache.data_ptr<scalar_t>() + it.kv_head * k_cache.stride(2);
   const scalar_t* v_base = v_cache.data_ptr<scalar_t>() + it.kv_head * v_cache.stride(2);
-  const scalar_t* v_rows[kChunk];
+  const scalar_t *k_rows[kChunk], *v_rows[kChunk];
   const int64_t last_pos = first_pos + it.t1 - 1;  // the tile's last token's position
   // the tile's first token's window starts the positions read (whole chunks from there)
   const int64_t lo = window > 0 ? std::max<int64_t>(0, first_pos + it.t0 - window + 1) : 0;
   for (int64_t p0 = lo / kChunk * kChunk; p0 <= last_pos; p0 += kChunk) {
     load_chunk(k_base, v_base, table, k_cache.size(1), k_cache.stride(0), k_cache.stride(1),
-               p0, last_pos, dim, b.kt, v_rows);
-    const ChunkTile<scalar_t> chunk{b.kt, v_rows, p0, dim, softcap, window};
+               p0, last_pos, k_rows, v_rows);
+    const ChunkTile<scalar_t> chunk{k_rows, v_rows, p0, dim, softcap, window};
     for (int64_t r0 = 0; r0 < rows; r0 += kRows) {
       const int64_t n = std::min(kRows, rows - r0);
       int64_t pos[kRows];  // row r0 + i's token's position
@@ -269,29 +233,34 @@ void tile_attention(const Item& it, const torch::Tensor& q, const torch::Tensor&
 }
 
 // The work items, ordered so that at::parallel_for's contiguous per-thread ranges carry
-// about equal cost: sorted by cost (rows × positions read), dealt out in a snake order
-// (the ranges' bounds may shift an item from one thread's share to the next one's).
+// about equal cost: the (sequence, tile) groups sorted by cost (rows × positions read; a
+// stable sort: equal groups keep the sequences' order), dealt out in a snake order (the
+// ranges' bounds may shift an item from one thread's share to the next one's). A group's
+// KV heads stay together, in order: they read the same cached rows' neighbouring bytes, so
+// the lines one head's read brings in serve the next (a decode step's K/V comes from memory).
 std::vector<Item> balanced_items(const int32_t* starts, const int32_t* lens, int64_t seqs,
                                  int64_t kv_heads, int64_t group) {
-  std::vector<Item> items;
+  std::vector<Item> groups;  // kv_head 0 stands for the group's heads
   for (int64_t s = 0; s < seqs; ++s) {
     const int64_t n = starts[s + 1] - starts[s], first = lens[s] - n;
     if (n < 1) continue;  // nothing new (one-token sequences, decodes, run here too)
     for (int64_t t0 = 0; t0 < n; t0 += kTile) {
       const int64_t t1 = std::min(n, t0 + kTile);
-      for (int64_t h = 0; h < kv_heads; ++h)
-        items.push_back({s, h, starts[s] + t0, starts[s] + t1, (t1 - t0) * group * (first + t1)});
+      groups.push_back({s, 0, starts[s] + t0, starts[s] + t1, (t1 - t0) * group * (first + t1)});
     }
   }
-  std::sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
+  std::stable_sort(groups.begin(), groups.end(),
+                   [](const Item& a, const Item& b) { return a.cost > b.cost; });
   const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
   std::vector<std::vector<Item>> dealt(threads);
-  for (size_t i = 0; i < items.size(); ++i) {  // round i / threads goes in snake order
+  for (size_t i = 0; i < groups.size(); ++i) {  // round i / threads goes in snake order
     const int64_t round = i / threads, k = i % threads;
-    dealt[round % 2 ? threads - 1 - k : k].push_back(items[i]);
+    dealt[round % 2 ? threads - 1 - k : k].push_back(groups[i]);
   }
   std::vector<Item> ordered;
-  for (const auto& part : dealt) ordered.insert(ordered.end(), part.begin(), part.end());
+  for (const auto& part : dealt)
+    for (const Item& g : part)
+      for (int64_t h = 0; h < kv_heads; ++h) ordered.push_back({g.seq, h, g.t0, g.t1, g.cost});
   return ordered;
 }
 
