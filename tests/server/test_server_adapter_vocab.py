@@ -108,15 +108,21 @@ def test_tokenize_route_uses_the_adapters_tokenizer(server, base_dir) -> None:
     assert r.status_code == 200 and r.json()["prompt"] == ext.decode([384, 385])
 
 
-def test_grpc_generate_uses_the_adapters_tokenizer(server, base_dir, adapter) -> None:
-    """gRPC's text prompt on the adapter: tokenized with its tokenizer, the text its."""
+def _grpc_generate_uses_the_adapters_tokenizer(server, name: str, base_dir: Path,
+                                               adapter: Path) -> None:
+    """gRPC's text prompt on adapter ``name``: tokenized with its tokenizer, the text its,
+    the tokens PEFT's."""
     ext = extended_tokenizer(base_dir)
     tokens, _ = peft_oracle(base_dir, adapter, ext(STEER).input_ids, NEW, len(ext))
     with server.client(api_token=API) as client:
-        got = client.generate(STEER, adapter="judge", temperature=0.0, max_new_tokens=NEW,
+        got = client.generate(STEER, adapter=name, temperature=0.0, max_new_tokens=NEW,
                               min_new_tokens=NEW)
     assert got.usage.prompt_tokens == len(ext(STEER).input_ids)
     assert got.text == ext.decode(tokens, skip_special_tokens=True)
+
+
+def test_grpc_generate_uses_the_adapters_tokenizer(server, base_dir, adapter) -> None:
+    _grpc_generate_uses_the_adapters_tokenizer(server, "judge", base_dir, adapter)
 
 
 # ---- loaded on first use by --lora-resolver-dir; a tokenizer without a chat template ------
@@ -182,10 +188,4 @@ def test_chat_without_the_adapters_template_uses_the_base_template(resolved, bas
 
 def test_first_grpc_request_via_the_resolver_uses_its_tokenizer(resolved, base_dir,
                                                                 adapter) -> None:
-    ext = extended_tokenizer(base_dir)
-    tokens, _ = peft_oracle(base_dir, adapter, ext(STEER).input_ids, NEW, len(ext))
-    with resolved.client(api_token=API) as client:
-        got = client.generate(STEER, adapter="judge-g", temperature=0.0, max_new_tokens=NEW,
-                              min_new_tokens=NEW)
-    assert got.usage.prompt_tokens == len(ext(STEER).input_ids)
-    assert got.text == ext.decode(tokens, skip_special_tokens=True)
+    _grpc_generate_uses_the_adapters_tokenizer(resolved, "judge-g", base_dir, adapter)
