@@ -17,7 +17,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-
 from loraplex.engine.sampler import Sampler
 from loraplex.engine.sampling_params import SamplingParams
 from loraplex.engine.sequence import Sequence
