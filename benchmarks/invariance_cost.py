@@ -173,7 +173,7 @@ def main() -> None:
         print("dry run: CPU, Triton interpreter, tiny shapes (figures mean nothing)")
         cost.linears({"tiny": (96, 200)}, [1, 70])
         cost.rows(100, 1500, [1, 5])
-        cost.decode((4, 2, 16, 16), [(3, 600)])
+        cost.decode((4, 2, 16, 16), [(2, 600)])  # 2 invariant splits of 512
         cost.prefill((4, 2, 16, 16), [(2, 17, 5)])
     else:
         if not torch.cuda.is_available():
