@@ -28,6 +28,11 @@ from typing import TYPE_CHECKING
 import pytest
 import torch
 
+if os.environ["TRITON_INTERPRET"] == "1":  # same programs, same results: no nested re-patching
+    from tests.triton_interpreter import install as install_interpreter_shortcut
+
+    install_interpreter_shortcut()
+
 if TYPE_CHECKING:
     from loraplex.lora.base_shapes import BaseShapes
 

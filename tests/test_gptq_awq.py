@@ -58,9 +58,16 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory):
     return get
 
 
+ORACLES: dict[Path, Oracle] = {}  # reference dir -> its oracle (adapters trained on it)
+
+
 def formula_oracle(ref: Path, adapters: dict[str, Path]) -> Oracle:
-    return Oracle(lambda: AutoModelForCausalLM.from_pretrained(ref, dtype=torch.float32),
-                  adapters)
+    """transformers + PEFT on the formula's float weights, one per reference dir: the tests
+    and backends serving one checkpoint ask it the same (its models load once)."""
+    if ref not in ORACLES:
+        ORACLES[ref] = Oracle(
+            lambda: AutoModelForCausalLM.from_pretrained(ref, dtype=torch.float32), adapters)
+    return ORACLES[ref]
 
 
 @pytest.mark.parametrize("arch", list(FAMILIES))

@@ -84,11 +84,14 @@ def references(model_dir: Path, adapters: dict[str, Path], items) -> dict:
     return out
 
 
-# Triton (the interpreter: 15-30 s a run on 2 cores) in `make test` on the families whose
-# attention runs its own Triton kernel code (gemma2: soft-caps, alternating windows; gemma3:
-# windows, local RoPE); phi3 (longrope: a torch op) and mistral_window (a window, as gemma's)
-# run on Triton the paths those and test_engine_triton.py cover: marked slow.
-TRITON_SLOW = ("phi3", "mistral_window")
+# Triton (the interpreter: 15-30 s a run on 2 cores) in `make test` on gemma2, whose
+# attention runs the most Triton kernel code (soft-caps, alternating windows) and LoRA on
+# every Gemma module. The others run on Triton paths covered in `make test`, so are marked
+# slow: phi3 (longrope: a torch op), mistral_window (a window without soft-cap: Triton's
+# kernels in test_kernels_softcap_window.py, the engine's path in gemma2's run) and gemma3
+# (the same Triton kernels as gemma2 with soft-cap 0 (that window case: as mistral_window);
+# its q/k norms and local RoPE are torch ops, run in its cpu and torch parametrizations).
+TRITON_SLOW = ("phi3", "mistral_window", "gemma3")
 ARCH_KERNELS = [pytest.param(arch, kernels, id=f"{arch}-{kernels}", marks=(
     [] if kernels != "triton" else
     [pytest.mark.triton, pytest.mark.slow] if arch in TRITON_SLOW else [pytest.mark.triton]))

@@ -111,6 +111,20 @@ def family(tmp_path_factory: pytest.TempPathFactory):
     return get
 
 
+@pytest.fixture(scope="module")
+def gguf_oracles(family):
+    """arch -> its GGUF oracle, made once: every kernels parametrization asks it the same."""
+    made: dict[str, Oracle] = {}
+
+    def get(arch: str) -> Oracle:
+        if arch not in made:
+            model_dir, path, adapters = family(arch)
+            made[arch] = gguf_oracle(path, model_dir, adapters)
+        return made[arch]
+
+    return get
+
+
 def gguf_oracle(path: Path, model_dir: Path, adapters: dict[str, Path]) -> Oracle:
     """transformers' GGUF loader; its config's head_dim taken from the float model, since
     transformers reads no ``attention.key_length`` from a GGUF (it keeps Qwen3's default)."""
@@ -144,13 +158,14 @@ ARCH_KERNELS = [pytest.param(arch, kernels, id=f"{arch}-{kernels}", marks=(
 
 
 @pytest.mark.parametrize(("arch", "kernels"), ARCH_KERNELS)
-def test_gguf_served_as_stored_equals_transformers(arch, kernels, family, monkeypatch):
+def test_gguf_served_as_stored_equals_transformers(arch, kernels, family, gguf_oracles,
+                                                   monkeypatch):
     """Q8_0 embedding, Q4_0/Q8_0/Q4_1 q/k/v in one fused linear, Q4_0/Q4_1 gate/up; llama
     untied (Q8_0 head) with llama.cpp's Q/K permutation, qwen2 tied with q/k/v biases,
     qwen3 with q/k norms; gemma2 / gemma3 with their (1 + w) norms stored shifted, scaled
     embedding, soft-caps (gemma2) and sliding windows."""
     monkeypatch.setenv("LORAPLEX_KERNELS", kernels)
-    model_dir, path, adapters = family(arch)
+    _, path, adapters = family(arch)
     engine = engine_for(path)
     assert engine.base.kernels.name == kernels
     model = engine.base.model
@@ -159,7 +174,7 @@ def test_gguf_served_as_stored_equals_transformers(arch, kernels, family, monkey
     assert isinstance(model.model.embed_tokens, QuantizedEmbedding)
     assert isinstance(model.logits_head, QuantizedLinear)
     assert engine.base.weights.format == "Q8_0+Q4_1+Q4_0"
-    check_against(engine, adapters, gguf_oracle(path, model_dir, adapters))
+    check_against(engine, adapters, gguf_oracles(arch))
 
 
 def test_k_quants_q4_k_m_mix_equals_transformers(tmp_path):

@@ -28,7 +28,7 @@ LIMIT = 1 << 20  # --max-upload-bytes
 BUDGET = LIMIT * 3 // 2  # --upload-disk-budget
 IDLE = 2.0  # --upload-idle-timeout, seconds
 CAP = 2  # --max-concurrent-uploads
-SLOW_WRITE_S = 10.0  # the slow disk's one write
+SLOW_WRITE_S = 60.0  # the slow disk's one write stalls until released, this long at most
 IDS = [10, 20, 30, 40]
 
 
@@ -218,15 +218,17 @@ def test_a_disk_that_fails_is_an_error_without_its_paths(serve, make_engine, tin
 
 
 class SlowDisk:
-    """A file whose first write takes SLOW_WRITE_S (a slow or stalled disk)."""
+    """A file whose first write stalls until ``release`` is set, SLOW_WRITE_S at most (a
+    slow or stalled disk)."""
 
     def __init__(self, f: Any):
         self.f, self.writing, self.wrote = f, threading.Event(), threading.Event()
+        self.release = threading.Event()
 
     def write(self, data: bytes) -> int:
         if not self.writing.is_set():
             self.writing.set()
-            time.sleep(SLOW_WRITE_S)
+            self.release.wait(SLOW_WRITE_S)
             self.wrote.set()
         return self.f.write(data)
 
@@ -236,8 +238,9 @@ class SlowDisk:
 
 def test_the_event_loop_answers_while_a_chunk_is_written(server, client, tiny_adapters,
                                                          monkeypatch) -> None:
-    """The store's disk takes 10 s for a write: health, a generate and ListAdapters answer
-    while that write still runs (written on the event loop, each would wait for it)."""
+    """The store's disk stalls a write: health, a generate and ListAdapters answer while
+    that write still runs (written on the event loop, each would wait for it, and the write
+    would end by its SLOW_WRITE_S bound first); then the write goes on and the upload ends."""
     store = server.engine.uploads
     opened: list[SlowDisk] = []
     open_weights = store.open_weights
@@ -252,9 +255,10 @@ def test_the_event_loop_answers_while_a_chunk_is_written(server, client, tiny_ad
         wait_until(lambda: bool(opened) and opened[0].writing.is_set(), 30, "the slow write")
         assert client.health() == "SERVING"
         out = client.generate(prompt_token_ids=IDS, temperature=0.0, max_new_tokens=4,
-                              ignore_eos=True, timeout=SLOW_WRITE_S)
+                              ignore_eos=True, timeout=SLOW_WRITE_S / 2)
         assert len(out.token_ids) == 4
         assert "slow" not in names(client)
         assert not opened[0].wrote.is_set()  # all of that while the write still ran
+        opened[0].release.set()
         assert done.result(60).version == 1
     client.unload_adapter("slow")
