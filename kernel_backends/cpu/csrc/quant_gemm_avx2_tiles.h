@@ -104,12 +104,12 @@ inline void tile_decoded_here(const Problem& p, int64_t m, int64_t n) {
 }
 
 // A K-quant's one row m against columns n .. n + C: the C columns' super-blocks unpacked
-// first, then each vector of x loaded once for the C columns (put in turn, column by column,
-// each decoded vector used by the C columns' t at once). The same operations per column, in
-// the same order, as Acc<1> takes them from k_unit, so y is the same bits as in any other
-// tile. (At one row the kernel is bound by its uops and loads, not by the chains of t and a:
-// splitting those into 2 partial sums each changed nothing; loading x once a vector for
-// the 4 columns instead of once a column and vector, 1.15-1.2x.)
+// first, then each vector of x loaded once and taken by the C columns' t in turn. The same
+// operations per column, in the same order, as Acc<1> takes them from k_unit, so y is the
+// same bits as in any other tile. (At one row the kernel is bound by its uops and loads,
+// not by the chains of t and a: splitting each into 2 partial sums changed nothing; x
+// loaded once a vector for the 4 columns instead of once a column and vector: 1.12-1.20x,
+// benchmarks/results/2026-12-07-s25-quant-chains.md.)
 template <int F, int C>
 inline void row_super_blocks(const Problem& p, int64_t m, int64_t n) {
   constexpr int G = group_weights<F>(), UB = unit_bytes<F>();
