@@ -16,7 +16,8 @@
 // A format's "unit" is what one decode call takes: a 32-weight chunk (Q8_0, Q4_0, Q4_1,
 // int8, int4) or a 256-weight super-block (Q4_K, Q5_K, Q6_K, whose scales are read once a
 // super-block and whose integers are unpacked 32 bytes at a time in the byte domain into a
-// buffer, then widened 8 at a time). A decoder calls, in a fixed order, the sink's
+// SuperBlock, then widened 8 at a time; a K-quant's one row takes 4 columns' SuperBlocks
+// at once, row_super_blocks). A decoder calls, in a fixed order, the sink's
 // put(off, first, q) for each vector of 8 integers (off: their first index in the unit;
 // first: the group's first vector), fold(d) at the end of each group, and offsets8(c) for a
 // super-block's offsets; or put_w(off, par, w) for weights decoded whole (Q4_0, Q4_1: two
@@ -104,25 +105,24 @@ inline void q4_chunk(const uint8_t* q, Sink& sink, float d, float c) {
   }
 }
 
-// A super-block's 256 integers, unpacked to bytes in weight order (buf), put 8 at a time,
-// folded by the scale of each group of G weights (32: Q4_K, Q5_K; 16: Q6_K).
-template <int G, bool Signed, class Sink>
-inline void put_super_block(const uint8_t* buf, const float* scale, Sink& sink) {
-  for (int g = 0; g < 256 / G; ++g) {
-    for (int i = 0; i < G / 8; ++i) {
-      const uint8_t* at = buf + G * g + 8 * i;
-      sink.put(G * g + 8 * i, i == 0, f32(Signed ? i8x8(at) : u8x8(at)));
-    }
-    sink.fold(_mm256_broadcast_ss(scale + g));
-  }
-}
+// A K-quant super-block unpacked in the byte domain (k_unpack): its 256 integers as bytes in
+// weight order (widened 8 at a time from here: one load a vector, not register shuffles), the
+// scale of each group of G weights (Q4_K, Q5_K: 8 of 32; Q6_K: 16 of 16) and, Q4_K and Q5_K,
+// the offsets of its 8 sub-blocks.
+struct SuperBlock {
+  alignas(32) uint8_t q[256];  // Q6_K: signed (q - 32)
+  alignas(32) float d[16];
+  __m256 offsets;              // -DM_j (exact); Q6_K: unused
+};
+template <int F>
+constexpr int group_weights() { return F == kQ6_K ? 16 : 32; }
 
 // Q4_K (144-byte super-blocks) and Q5_K (176): sub-block j's D_j = d sc_j and DM_j = dmin
 // m_j (q4_k_chunks' products, exact; the 12 scale bytes unpacked as ggml's kmask code does),
 // w = q D_j - DM_j; its 32 weights are the low (j even) or high nibbles of qs[32 (j / 2) ..],
-// Q5_K's bit 4 bit j of qh[0 .. 32).
-template <int F, class Sink>
-inline void k4_unit(const uint8_t* blk, Sink& sink) {
+// Q5_K's bit 4 bit j of qh[0 .. 32). Unpacked 32 bytes (64 weights) at a time.
+template <int F>
+inline void k4_unpack(const uint8_t* blk, SuperBlock& sb) {
   uint32_t u[4];
   std::memcpy(u, blk + 4, 12);
   u[3] = ((u[2] >> 4) & 0x0f0f0f0f) | (((u[1] >> 6) & 0x03030303) << 4);  // mins 4-7
@@ -131,13 +131,11 @@ inline void k4_unit(const uint8_t* blk, Sink& sink) {
   u[2] = mins;
   u[0] &= 0x3f3f3f3f;                                                       // scales 0-3
   const uint8_t* sm = reinterpret_cast<const uint8_t*>(u);
-  alignas(32) float d[8];
-  _mm256_store_ps(d, _mm256_mul_ps(f32(u8x8(sm)), _mm256_set1_ps(f16(blk))));
+  _mm256_store_ps(sb.d, _mm256_mul_ps(f32(u8x8(sm)), _mm256_set1_ps(f16(blk))));
   const __m256 dm = _mm256_mul_ps(f32(u8x8(sm + 8)), _mm256_set1_ps(f16(blk + 2)));
-  sink.offsets8(_mm256_xor_ps(dm, _mm256_set1_ps(-0.f)));  // -DM_j: exact
+  sb.offsets = _mm256_xor_ps(dm, _mm256_set1_ps(-0.f));  // -DM_j: exact
   const uint8_t* qs = blk + (F == kQ5_K ? 48 : 16);
   const __m256i m4 = _mm256_set1_epi8(0x0F);
-  alignas(32) uint8_t buf[256];
   for (int j = 0; j < 4; ++j) {
     const __m256i v = load32(qs + 32 * j);
     __m256i a = _mm256_and_si256(v, m4), b = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
@@ -149,11 +147,9 @@ inline void k4_unit(const uint8_t* blk, Sink& sink) {
       a = _mm256_or_si256(a, _mm256_and_si256(at4(2 * j), bit4));
       b = _mm256_or_si256(b, _mm256_and_si256(at4(2 * j + 1), bit4));
     }
-    store32(buf + 64 * j, a);
-    store32(buf + 64 * j + 32, b);
+    store32(sb.q + 64 * j, a);
+    store32(sb.q + 64 * j + 32, b);
   }
-  asm volatile("" ::: "memory");  // widen from buf (one load a vector), not by shuffles
-  put_super_block<32, false>(buf, d, sink);
 }
 
 // Q6_K (ggml's block_q6_K: ql[128], qh[64], int8 scales[16], fp16 d; dequantize_row_q6_K):
@@ -161,29 +157,52 @@ inline void k4_unit(const uint8_t* blk, Sink& sink) {
 // ql[l], of ql[l + 32], the high nibble of ql[l], of ql[l + 32], each with 2 bits of qh[l]
 // (bits 0-1, 2-3, 4-5, 6-7) as bits 4-5, minus 32 (in bytes: -32 .. 31); the scale of each
 // 16 weights d scale_g (q6_k_scales' products).
-template <class Sink>
-inline void q6_k_unit(const uint8_t* blk, Sink& sink) {
-  alignas(32) float s[16];
+inline void q6_k_unpack(const uint8_t* blk, SuperBlock& sb) {
   const __m256 d = _mm256_set1_ps(f16(blk + 208));
-  _mm256_store_ps(s, _mm256_mul_ps(f32(i8x8(blk + 192)), d));
-  _mm256_store_ps(s + 8, _mm256_mul_ps(f32(i8x8(blk + 200)), d));
+  _mm256_store_ps(sb.d, _mm256_mul_ps(f32(i8x8(blk + 192)), d));
+  _mm256_store_ps(sb.d + 8, _mm256_mul_ps(f32(i8x8(blk + 200)), d));
   const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
   const __m256i c32 = _mm256_set1_epi8(32);
-  alignas(32) uint8_t buf[256];
   for (int h = 0; h < 2; ++h) {  // 16-bit shifts: the bits moved across bytes are masked off
     const __m256i a = load32(blk + 64 * h), b = load32(blk + 64 * h + 32);
     const __m256i hb = load32(blk + 128 + 32 * h);
     auto q = [&](__m256i low, __m256i top) {
       return _mm256_sub_epi8(_mm256_or_si256(low, _mm256_and_si256(top, m30)), c32);
     };
-    uint8_t* o = buf + 128 * h;
+    uint8_t* o = sb.q + 128 * h;
     store32(o, q(_mm256_and_si256(a, m4), _mm256_slli_epi16(hb, 4)));
     store32(o + 32, q(_mm256_and_si256(b, m4), _mm256_slli_epi16(hb, 2)));
     store32(o + 64, q(_mm256_and_si256(_mm256_srli_epi16(a, 4), m4), hb));
     store32(o + 96, q(_mm256_and_si256(_mm256_srli_epi16(b, 4), m4), _mm256_srli_epi16(hb, 2)));
   }
-  asm volatile("" ::: "memory");  // widen from buf (one load a vector), not by shuffles
-  put_super_block<16, true>(buf, s, sink);
+}
+
+template <int F>
+inline void k_unpack(const uint8_t* blk, SuperBlock& sb) {
+  if constexpr (F == kQ6_K) q6_k_unpack(blk, sb);
+  else k4_unpack<F>(blk, sb);
+}
+
+// Vector i (8 integers) of an unpacked super-block, as floats.
+template <int F>
+inline __m256 sb_vector(const SuperBlock& sb, int i) {
+  return f32(F == kQ6_K ? i8x8(sb.q + 8 * i) : u8x8(sb.q + 8 * i));
+}
+
+// A K-quant super-block into a sink: its offsets, then each group's vectors, folded by the
+// group's scale.
+template <int F, class Sink>
+inline void k_unit(const uint8_t* blk, Sink& sink) {
+  constexpr int G = group_weights<F>();
+  SuperBlock sb;
+  k_unpack<F>(blk, sb);
+  asm volatile("" ::: "memory");  // widen from sb.q (one load a vector), not by shuffles
+  if constexpr (F != kQ6_K) sink.offsets8(sb.offsets);
+  for (int g = 0; g < 256 / G; ++g) {
+    for (int i = 0; i < G / 8; ++i)
+      sink.put(G * g + 8 * i, i == 0, sb_vector<F>(sb, G / 8 * g + i));
+    sink.fold(_mm256_broadcast_ss(sb.d + g));
+  }
 }
 
 // Unit u of a column: the sink's calls for it.
@@ -206,10 +225,8 @@ inline void decode_unit(const Problem& p, const Column& col, int64_t u, Sink& si
   } else if constexpr (F == kInt4) {  // (q - z) s: q - z in integers (s q is not exact)
     const int64_t g = u >> (p.group_shift - 5);
     int4_chunk(col.row + u * 16, sink, col.scales[g], col.zeros[g]);
-  } else if constexpr (F == kQ4_K || F == kQ5_K) {
-    k4_unit<F>(col.row + u * (F == kQ5_K ? 176 : 144), sink);
   } else {
-    q6_k_unit(col.row + u * 210, sink);
+    k_unit<F>(col.row + u * unit_bytes<F>(), sink);
   }
 }
 

@@ -103,12 +103,69 @@ inline void tile_decoded_here(const Problem& p, int64_t m, int64_t n) {
   for (int c = 0; c < C; ++c) finish<F, R>(p, acc[c], m, n + c);
 }
 
+// A K-quant's one row m against columns n .. n + C: the C columns' super-blocks unpacked
+// first, then each vector of x loaded once and taken by the C columns' t in turn. The same
+// operations per column, in the same order, as Acc<1> takes them from k_unit, so y is the
+// same bits as in any other tile. (At one row the kernel is bound by its uops and loads,
+// not by the chains of t and a: splitting each into 2 partial sums changed nothing; x
+// loaded once a vector for the 4 columns instead of once a column and vector: 1.12-1.20x,
+// benchmarks/results/2026-12-07-s25-quant-chains.md.)
+template <int F, int C>
+inline void row_super_blocks(const Problem& p, int64_t m, int64_t n) {
+  constexpr int G = group_weights<F>(), UB = unit_bytes<F>();
+  const float* x = p.x + m * p.K;
+  const float* xs = p.xsum ? p.xsum + m * (p.K / 32) : nullptr;
+  __m256 a[C], t[C];
+  const uint8_t* row[C];
+  const uint8_t* next[C];  // the next C columns, requested into cache (tile_decoded_here)
+  for (int c = 0; c < C; ++c) {
+    a[c] = t[c] = _mm256_setzero_ps();
+    row[c] = p.data + (n + c) * p.row_bytes;
+    next[c] = p.data + std::min(n + C + c, p.N - 1) * p.row_bytes;
+  }
+  SuperBlock sb[C];
+  for (int64_t u = 0; u < p.K / 256; ++u, x += 256) {
+    for (int c = 0; c < C; ++c) {
+      for (int b = 0; b < UB; b += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(next[c] + u * UB + b), _MM_HINT_T0);
+      k_unpack<F>(row[c] + u * UB, sb[c]);
+    }
+    asm volatile("" ::: "memory");  // widen from sb[c].q, not by shuffles
+    if constexpr (F != kQ6_K) {
+      const __m256 s = _mm256_loadu_ps(xs + 8 * u);
+      for (int c = 0; c < C; ++c) a[c] = _mm256_fmadd_ps(sb[c].offsets, s, a[c]);
+    }
+    for (int g = 0; g < 256 / G; ++g) {
+      for (int i = 0; i < G / 8; ++i) {
+        const __m256 v = _mm256_loadu_ps(x + G * g + 8 * i);
+        for (int c = 0; c < C; ++c) {
+          const __m256 q = sb_vector<F>(sb[c], G / 8 * g + i);
+          t[c] = i == 0 ? _mm256_mul_ps(q, v) : _mm256_fmadd_ps(q, v, t[c]);
+        }
+      }
+      for (int c = 0; c < C; ++c)
+        a[c] = _mm256_fmadd_ps(_mm256_broadcast_ss(sb[c].d + g), t[c], a[c]);
+    }
+  }
+  for (int c = 0; c < C; ++c) {
+    Acc<1> acc;
+    acc.a[0] = a[c];
+    finish<F, 1>(p, acc, m, n + c);
+  }
+}
+
 // Rows m .. m + R (R = 1 .. 4) against columns t0 .. t1, decoded here: C columns a time
-// (C = 4 / R: eight accumulators), the last ones one a time.
+// (C = 4 / R: eight accumulators), the last ones one a time; a K-quant's one row by
+// row_super_blocks.
 template <int F, int R>
 inline void rows_decoded_here(const Problem& p, int64_t m, int64_t t0, int64_t t1) {
   constexpr int C = R == 1 ? 4 : R == 2 ? 2 : 1;
   int64_t n = t0;
+  if constexpr (R == 1 && k_quant(F)) {
+    for (; n + C <= t1; n += C) row_super_blocks<F, C>(p, m, n);
+    for (; n < t1; ++n) row_super_blocks<F, 1>(p, m, n);
+    return;
+  }
   for (; n + C <= t1; n += C) tile_decoded_here<F, R, C>(p, m, n);
   for (; n < t1; ++n) tile_decoded_here<F, R, 1>(p, m, n);
 }
