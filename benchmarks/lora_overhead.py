@@ -2,6 +2,7 @@
 
     .venv/bin/python -m loraplex.benchmarks.lora_overhead [--dtype auto] [--adapters 32]
         [--rounds 3] [--processes 1] [--peft-rounds 1] [--out benchmarks/results/DATE-lora-overhead]
+        [--batch-invariant auto|on|off]
 
 SmolLM2-135M, 32 requests x 64 prompt x 32 new tokens, greedy, random rank-8 adapters on
 all seven targets; output tokens/s of ``LLMEngine.generate`` (the median of ``--rounds``):
@@ -59,7 +60,7 @@ TARGETS = {"c / base": 0.85, "base / HF": 2.0, "c / PEFT": 5.0}
 # ---- children: one fresh process each -----------------------------------------------------
 def engine_phases(model_dir: Path, adapters: dict[str, Path], prompts: list[list[int]],
                   dtype: str, order: list[str], rounds: int, new_tokens: int,
-                  max_model_len: int = 1024) -> dict:
+                  max_model_len: int = 1024, batch_invariant: str = "auto") -> dict:
     """Output tok/s per phase, in ``order``. The engine registers the adapters but reads
     none before the first phase that uses them; each phase starts with one untimed short
     generate of its own requests (adapters made resident), then ``rounds`` timed ones."""
@@ -73,7 +74,8 @@ def engine_phases(model_dir: Path, adapters: dict[str, Path], prompts: list[list
     engine = LLMEngine.from_config(EngineConfig(
         model=str(model_dir), dtype=dtype, max_num_seqs=n, max_model_len=max_model_len,
         max_lora_rank=8, max_loras=len(adapters), max_cpu_loras=len(adapters),
-        enable_prefix_caching=False, lora_modules={k: str(p) for k, p in adapters.items()}))
+        enable_prefix_caching=False, lora_modules={k: str(p) for k, p in adapters.items()},
+        batch_invariant=batch_invariant))
     names = list(adapters)
     per_phase = {"a": [None] * n, "a_after": [None] * n, "b": [names[0]] * n, "c": names}
     warm = SamplingParams(temperature=0.0, max_new_tokens=2)
@@ -93,7 +95,8 @@ def engine_phases(model_dir: Path, adapters: dict[str, Path], prompts: list[list
     return {**out, "tps": tps, "adapters_read_before": adapters_read_before,
             "shape": {"requests": n, "new_tokens": new_tokens},
             "machine": machine_line(engine.base.kernels.name,
-                                    str(engine.base.dtype).removeprefix("torch."))}
+                                    str(engine.base.dtype).removeprefix("torch."))
+            + f" | --batch-invariant {batch_invariant}"}
 
 
 def _timed_tps(run: Callable[[], list]) -> float:
@@ -165,7 +168,8 @@ def run_child(role: str, args: argparse.Namespace, dtype: str) -> dict:
     cmd = [sys.executable, "-m", "loraplex.benchmarks.lora_overhead", "--child", role,
            "--dtype", dtype, "--adapters", str(args.adapters), "--rounds", str(args.rounds),
            "--peft-rounds", str(args.peft_rounds), "--adapter-dir", str(args.adapter_dir),
-           "--prompt-len", str(args.prompt_len), "--new-tokens", str(args.new_tokens)]
+           "--prompt-len", str(args.prompt_len), "--new-tokens", str(args.new_tokens),
+           "--batch-invariant", args.batch_invariant]
     run = subprocess.run(cmd, capture_output=True, text=True, check=False)
     result = [line for line in run.stdout.splitlines() if line.startswith("RESULT ")]
     if run.returncode != 0 or not result:
@@ -183,7 +187,7 @@ def child(role: str, args: argparse.Namespace) -> dict:
         return {"tps": peft_tps(model_dir, adapters, prompts, list(adapters), args.new_tokens,
                                 args.dtype, args.peft_rounds)}
     return engine_phases(model_dir, adapters, prompts, args.dtype, ORDERS[role], args.rounds,
-                         args.new_tokens)
+                         args.new_tokens, batch_invariant=args.batch_invariant)
 
 
 def resolve_dtype(dtype: str) -> str:
@@ -274,7 +278,7 @@ def report(results: dict) -> list[str]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_engine_flags(ap, "dtype")
+    add_engine_flags(ap, "dtype", "batch_invariant")
     ap.add_argument("--adapters", type=int, default=32)
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=32)

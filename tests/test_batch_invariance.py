@@ -97,14 +97,15 @@ def test_a_positions_attention_is_the_same_bits_in_every_split(dtype, softcap, w
 
 @needs_cpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("head_dim", [64, 20])
+@pytest.mark.parametrize("head_dim", [64, 80, 20])
 @pytest.mark.parametrize("group", [1, 2, 3, 4, 5, 6, 7])
 def test_a_decode_is_its_rows_bits_in_prefill_tiles_of_every_size(dtype, head_dim, group):
     """Each of the last tokens of a 137-token context, as a one-token decode, gives the bits
     of its row in a prefill of the last n tokens over the cached rest, for n = 1..13, 33 and
     137: with query-head groups of 1-7 a row sits at every place of register tiles of every
     size (1-6 rows), among 1-64 key positions of its last chunk (padded to the score tile).
-    head_dim 20 takes the scalar twin of the score order (not a multiple of 8)."""
+    head_dim 20 takes the scalar twin of the score order (not a multiple of 8); head_dim 80
+    mixes P·V's column passes (a 1-3-row tile: 64 or 32 columns, then 16; 4-6 rows: 16)."""
     from loraplex.kernel_backends.cpu import extension
 
     ext = extension.load()

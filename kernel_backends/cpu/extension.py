@@ -6,8 +6,8 @@
   query heads take the cached rows window by window, each row read from memory once.
 - csrc/paged_prefill.cpp: tiled paged prefill attention (float32, bfloat16), online softmax
   (csrc/online_softmax.h), scores in one fixed order per (row, position) with the keys read
-  in place (csrc/attention_scores.h), each register tile's keys cut at its last token's
-  position.
+  in place (csrc/attention_scores.h), P·V in one fixed order per output
+  (csrc/attention_values.h), each register tile's keys cut at its last token's position.
 - csrc/layer_ops.cpp: residual add + RMSNorm, RoPE + KV store, silu · mul.
 - csrc/argmax.cpp: each row's first maximum (greedy sampling).
 - csrc/logprob_rows.cpp: the sampled tokens' logprobs (value, rank, top k, log-sum-exp) in
@@ -52,7 +52,7 @@ SOURCES = [CSRC / name for name in ("bindings.cpp", "lora_gather.cpp", "paged_de
                                     "quant_gemm.cpp", "quant_gemm_avx2.cpp",
                                     "quant_gemm_avx512.cpp")]
 HEADERS = [CSRC / name for name in ("vec.h", "tile_6x16.h", "lora_blocks.h", "online_softmax.h",
-                                    "attention_scores.h",
+                                    "attention_scores.h", "attention_values.h",
                                     "strips.h", "quant_gemm.h", "quant_gemm_body.h",
                                     "quant_gemm_avx2_tiles.h")]
 _lock = threading.Lock()

@@ -9,9 +9,9 @@
 // (sequence, KV head, tile of up to kTile tokens): its rows are the tile's tokens × the KV
 // head's query heads, which all read the same K/V chunk, in register tiles of six rows and
 // one of the rest (1-5). Per chunk, S = Q·Kᵀ reads the key rows in place, each score in the
-// one fixed order of attention_scores.h; O += P·V runs as 6 x 16 register tiles (tile_6x16.h:
-// every V vector loaded once for the tile's rows). Positions past a tile's last token are
-// never read.
+// one fixed order of attention_scores.h; O += P·V reads each V vector once for the tile's
+// rows, each output in one fixed order (attention_values.h). Positions past a tile's last
+// token are never read.
 //
 // Batch invariance: a query row's result is a function of its own query and its context
 // only. The key chunks sit at absolute positions (multiples of kChunk from 0), whatever the
@@ -29,8 +29,8 @@
 #include <vector>
 
 #include "attention_scores.h"
+#include "attention_values.h"
 #include "online_softmax.h"
-#include "tile_6x16.h"
 #include "vec.h"
 
 namespace {
@@ -41,67 +41,11 @@ constexpr int64_t kRows = 6;    // rows per register tile
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 using loraplex_scores::dot_scores;
 using loraplex_scores::kPositions;
+using loraplex_values::accumulate_rows;
 
 struct Item {
   int64_t seq, kv_head, t0, t1, cost;
 };
-
-#if defined(__AVX2__) && defined(__FMA__)
-// The register tile's first R rows (R <= kRows, a template parameter where these are used):
-// the rows past R are declared but never touched, so the compiler drops them. Row r's
-// arithmetic is the same whatever R, so a row's sums do not depend on its tile's size.
-#define LP_ACC_DECLARE LP_TILE_ROWS(LP_TILE_DECLARE)
-#define LP_IF_ROW(r, ...) \
-  if constexpr (R > r) { __VA_ARGS__ }
-#define LP_FMA_ROW(r, a, stride, b0, b1) \
-  LP_IF_ROW(r, LP_TILE_FMA(r, _mm256_broadcast_ss((a) + r * (stride)), b0, b1))
-#define LP_R_ROWS(a, stride, b0, b1)                                                   \
-  LP_FMA_ROW(0, a, stride, b0, b1) LP_FMA_ROW(1, a, stride, b0, b1)                    \
-  LP_FMA_ROW(2, a, stride, b0, b1) LP_FMA_ROW(3, a, stride, b0, b1)                    \
-  LP_FMA_ROW(4, a, stride, b0, b1) LP_FMA_ROW(5, a, stride, b0, b1)
-#define LP_STORE_ROW(r) LP_IF_ROW(r, LP_TILE_STORE(r, lp_dst, lp_stride))
-#define LP_STORE_R(dst, stride)                   \
-  {                                               \
-    float* lp_dst = (dst);                        \
-    const int64_t lp_stride = (stride);           \
-    LP_TILE_ROWS(LP_STORE_ROW)                    \
-  }
-#endif
-
-// o[r][:] = o[r][:] · alpha[r] + Σ_{j < keys} p[r][j] · v[j][:] for R <= kRows rows (o rows
-// D apart, p rows kChunk apart; v[j] the cached row of the chunk's position j, read in
-// place), sixteen columns at a time. The positions j >= keys hold p = 0 in every row
-// (masked), so leaving them out adds nothing that the sum would hold.
-template <int R, typename scalar_t>
-void accumulate_rows(const float* p, const scalar_t* const* v, int64_t dim, int64_t keys,
-                     const float* alpha, float* o) {
-  int64_t d0 = 0;
-#if defined(__AVX2__) && defined(__FMA__)
-  for (; d0 + 16 <= dim; d0 += 16) {
-    float* od = o + d0;
-#define LP_SCALED(r)                                                                     \
-  LP_IF_ROW(r, c##r##0 = _mm256_mul_ps(_mm256_set1_ps(alpha[r]), _mm256_loadu_ps(od + r * dim)); \
-            c##r##1 = _mm256_mul_ps(_mm256_set1_ps(alpha[r]), _mm256_loadu_ps(od + r * dim + 8));)
-    LP_ACC_DECLARE
-    c00 = c01 = c10 = c11 = c20 = c21 = c30 = c31 = c40 = c41 = c50 = c51 = _mm256_setzero_ps();
-    LP_SCALED(0) LP_SCALED(1) LP_SCALED(2) LP_SCALED(3) LP_SCALED(4) LP_SCALED(5)
-#undef LP_SCALED
-    for (int64_t j = 0; j < keys; ++j) {
-      const __m256 v0 = load8(v[j] + d0);
-      const __m256 v1 = load8(v[j] + d0 + 8);
-      LP_R_ROWS(p + j, kChunk, v0, v1)
-    }
-    LP_STORE_R(od, dim)
-  }
-#endif
-  for (int r = 0; r < R; ++r)
-    for (int64_t d = d0; d < dim; ++d) {
-      float acc = o[r * dim + d] * alpha[r];  // the vector lanes' ops: one multiply, FMAs
-      for (int64_t j = 0; j < keys; ++j)
-        acc = std::fma(p[r * kChunk + j], static_cast<float>(v[j][d]), acc);
-      o[r * dim + d] = acc;
-    }
-}
 
 // One thread's scratch, every array 64-byte aligned (vector loads never split a cache line).
 // The storage is the thread's own and kept from call to call (it only grows), so a call
@@ -172,7 +116,7 @@ void chunk_rows(const ChunkTile<scalar_t>& c, const int64_t* pos, int64_t keys, 
     vis_lo[i] = c.window > 0 ? std::clamp<int64_t>(pos[i] - c.window + 1 - c.p0, 0, width) : 0;
   }
   softmax_rows<R, kChunk>(s, width, vis_lo, vis_hi, m, l, alpha);
-  accumulate_rows<R>(s, c.v, c.dim, keys, alpha, o);
+  accumulate_rows<R, kChunk>(s, c.v, c.dim, keys, alpha, o);
 }
 
 // A work item's rows in register tiles of kRows, the last one of rows % kRows (no pad
