@@ -268,7 +268,8 @@ def one_thread() -> Iterator[None]:
     """torch on one thread on the calling thread, restored after. The oracles (transformers,
     PEFT) of the tiny models run in it: with 2 OpenMP threads on 2 cores, a tiny forward
     waits on a core that another process or the engine thread's spinning pool holds
-    (0.25 s against 2 ms on one thread at load ~2.5); float32 results are the same."""
+    (0.25 s against 2 ms on one thread at load ~2.5). Greedy tokens are the same as with
+    2 threads, float32 logprobs within 1e-6 (checked on 36 runs: 6 families, base and LoRA)."""
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
