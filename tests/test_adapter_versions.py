@@ -16,7 +16,7 @@ from peft import PeftModel
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from tests.conftest import ALL_TARGETS, make_adapter, make_tiny_model
+from tests.conftest import ALL_TARGETS, make_adapter, make_tiny_model, one_thread
 
 NEW = 6
 PROMPT = list(range(10, 50))  # fills prefix-cache blocks (block size 16)
@@ -39,8 +39,9 @@ def reference(tiny_llama: Path):
         if key not in cache:
             model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
             model = PeftModel.from_pretrained(model, adapter).eval()
-            ids = model.generate(torch.tensor([prompt]), max_new_tokens=NEW,
-                                 min_new_tokens=NEW, do_sample=False, pad_token_id=0)
+            with one_thread():
+                ids = model.generate(torch.tensor([prompt]), max_new_tokens=NEW,
+                                     min_new_tokens=NEW, do_sample=False, pad_token_id=0)
             cache[key] = ids[0, len(prompt):].tolist()
         return cache[key]
 

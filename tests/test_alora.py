@@ -21,7 +21,7 @@ from peft.tuners.lora.variants import calculate_alora_offsets
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from tests.adapter_dirs import edit_config
-from tests.conftest import ALL_TARGETS, make_adapter
+from tests.conftest import ALL_TARGETS, make_adapter, one_thread
 
 NEW = 6
 INVOKE = [41, 42, 43]  # "cat dog sql" in the tiny tokenizer
@@ -61,9 +61,10 @@ class Oracle:
         self.model = (PeftModel.from_pretrained(model, adapter) if adapter else model).eval()
 
     def greedy(self, prompt: list[int], new: int = NEW) -> tuple[list[int], list[float]]:
-        out = self.model.generate(torch.tensor([prompt]), max_new_tokens=new,
-                                  min_new_tokens=new, do_sample=False, pad_token_id=0,
-                                  output_logits=True, return_dict_in_generate=True)
+        with one_thread():
+            out = self.model.generate(torch.tensor([prompt]), max_new_tokens=new,
+                                      min_new_tokens=new, do_sample=False, pad_token_id=0,
+                                      output_logits=True, return_dict_in_generate=True)
         tokens = out.sequences[0, len(prompt):].tolist()
         lps = [torch.log_softmax(lg[0].double(), -1)[t].item()
                for lg, t in zip(out.logits, tokens)]

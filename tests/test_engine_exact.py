@@ -10,6 +10,8 @@ import torch
 from loraplex import LLMEngine, SamplingParams
 from transformers import AutoModelForCausalLM
 
+from tests.conftest import one_thread
+
 ARCHS = ["llama", "qwen2", "qwen3", "mistral"]
 NEW_TOKENS = 10
 
@@ -24,8 +26,9 @@ def hf_greedy(model_dir: Path, prompts: list[list[int]], new_tokens: int) -> lis
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     out = []
     for p in prompts:
-        ids = model.generate(torch.tensor([p]), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                             do_sample=False, pad_token_id=0)
+        with one_thread():
+            ids = model.generate(torch.tensor([p]), max_new_tokens=new_tokens,
+                                 min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
         out.append(ids[0, len(p):].tolist())
     return out
 

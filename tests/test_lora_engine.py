@@ -13,7 +13,7 @@ from loraplex.errors import AdapterExistsError, AdapterNotFoundError
 from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
-from tests.conftest import ALL_TARGETS, make_adapter
+from tests.conftest import ALL_TARGETS, make_adapter, one_thread
 
 NEW = 8
 ADAPTER_SPECS = {  # name -> make_adapter kwargs
@@ -56,8 +56,10 @@ def peft_reference(tiny_llama, adapters):
             model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
             if adapter is not None:
                 model = PeftModel.from_pretrained(model, adapters[adapter])
-            ids = model.eval().generate(torch.tensor([prompt]), max_new_tokens=NEW,
-                                        min_new_tokens=NEW, do_sample=False, pad_token_id=0)
+            with one_thread():
+                ids = model.eval().generate(torch.tensor([prompt]), max_new_tokens=NEW,
+                                            min_new_tokens=NEW, do_sample=False,
+                                            pad_token_id=0)
             cache[key] = ids[0, len(prompt):].tolist()
         return cache[key]
 

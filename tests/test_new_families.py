@@ -14,7 +14,7 @@ from loraplex import LLMEngine, SamplingParams
 from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
-from tests.conftest import make_adapter, make_tiny_model
+from tests.conftest import make_adapter, make_tiny_model, one_thread
 
 NEW = 6
 GEMMA_ADAPTERS = {  # name -> make_adapter kwargs; "all" targets every linear
@@ -78,8 +78,9 @@ def references(model_dir: Path, adapters: dict[str, Path], items) -> dict:
         model.eval()
         for adapter, prompt in items:
             if adapter == name:
-                ids = model.generate(torch.tensor([prompt]), max_new_tokens=NEW,
-                                     min_new_tokens=NEW, do_sample=False, pad_token_id=0)
+                with one_thread():
+                    ids = model.generate(torch.tensor([prompt]), max_new_tokens=NEW,
+                                         min_new_tokens=NEW, do_sample=False, pad_token_id=0)
                 out[(adapter, tuple(prompt))] = ids[0, len(prompt):].tolist()
     return out
 

@@ -14,7 +14,7 @@ from loraplex import LLMEngine, SamplingParams
 from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
-from tests.conftest import ALL_TARGETS, make_adapter
+from tests.conftest import ALL_TARGETS, make_adapter, one_thread
 
 NEW = 6
 K = 3
@@ -40,7 +40,7 @@ def oracle(tiny_llama: Path, adapters: dict[str, Path]):
             if adapter is not None:
                 model = PeftModel.from_pretrained(model, adapters[adapter])
             models[adapter] = model.eval()
-        with torch.no_grad():
+        with torch.no_grad(), one_thread():
             logits = models[adapter](torch.tensor([ids])).logits[0].float()
         return torch.log_softmax(logits, dim=-1)
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 from loraplex.client import AsyncClient
 
-from tests.conftest import ALL_TARGETS, make_adapter
+from tests.conftest import ALL_TARGETS, make_adapter, one_thread
 
 VERSIONS = 20
 CLIENTS = 8
@@ -41,7 +41,7 @@ def peft_tokens(base: Path, adapter: Path, prompt: list[int]
     model = PeftModel.from_pretrained(model, adapter).eval()
     seq = torch.tensor([prompt])  # greedy with EOS allowed, as ignore_eos samples
     logprobs: list[float] = []
-    with torch.no_grad():
+    with torch.no_grad(), one_thread():
         for _ in range(NEW):
             logits = model(seq).logits[0, -1].float()
             token = logits.argmax()

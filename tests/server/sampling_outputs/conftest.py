@@ -14,6 +14,8 @@ import openai
 import pytest
 import torch
 
+from tests.conftest import one_thread
+
 ATOL = 2e-4  # float32 engine vs float32 transformers: summation order only
 PROMPT = "the cat is on the table with a dog"
 CHAT = [{"role": "user", "content": "the cat is on the table"}]
@@ -58,7 +60,7 @@ def oracle(tiny_llama: Path, tiny_adapters: Callable[[str], Path]
         return models[model]
 
     def logprobs(model: str, ids: list[int]) -> torch.Tensor:
-        with torch.no_grad():
+        with torch.no_grad(), one_thread():
             logits = get(model)(torch.tensor([ids])).logits[0].float()
         return torch.log_softmax(logits, dim=-1)
 
