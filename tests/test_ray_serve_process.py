@@ -84,8 +84,9 @@ def kill_leftovers(proc: subprocess.Popen) -> None:
         proc.wait(10)
 
 
-# the group's stop while serving runs under -m slow (a Ray cluster costs ~40 s on 2 cores);
-# the group's stop is in `make test` through the start-up case below
+# the process group's stops (while serving, and while the deployment starts, below) run under
+# -m slow (`make test-slow`): each is a Ray cluster, ~40 s on 2 cores, of which the stop while
+# starting spends 16 s in the teardown's watchdog; `make test` keeps the process's own stop
 @pytest.mark.parametrize("whole_group", [False, pytest.param(True, marks=pytest.mark.slow)],
                          ids=["process", "process-group"])
 def test_serve_ray_process_serves_and_stops(tiny_llama: Path, tmp_path: Path,
@@ -112,6 +113,7 @@ def test_serve_ray_process_serves_and_stops(tiny_llama: Path, tmp_path: Path,
         kill_leftovers(proc)
 
 
+@pytest.mark.slow
 def test_serve_ray_process_stops_while_the_deployment_starts(tiny_llama: Path,
                                                              tmp_path: Path) -> None:
     """The signal reaches the group while ``serve.run`` still waits for the replica (the
