@@ -2,8 +2,8 @@
 what is wrong, nothing half-loaded: a GGUF file whose bytes are corrupt (not only cut
 short: a garbled magic, a tensor count past what the file holds), a tensor type loraplex
 does not run (named with its tensor, never dequantized), and a PEFT adapter made for a
-base of other shapes than the quantized one (GGUF or ``--quantization int4``). The
-unsupported architecture and the truncated file are in tests/test_quantized_serving.py.
+base of other shapes than the quantized one (GGUF or ``--quantization int4``); an
+unsupported architecture, a truncated file, --quantization on a GGUF.
 
 "Nothing half-loaded": the file's parse is not kept (gguf_model's one-load cache is
 empty after the failure), and an engine that refused an adapter serves on unchanged, the
@@ -45,6 +45,37 @@ def refused(path: Path, error: type[Exception], match: str) -> None:
     with pytest.raises(error, match=match):
         engine_for(path)
     assert gguf_model._parsed.cache_info().currsize == 0  # no parse of the file kept
+
+
+def test_quantization_on_a_gguf_is_refused(files):
+    path = files["gguf"]
+    with pytest.raises(ValueError, match="GGUF file, served in its own quantization"):
+        engine_for(path, quantization="int8")
+
+
+def test_unsupported_architecture_is_refused(files, tmp_path):
+    model_dir = files["model"]
+    path = write_gguf(model_dir, tmp_path / "phi.gguf", arch="phi2")
+    with pytest.raises(ValueError, match="GGUF architecture 'phi2' is not supported"):
+        engine_for(path)
+
+
+def test_truncated_file_is_refused(files, tmp_path):
+    path = files["gguf"]
+    cut = tmp_path / "cut.gguf"
+    data = path.read_bytes()
+    cut.write_bytes(data[:len(data) // 2])
+    with pytest.raises(GGUFFileError, match="not a readable GGUF file"):
+        engine_for(cut)
+
+
+def test_unsupported_tensor_type_is_named(files, tmp_path):
+    """A Q2_K tensor (llama.cpp has the type, loraplex does not serve it): refused at load,
+    the tensor and its type named, nothing dequantized."""
+    path = write_gguf(files["model"], tmp_path / "q2k.gguf",
+                      lambda kind: "Q2_K" if kind == "ffn_down" else "Q8_0")
+    with pytest.raises(UnsupportedQuantizationError, match="'blk.0.ffn_down.weight'.*Q2_K"):
+        engine_for(path)
 
 
 def test_garbled_magic_is_refused(files, tmp_path: Path) -> None:

@@ -7,8 +7,9 @@
   (this file's workload and check, against the published formulas' weights);
 
 greedy tokens equal and logprobs within 5e-3 in float32 activations, the base and adapters
-mixed in one batch (chunked prefill included). And the bad inputs: an unsupported
-architecture or tensor type, a truncated file, --quantization on a GGUF.
+mixed in one batch (chunked prefill included). The bad inputs at load (an unsupported
+architecture or tensor type, a truncated file, --quantization on a GGUF) are in
+tests/test_quantized_bad_input.py.
 """
 
 from __future__ import annotations
@@ -20,9 +21,7 @@ import numpy as np
 import pytest
 import torch
 from loraplex import LLMEngine, SamplingParams
-from loraplex.engine.gguf_tensors import GGUFFileError
 from loraplex.engine.models.quant_modules import QuantizedEmbedding, QuantizedLinear
-from loraplex.kernel_backends.quantized_weight import UnsupportedQuantizationError
 from peft import PeftModel
 from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -267,19 +266,6 @@ def test_quantization_none_on_a_gguf_serves_its_float32_conversion(family, tmp_p
     check_against(engine, adapters, gguf_oracle(path, model_dir, adapters))
 
 
-def test_quantization_on_a_gguf_is_refused(family):
-    _, path, _ = family("llama")
-    with pytest.raises(ValueError, match="GGUF file, served in its own quantization"):
-        engine_for(path, quantization="int8")
-
-
-def test_unsupported_architecture_is_refused(family, tmp_path):
-    model_dir, _, _ = family("llama")
-    path = write_gguf(model_dir, tmp_path / "phi.gguf", arch="phi2")
-    with pytest.raises(ValueError, match="GGUF architecture 'phi2' is not supported"):
-        engine_for(path)
-
-
 def test_rope_freqs_is_skipped_with_a_warning(family, tmp_path, caplog):
     """llama.cpp's rope_freqs (Llama 3) is not applied, as transformers does not: the
     tokens stay transformers' (the same weights as the llama test's file), and a warning
@@ -293,25 +279,6 @@ def test_rope_freqs_is_skipped_with_a_warning(family, tmp_path, caplog):
         got = engine_for(path).generate([prompt], params)[0].token_ids
     assert got == engine_for(plain).generate([prompt], params)[0].token_ids
     assert any("rope_freqs.weight" in r.getMessage() for r in caplog.records)
-
-
-def test_truncated_file_is_refused(family, tmp_path):
-    _, path, _ = family("llama")
-    cut = tmp_path / "cut.gguf"
-    data = path.read_bytes()
-    cut.write_bytes(data[:len(data) // 2])
-    with pytest.raises(GGUFFileError, match="not a readable GGUF file"):
-        engine_for(cut)
-
-
-def test_unsupported_tensor_type_is_named(family, tmp_path):
-    """A Q2_K tensor (llama.cpp has the type, loraplex does not serve it): refused at load,
-    the tensor and its type named, nothing dequantized."""
-    model_dir, _, _ = family("llama")
-    path = write_gguf(model_dir, tmp_path / "q2k.gguf",
-                      lambda kind: "Q2_K" if kind == "ffn_down" else "Q8_0")
-    with pytest.raises(UnsupportedQuantizationError, match="'blk.0.ffn_down.weight'.*Q2_K"):
-        engine_for(path)
 
 
 def test_serve_takes_a_gguf_file(family):
