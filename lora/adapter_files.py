@@ -127,14 +127,15 @@ def fd_path(f: BinaryIO) -> str:
 MAX_CONFIG_FILE_BYTES = 4 << 20
 
 
-def read_all(f: BinaryIO, where: str, limit: int = MAX_CONFIG_FILE_BYTES) -> bytes:
+def read_all(f: BinaryIO, where: str, limit: int = MAX_CONFIG_FILE_BYTES,
+             what: str = "a config file") -> bytes:
     """The whole file, from its start; AdapterError, before anything is read, if it holds
     more than ``limit`` bytes (its size from the open file; at most ``limit`` + 1 bytes are
-    read, should it grow meanwhile)."""
+    read, should it grow meanwhile). ``what`` names the kind of file in the message."""
     size = os.fstat(f.fileno()).st_size
     f.seek(0)
     raw = f.read(limit + 1) if size <= limit else b""
     if size > limit or len(raw) > limit:
         raise AdapterError(f"{where} is {max(size, len(raw))} bytes, over the {limit} bytes "
-                           f"({limit >> 20} MiB) a config file may hold")
+                           f"({limit >> 20} MiB) {what} may hold")
     return raw

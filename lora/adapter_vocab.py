@@ -29,7 +29,6 @@ Invariants:
 from __future__ import annotations
 
 import hashlib
-import os
 import tempfile
 import threading
 from collections import OrderedDict
@@ -37,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .adapter_files import AdapterFiles, MissingFile
+from .adapter_files import AdapterFiles, MissingFile, read_all
 from .peft_checks import AdapterError
 
 # what ``save_pretrained`` of a tokenizer writes (any of them may be absent)
@@ -107,20 +106,11 @@ def _tokenizer_files(files: AdapterFiles) -> dict[str, bytes]:
     for name in TOKENIZER_FILES:
         try:
             with files.open(name) as f:
-                _check_size(os.fstat(f.fileno()).st_size, files.label(name))
-                f.seek(0)
-                raw[name] = f.read(MAX_TOKENIZER_FILE_BYTES + 1)  # it may grow meanwhile
-                _check_size(len(raw[name]), files.label(name))
+                raw[name] = read_all(f, files.label(name), MAX_TOKENIZER_FILE_BYTES,
+                                     "an adapter's tokenizer file")
         except MissingFile:
             continue
     return raw
-
-
-def _check_size(size: int, where: str) -> None:
-    if size > MAX_TOKENIZER_FILE_BYTES:
-        raise AdapterError(
-            f"{where} is {size} bytes, over the {MAX_TOKENIZER_FILE_BYTES} bytes (64 MiB) "
-            "an adapter's tokenizer file may hold")
 
 
 def _digest(raw: dict[str, bytes]) -> str:
