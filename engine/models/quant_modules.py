@@ -266,9 +266,8 @@ def weights_info(model: nn.Module, dtype: torch.dtype, source: str = "") -> Weig
             formats[w.format.name] += n
             qbytes += w.nbytes
             qweights += n
+    # the float parameters: a QuantizedLinear's float slices among them (child linears)
     float_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    float_bytes += sum(m.float_bytes for m in {id(m): m for m in model.modules()
-                                               if isinstance(m, QuantizedLinear)}.values())
     name = "+".join(f for f, _ in formats.most_common()) or "float"
     if source and formats:
         name = f"{source}:{name}"
