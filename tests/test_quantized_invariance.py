@@ -44,7 +44,7 @@ GGUF_MIX = {"token_embd": "Q8_0", "attn_q": "Q4_K", "attn_k": "Q8_0", "ffn_gate"
             "ffn_up": "Q5_K", "ffn_down": "Q6_K", "output": "Q4_1"}
 # base -> (its seed for the draws, the step token budget of its busy engine)
 BASES = {"gguf": (4501, 16), "int4": (4609, 33), "int8": (4700, 7)}
-DRAWS = 6
+DRAWS = 10
 
 
 @pytest.fixture(scope="module")

@@ -1,9 +1,9 @@
 """The intra-op thread count does not change a request's bits (issue 45; docs/sampling.md):
 one batch (adapters and the base, greedy and seeded with n = 2, prompts chunked over
 several steps, prompt logprobs) served with 1 and with 2 torch threads gives every
-request the same tokens and logprobs, bit for bit, on the float panel path and on a
-quantized base (tests/test_quantized_invariance.py's GGUF: K-quants, Q8_0, Q4_x and float
-tensors).
+request the same tokens and logprobs, bit for bit, on the float panel path and on
+quantized bases (tests/test_quantized_invariance.py's GGUF: K-quants, Q8_0, Q4_x and float
+tensors; ``--quantization int4``).
 
 The CPU kernels share work out by output columns, rows and (sequence, tile, KV head) items
 (at::parallel_for), never a row's sums; the attention kernel's order of items depends on
@@ -53,7 +53,7 @@ def served_with(threads: int, files: dict, base: str) -> list:
         torch.set_num_threads(before)
 
 
-@pytest.mark.parametrize("base", ["float", "gguf"])
+@pytest.mark.parametrize("base", ["float", "gguf", "int4"])
 def test_the_thread_count_does_not_change_a_batchs_bits(made, base, monkeypatch):  # noqa: F811
     monkeypatch.setenv("LORAPLEX_KERNELS", "cpu")
     one = served_with(1, made, base)
