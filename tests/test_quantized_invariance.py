@@ -15,10 +15,10 @@ before session 26 (a quantized head kept the engine from packing any float linea
 ran oneDNN's GEMM, whose rows follow the row count).
 
 The draws run on one intra-op thread (``one_thread``: on 2 loaded cores, 2 OpenMP threads
-make these tiny steps ~30x slower); tests/test_thread_invariance.py shows that the thread
-count does not change a batch's bits, the GGUF's included. Few draws per base, each base's
-reaching every case (test_the_draws_cover_the_cases); the float bases' property test,
-with more draws and both dtypes, is tests/test_batch_invariance.py."""
+make these tiny steps 15-50x slower); tests/test_thread_invariance.py shows that the thread
+count does not change a batch's bits, the GGUF's included. 10 draws a base, each base's
+reaching every case (test_the_draws_cover_the_cases); the float bases' property test (12
+draws a dtype, float32 and bfloat16) is tests/test_batch_invariance.py."""
 
 from __future__ import annotations
 
