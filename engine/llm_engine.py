@@ -27,7 +27,6 @@ from .input_processor import EngineRequest, InputProcessor, Prompt, RequestInput
 from .lora_capacity import LoRACapacity
 from .memory_use import MemoryUse, memory_use
 from .model_runner import ModelRunner, num_kv_blocks
-from .models.quant_modules import has_quantized_head
 from .output_processor import OutputProcessor, RequestOutput
 from .resolved_config import resolve_config
 from .sampling_params import SamplingParams
@@ -69,9 +68,9 @@ class LLMEngine(EngineAdapters):
                                self.max_model_len, self.lora_capacity.extras_bytes)
         self.block_manager = BlockManager(blocks, cfg.block_size, cfg.enable_prefix_caching)
         self.runner = ModelRunner(self.base.model, cfg, blocks, kernels, self.max_model_len)
-        if not has_quantized_head(self.base.model):  # prepare_model packs a float head;
-            # the quantized linears run as they are (kernels.quantized_linear)
-            kernels.prepare_model(self.base.model, cfg.max_num_batched_tokens, cfg.max_num_seqs)
+        # the float linears (a float head, a GGUF's float tensors); the quantized ones, a
+        # quantized head among them, run as they are (kernels.quantized_linear)
+        kernels.prepare_model(self.base.model, cfg.max_num_batched_tokens, cfg.max_num_seqs)
         self.uploads = UploadStore()  # adapters given as tensors or bytes, as PEFT dirs
         self.lora = AdapterCache(self.lora_capacity.max_loras, self.resolved.max_cpu_loras,
                                  RankPool(self.lora_capacity.num_units, kernels.rank_unit),

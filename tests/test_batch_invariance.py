@@ -20,7 +20,6 @@ PyTorch's, whose rows depend on the batch) and is checked here only to say so.
 from __future__ import annotations
 
 import random
-import struct
 
 import pytest
 import torch
@@ -29,10 +28,10 @@ from loraplex.kernel_backends import cpu as cpu_backend
 from loraplex.kernel_backends.cpu import attention as cpu_attention
 from loraplex.kernel_backends.torch import attention as reference
 
+from tests import invariance_draws as draws
 from tests.kernel_fixtures import make_paged_cache
 
 DRAWS = 12  # batch compositions per dtype (each: 1 + 0..5 neighbours, several steps)
-NEW = 6
 DTYPES = ["float32", "bfloat16"]
 
 needs_cpu = pytest.mark.skipif(not cpu_backend.available(),
@@ -159,78 +158,11 @@ def engine(tiny_llama, adapters, dtype: str, **kw) -> LLMEngine:
                      **kw)
 
 
-def lp_bits(lp) -> tuple:
-    return (lp.token_id, struct.pack("<d", lp.logprob), lp.rank,
-            tuple(struct.pack("<id", t, v) for t, v in lp.top))
-
-
-def bits(out) -> tuple:
-    """A choice's tokens, and the bits of every logprob it reports: sampled (with top-k)
-    and prompt logprobs (with top-k)."""
-    prompt = tuple(None if lp is None else lp_bits(lp) for lp in out.prompt_logprobs or [])
-    return tuple(out.token_ids), tuple(lp_bits(lp) for lp in out.logprobs), prompt
-
-
-def choices(out) -> list:
-    return [bits(o) for o in (out if isinstance(out, list) else [out])]
-
-
-def params(rng: random.Random, n: int, greedy: bool) -> SamplingParams:
-    return SamplingParams(temperature=0.0 if greedy else 1.0, seed=rng.randrange(1 << 30),
-                          n=n, logprobs=3, prompt_logprobs=2, max_new_tokens=NEW,
-                          min_new_tokens=NEW)
-
-
-def prompt(rng: random.Random, length: int) -> list[int]:
-    return [rng.randrange(4, 384) for _ in range(length)]
-
-
-def draw(rng: random.Random) -> dict:
-    """One batch composition around one probe."""
-    greedy = rng.random() < 0.3
-    neighbours = rng.randrange(0, 6)
-    return {
-        "probe": prompt(rng, rng.choice([1, 2, 5, 17, 33, 64, 70, 97])),
-        "adapter": rng.choice([None, "a0", "a1"]),
-        "params": params(rng, 1 if greedy else rng.choice([1, 2, 3]), greedy),
-        "others": [prompt(rng, rng.randrange(1, 90)) for _ in range(neighbours)],
-        "other_adapters": [rng.choice([None, "a0", "a1"]) for _ in range(neighbours)],
-        "other_params": [SamplingParams(temperature=rng.choice([0.0, 1.0]),
-                                        seed=rng.randrange(1 << 30), n=rng.choice([1, 2]),
-                                        logprobs=rng.choice([None, 1]),
-                                        max_new_tokens=rng.randrange(1, 12))
-                         for _ in range(neighbours)],
-        "place": rng.randrange(0, neighbours + 1),
-        "budget": rng.choice([7, 16, 33, 64, 512]),
-        "warm": rng.random() < 0.5,
-    }
-
-
 def run_draws(tiny_llama, adapters, dtype: str, seed: int) -> list[str]:
     """The draws whose probe differs from the probe alone (empty when invariant)."""
     rng = random.Random(seed)
-    draws = [draw(rng) for _ in range(DRAWS)]
-    alone_engine = engine(tiny_llama, adapters, dtype, enable_prefix_caching=False)
-    engines = {}
-    failures = []
-    for i, d in enumerate(draws):
-        alone = choices(alone_engine.generate([d["probe"]], d["params"], [d["adapter"]])[0])
-        key = d["budget"]
-        if key not in engines:
-            engines[key] = engine(tiny_llama, adapters, dtype, max_num_batched_tokens=key)
-        busy = engines[key]
-        if d["warm"]:  # the probe's prompt blocks in the prefix cache, under another seed
-            busy.generate([d["probe"]], SamplingParams(max_new_tokens=1), [d["adapter"]])
-        at = d["place"]
-        prompts = d["others"][:at] + [d["probe"]] + d["others"][at:]
-        ps = d["other_params"][:at] + [d["params"]] + d["other_params"][at:]
-        names = d["other_adapters"][:at] + [d["adapter"]] + d["other_adapters"][at:]
-        got = choices(busy.generate(prompts, ps, names)[at])
-        if got != alone:
-            failures.append(f"draw {i}: {len(d['probe'])} tokens, adapter {d['adapter']}, "
-                            f"n {d['params'].n}, budget {d['budget']}, warm {d['warm']}, "
-                            f"{len(d['others'])} neighbours")
-    return failures
+    return draws.run_draws(lambda **kw: engine(tiny_llama, adapters, dtype, **kw),
+                           [draws.draw(rng) for _ in range(DRAWS)])
 
 
 @needs_cpu
@@ -246,38 +178,21 @@ def test_cpu_probe_after_preemption(tiny_llama, adapters, dtype, monkeypatch):
     """Few KV blocks: the probe or its neighbours are preempted and recompute."""
     monkeypatch.setenv("LORAPLEX_KERNELS", "cpu")
     rng = random.Random(7)
-    probe, p = prompt(rng, 70), params(rng, 2, greedy=False)
-    alone = choices(engine(tiny_llama, adapters, dtype, enable_prefix_caching=False)
+    probe, p = draws.prompt(rng, 70), draws.params(rng, 2, greedy=False)
+    alone = draws.choices(engine(tiny_llama, adapters, dtype, enable_prefix_caching=False)
                     .generate([probe], p, ["a1"])[0])
     busy = engine(tiny_llama, adapters, dtype, num_kv_blocks=12, max_num_batched_tokens=32,
                   enable_prefix_caching=False)
-    others = [prompt(rng, n) for n in (3, 40, 17, 90, 1, 33)]
+    others = [draws.prompt(rng, n) for n in (3, 40, 17, 90, 1, 33)]
     op = [SamplingParams(temperature=1.0, seed=i, max_new_tokens=40, min_new_tokens=40)
           for i in range(len(others))]
     outs = busy.generate([probe] + others, [p] + op, ["a1", "a0", None, "a1", "a0", None, "a0"])
     assert busy.stats()["prompt_tokens_computed"] > len(probe) + sum(map(len, others))
-    assert choices(outs[0]) == alone
+    assert draws.choices(outs[0]) == alone
 
 
 def rescore_mismatches(tiny_llama, adapters, dtype: str, **kw) -> list[str]:
-    """Sample with logprobs, then send prompt + output back as a prompt with prompt_logprobs
-    (an echo re-score): the sampled tokens' logprobs (and their top-k) against the re-score's
-    prompt logprobs of the same positions."""
-    rng = random.Random(3)
-    eng = engine(tiny_llama, adapters, dtype, **kw)
-    bad = []
-    for length, adapter, greedy in ((5, None, True), (40, "a0", False), (70, "a1", False),
-                                    (2, "a1", True)):
-        p = prompt(rng, length)
-        sp = SamplingParams(temperature=0.0 if greedy else 1.0, seed=11, logprobs=3,
-                            max_new_tokens=10, min_new_tokens=10)
-        out = eng.generate([p], sp, [adapter])[0]
-        echo = eng.generate([p + list(out.token_ids)],
-                            SamplingParams(prompt_logprobs=3, max_new_tokens=1), [adapter])[0]
-        rescored = [lp_bits(lp) for lp in echo.prompt_logprobs[length:]]
-        if rescored != [lp_bits(lp) for lp in out.logprobs]:
-            bad.append(f"{length} tokens, adapter {adapter}, greedy {greedy}")
-    return bad
+    return draws.rescore_mismatches(engine(tiny_llama, adapters, dtype, **kw))
 
 
 @needs_cpu
@@ -341,8 +256,4 @@ def test_off_is_what_ran_before(tiny_llama, adapters, monkeypatch):
 def test_the_draws_cover_the_cases():
     """The fixed draws reach every dimension the guarantee names."""
     rng = random.Random(45)
-    ds = [draw(rng) for _ in range(DRAWS)]
-    assert {d["warm"] for d in ds} == {True, False}
-    assert any(d["params"].n > 1 for d in ds)
-    assert any(d["others"] for d in ds) and any(d["adapter"] for d in ds)
-    assert any(len(d["probe"]) > d["budget"] for d in ds)  # a chunked prompt
+    assert draws.covers_the_cases([draws.draw(rng) for _ in range(DRAWS)]) == []

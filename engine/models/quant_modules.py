@@ -9,6 +9,10 @@ attributes, not parameters or buffers: ``to_empty`` and ``.to(dtype)`` leave the
 
 A fused linear (q/k/v, gate/up) holds one weight per checkpoint tensor, each for its rows
 of the output (a Q4_K_M file mixes Q4_K and Q6_K among them); the outputs are concatenated.
+A slice the file keeps in floats is a child ``nn.Linear`` (no bias: the module adds its
+bias slice), so that the backend's ``prepare_model`` serves it as it serves every float
+linear of the decoder (the CPU backend packs it: in its batch-invariant layout where
+--batch-invariant is on, docs/sampling.md).
 LoRA wraps a QuantizedLinear as it wraps an ``nn.Linear`` (it reads ``in_features`` and
 calls ``base(x)``).
 
@@ -26,20 +30,21 @@ from collections import Counter
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ...kernel_backends.backend import KernelBackend
 from ...kernel_backends.quantized_weight import QuantizedWeight
 
-Part = QuantizedWeight | torch.Tensor  # a float part: a slice the file stores unquantized
+# a part: a quantized weight, or the name of the child linear holding a float slice (the
+# name, not the module: prepare_model may replace the child by a packed one)
+Part = QuantizedWeight | str
 
 
 class QuantizedLinear(nn.Module):
     """``y = x Wᵀ + b`` with W ``[out_features, in_features]`` stored quantized, in row
     ranges (``set_rows``) that together cover every output row once. A range may be a float
     tensor (a GGUF file may keep one slice of a fused linear in F16 / F32): it is held in
-    the serving dtype and multiplied by ``F.linear``."""
+    the serving dtype by a child linear (``float_rows_<first row>``)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, ops: KernelBackend):
         super().__init__()
@@ -62,22 +67,35 @@ class QuantizedLinear(nn.Module):
         if tuple(weight.shape) != (stop - start, self.in_features):
             raise ValueError(f"a weight {tuple(weight.shape)} for rows [{start}, {stop}) "
                              f"of a linear [{self.out_features}, {self.in_features}]")
+        for first, old in self.parts:
+            if first == start and isinstance(old, str):
+                delattr(self, old)
+        part: Part
         if isinstance(weight, torch.Tensor):
-            weight = weight.to(self.ops.device, self.ops.dtype).contiguous()
+            part = f"float_rows_{start}"
+            linear = nn.Linear(self.in_features, stop - start, bias=False,
+                               device=self.ops.device, dtype=self.ops.dtype)
+            linear.weight = nn.Parameter(
+                weight.to(self.ops.device, self.ops.dtype).contiguous(), requires_grad=False)
+            self.add_module(part, linear)
         else:  # a checkpoint's weights are read on the CPU (GPTQ / AWQ repacked there)
-            weight = weight.to(self.ops.device)
-            if weight.input_perm is not None:
-                weight = self._share_perm(weight)
-        self.parts = sorted([p for p in self.parts if p[0] != start] + [(start, weight)],
+            part = weight.to(self.ops.device)
+            if part.input_perm is not None:
+                part = self._share_perm(part)
+        self.parts = sorted([p for p in self.parts if p[0] != start] + [(start, part)],
                             key=lambda p: p[0])
+
+    def _rows(self, part: Part) -> int:
+        """How many output rows ``part`` serves."""
+        return getattr(self, part).out_features if isinstance(part, str) else part.shape[0]
 
     def complete(self) -> bool:
         """Whether the parts cover the output rows exactly, in order."""
         row = 0
-        for start, weight in self.parts:
+        for start, part in self.parts:
             if start != row:
                 return False
-            row += weight.shape[0]
+            row += self._rows(part)
         return row == self.out_features
 
     def _share_perm(self, weight: QuantizedWeight) -> QuantizedWeight:
@@ -91,8 +109,9 @@ class QuantizedLinear(nn.Module):
 
     def _run(self, x: torch.Tensor, weight: Part, bias: torch.Tensor | None,
              gathered: dict[int, torch.Tensor]) -> torch.Tensor:
-        if isinstance(weight, torch.Tensor):
-            return F.linear(x, weight, bias)
+        if isinstance(weight, str):  # a float slice: the child linear, then its bias
+            y = getattr(self, weight)(x)
+            return y if bias is None else y + bias
         perm = weight.input_perm
         if perm is not None:  # the stored columns are the inputs in perm's order
             if id(perm) not in gathered:
@@ -106,7 +125,7 @@ class QuantizedLinear(nn.Module):
             return self._run(x, self.parts[0][1], self.bias, gathered)
         outs = []
         for start, weight in self.parts:
-            bias = None if self.bias is None else self.bias[start:start + weight.shape[0]]
+            bias = None if self.bias is None else self.bias[start:start + self._rows(weight)]
             outs.append(self._run(x, weight, bias, gathered))
         return torch.cat(outs, dim=-1)
 
@@ -118,12 +137,12 @@ class QuantizedLinear(nn.Module):
     @property
     def float_bytes(self) -> int:
         """The bytes of the float parts."""
-        return sum(w.numel() * w.element_size() for _, w in self.parts
-                   if isinstance(w, torch.Tensor))
+        return sum(self._rows(p) * self.in_features * self.ops.dtype.itemsize
+                   for _, p in self.parts if isinstance(p, str))
 
     def extra_repr(self) -> str:
         formats = "+".join(dict.fromkeys(
-            w.format.name if isinstance(w, QuantizedWeight) else str(w.dtype)
+            w.format.name if isinstance(w, QuantizedWeight) else str(self.ops.dtype)
             for _, w in self.parts))
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bias={self.bias is not None}, format={formats or 'unset'}")
@@ -175,10 +194,6 @@ def attach_quantized_head(model: nn.Module) -> None:
         model.logits_head = tied_head(embed)
     elif not model.tie_word_embeddings and isinstance(model.lm_head, QuantizedLinear):
         model.logits_head = model.lm_head
-
-
-def has_quantized_head(model: nn.Module) -> bool:
-    return isinstance(getattr(model, "logits_head", None), QuantizedLinear)
 
 
 def swap_quantized(model: nn.Module, module_names: set[str], ops: KernelBackend) -> None:
@@ -251,9 +266,8 @@ def weights_info(model: nn.Module, dtype: torch.dtype, source: str = "") -> Weig
             formats[w.format.name] += n
             qbytes += w.nbytes
             qweights += n
+    # the float parameters: a QuantizedLinear's float slices among them (child linears)
     float_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    float_bytes += sum(m.float_bytes for m in {id(m): m for m in model.modules()
-                                               if isinstance(m, QuantizedLinear)}.values())
     name = "+".join(f for f, _ in formats.most_common()) or "float"
     if source and formats:
         name = f"{source}:{name}"

@@ -197,17 +197,21 @@ class PackedLinear(nn.Module):
 
 def pack_model(model: nn.Module, layout: str) -> int:
     """Pack the logits head and replace every ``nn.Linear`` of the decoder (LoRA-wrapped
-    bases included) by a PackedLinear in ``layout``, freeing the row-major weights (a tied
-    head packs a copy: the embedding keeps its table); returns how many were packed."""
-    model.logits_head = PackedLinear(model.head_weight(), None, layout)
-    count = 1
+    bases included, a quantized linear's float slices too) by a PackedLinear in ``layout``,
+    freeing the row-major weights (a tied head packs a copy: the embedding keeps its
+    table); returns how many were packed. A head the model has already (``logits_head``
+    set: a quantized one) is left as it is."""
+    count = 0
+    if getattr(model, "logits_head", None) is None:
+        model.logits_head = PackedLinear(model.head_weight(), None, layout)
+        count = 1
+        if not model.tie_word_embeddings:
+            del model.lm_head  # its weight lives on in logits_head only
     for parent in list(model.model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear:
                 setattr(parent, name, PackedLinear.of(child, layout))
                 count += 1
-    if not model.tie_word_embeddings:
-        del model.lm_head  # its weight lives on in logits_head only
     return count
 
 

@@ -115,9 +115,13 @@ class InvariantLinear(nn.Module):
 
 def use_invariant_linears(model: nn.Module) -> int:
     """Serve the logits head (``model.logits_head``) and every ``nn.Linear`` of the decoder
-    (``model.model``, LoRA-wrapped bases included) with InvariantLinear; returns how many."""
-    model.logits_head = InvariantLinear(model.head_weight(), None)
-    count = 1
+    (``model.model``, LoRA-wrapped bases included, a quantized linear's float slices too)
+    with InvariantLinear; returns how many. A head the model has already (a quantized one:
+    TritonBackend.quantized_linear serves it invariantly) is left as it is."""
+    count = 0
+    if getattr(model, "logits_head", None) is None:
+        model.logits_head = InvariantLinear(model.head_weight(), None)
+        count = 1
     for parent in list(model.model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear:
