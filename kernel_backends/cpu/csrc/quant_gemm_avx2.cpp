@@ -17,8 +17,7 @@
 // int8, int4) or a 256-weight super-block (Q4_K, Q5_K, Q6_K, whose scales are read once a
 // super-block and whose integers are unpacked 32 bytes at a time in the byte domain into a
 // SuperBlock, then widened 8 at a time; a K-quant's one row takes 4 columns' SuperBlocks
-// at once, row_super_blocks; a 32-weight format's one row loads each chunk's x once for 4
-// columns, row_chunks). A decoder calls, in a fixed order, the sink's
+// at once, row_super_blocks). A decoder calls, in a fixed order, the sink's
 // put(off, first, q) for each vector of 8 integers (off: their first index in the unit;
 // first: the group's first vector), fold(d) at the end of each group, and offsets8(c) for a
 // super-block's offsets; or put_w(off, par, w) for weights decoded whole (Q4_0, Q4_1: two
@@ -229,27 +228,6 @@ inline void decode_unit(const Problem& p, const Column& col, int64_t u, Sink& si
   } else {
     k_unit<F>(col.row + u * unit_bytes<F>(), sink);
   }
-}
-
-// The fp16 scales d of 4 Q8_0 chunks b[0 .. 4) (4 columns' chunk u) into d[0 .. 4): gathered
-// in general registers, converted by one F16C op (exact, as f16 does each) and stored, to be
-// read back by broadcasts from memory (loads): 4 chunks' scalar conversions and broadcasts
-// taken off the vector units (one row: 1.1x; Q4_0's and Q4_1's two scales so were 0.9x).
-inline void q8_0_scales4(const uint8_t* const* b, float* d) {
-  uint64_t h4 = 0;
-  for (int c = 0; c < 4; ++c) {
-    uint16_t h;
-    std::memcpy(&h, b[c], 2);
-    h4 |= uint64_t(h) << (16 * c);
-  }
-  _mm_store_ps(d, _mm_cvtph_ps(_mm_cvtsi64_si128(int64_t(h4))));
-}
-
-// A Q8_0 chunk b into a sink, its scale given (q8_0_scales4): decode_unit's calls.
-template <class Sink>
-inline void q8_0_chunk(const uint8_t* b, Sink& sink, const float* d) {
-  for (int i = 0; i < 4; ++i) sink.put(8 * i, i == 0, f32(i8x8(b + 2 + 8 * i)));
-  sink.fold(_mm256_broadcast_ss(d));
 }
 
 #include "quant_gemm_avx2_tiles.h"

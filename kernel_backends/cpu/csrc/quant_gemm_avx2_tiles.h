@@ -17,7 +17,6 @@
 // decoded w stream from L2, where the decode in registers reads a quarter of the bytes.)
 constexpr int64_t kTileBytes = 96 * 1024;  // weight bytes a tile of columns holds
 
-
 inline float hsum(__m256 a) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -155,75 +154,9 @@ inline void row_super_blocks(const Problem& p, int64_t m, int64_t n) {
   }
 }
 
-// One row's accumulators against one column for a 32-weight chunk, the chunk's 4 vectors
-// of x given loaded (row_chunks loads them once for its C columns). The same operations, in
-// the same order, as Acc<1>: only where x comes from differs. Made per (chunk, column) by
-// value, so its x stays in registers.
-struct RowAcc {
-  __m256 a, t;
-  __m256 x[4];  // the chunk's x[0 .. 32)
-  inline void put(int off, bool first, __m256 q) {
-    t = first ? _mm256_mul_ps(q, x[off >> 3]) : _mm256_fmadd_ps(q, x[off >> 3], t);
-  }
-  inline void fold(__m256 d) { a = _mm256_fmadd_ps(d, t, a); }
-  inline void put_w(int off, int par, __m256 w) {
-    __m256& s = par ? t : a;
-    s = _mm256_fmadd_ps(w, x[off >> 3], s);
-  }
-};
-
-// A 32-weight format's one row m (Q8_0, Q4_0, Q4_1, int8, int4) against columns n .. n + C:
-// each chunk's 4 vectors of x loaded once, then the C columns' chunks decoded into their
-// own a and t in turn (decode_unit, as tile_decoded_here calls it). The same operations per
-// column, in the same order, as Acc<1> takes them, so y is the same bits as in any other
-// tile; x is loaded once a chunk for C columns instead of once a column.
-template <int F, int C>
-inline void row_chunks(const Problem& p, int64_t m, int64_t n) {
-  constexpr int UB = unit_bytes<F>();
-  const float* x = p.x + m * p.K;
-  __m256 a[C], t[C];
-  Column col[C];
-  const uint8_t* next[C];  // the next C columns, requested into cache (tile_decoded_here)
-  for (int c = 0; c < C; ++c) {
-    a[c] = t[c] = _mm256_setzero_ps();
-    col[c] = column(p, n + c);
-    next[c] = p.data + std::min(n + C + c, p.N - 1) * p.row_bytes;
-  }
-  for (int64_t u = 0; u < p.K / 32; ++u, x += 32) {
-    RowAcc acc{_mm256_setzero_ps(), _mm256_setzero_ps(),
-               {_mm256_loadu_ps(x), _mm256_loadu_ps(x + 8), _mm256_loadu_ps(x + 16),
-                _mm256_loadu_ps(x + 24)}};
-    constexpr bool q8_4 = F == kQ8_0 && C == 4;  // the 4 scales converted at once
-    alignas(16) float d[4];
-    if constexpr (q8_4) {
-      const uint8_t* b[4];
-      for (int c = 0; c < 4; ++c) b[c] = col[c].row + u * UB;
-      q8_0_scales4(b, d);
-    }
-    for (int c = 0; c < C; ++c) {
-      for (int k = 0; k < UB; k += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(next[c] + u * UB + k), _MM_HINT_T0);
-      acc.a = a[c];
-      acc.t = t[c];
-      if constexpr (q8_4)
-        q8_0_chunk(col[c].row + u * UB, acc, d + c);
-      else
-        decode_unit<F>(p, col[c], u, acc);
-      a[c] = acc.a;
-      t[c] = acc.t;
-    }
-  }
-  for (int c = 0; c < C; ++c) {
-    Acc<1> acc;
-    acc.a[0] = a[c];
-    acc.t[0] = t[c];
-    finish<F, 1>(p, acc, m, n + c);
-  }
-}
-
 // Rows m .. m + R (R = 1 .. 4) against columns t0 .. t1, decoded here: C columns a time
-// (C = 4 / R: eight accumulators), the last ones one a time; one row by row_super_blocks
-// (K-quants) or row_chunks (the 32-weight formats).
+// (C = 4 / R: eight accumulators), the last ones one a time; a K-quant's one row by
+// row_super_blocks.
 template <int F, int R>
 inline void rows_decoded_here(const Problem& p, int64_t m, int64_t t0, int64_t t1) {
   constexpr int C = R == 1 ? 4 : R == 2 ? 2 : 1;
@@ -231,10 +164,6 @@ inline void rows_decoded_here(const Problem& p, int64_t m, int64_t t0, int64_t t
   if constexpr (R == 1 && k_quant(F)) {
     for (; n + C <= t1; n += C) row_super_blocks<F, C>(p, m, n);
     for (; n < t1; ++n) row_super_blocks<F, 1>(p, m, n);
-    return;
-  } else if constexpr (R == 1) {
-    for (; n + C <= t1; n += C) row_chunks<F, C>(p, m, n);
-    for (; n < t1; ++n) row_chunks<F, 1>(p, m, n);
     return;
   }
   for (; n + C <= t1; n += C) tile_decoded_here<F, R, C>(p, m, n);
