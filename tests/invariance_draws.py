@@ -86,9 +86,10 @@ def covers_the_cases(draws: list[dict]) -> list[str]:
     return missing
 
 
-def run_draws(make: Make, draws: list[dict]) -> list[str]:
+def run_draws(make: Make, draws: list[dict], first_only: bool = False) -> list[str]:
     """The draws whose probe differs from the probe alone (empty when invariant);
-    ``make(**kw)``: an engine over the base, with the adapters a0 and a1."""
+    ``make(**kw)``: an engine over the base, with the adapters a0 and a1. With
+    ``first_only``, the first such draw only (the draws after it are not run)."""
     alone_engine = make(enable_prefix_caching=False)
     engines: dict[int, LLMEngine] = {}
     failures = []
@@ -109,6 +110,8 @@ def run_draws(make: Make, draws: list[dict]) -> list[str]:
             failures.append(f"draw {i}: {len(d['probe'])} tokens, adapter {d['adapter']}, "
                             f"n {d['params'].n}, budget {d['budget']}, warm {d['warm']}, "
                             f"{len(d['others'])} neighbours")
+            if first_only:
+                break
     return failures
 
 

@@ -16,6 +16,8 @@ import torch
 from loraplex import LLMEngine
 from loraplex.server.lora_modules import demo_adapters
 
+from tests.conftest import one_thread
+
 ROOT = Path(__file__).resolve().parents[1]
 ADAPTERS = ROOT / "adapters"
 NAMES = ("caps", "json", "pirate")
@@ -109,7 +111,7 @@ def test_served_greedy_equals_peft(answers: dict[str, list[Any]], peft_model: An
     for prompt, response in list(zip(PROMPTS, answers[name]))[:2]:
         ids = chat_prompt_ids(tokenizer, prompt)
         assert response.usage.prompt_tokens == len(ids)
-        with torch.no_grad():
+        with torch.no_grad(), one_thread():  # the oracle: see conftest.one_thread
             out = peft_model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids),
                                       dtype=torch.long), max_new_tokens=NEW, do_sample=False)
         assert list(response.token_ids) == out[0, len(ids):].tolist(), prompt

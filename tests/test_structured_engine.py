@@ -9,6 +9,7 @@ import asyncio
 import dataclasses
 import json
 import re
+from collections.abc import Iterator
 from pathlib import Path
 
 import jsonschema
@@ -45,6 +46,31 @@ def engine_for(json_model, **kwargs) -> LLMEngine:
                      lora_modules={k: str(v) for k, v in adapters.items()}, **kwargs)
 
 
+@pytest.fixture(scope="module")
+def shared(json_model) -> Iterator[list[LLMEngine]]:
+    """The module's one engine (a box: ``engine`` replaces it when a test left it unclean);
+    its compiler's processes are stopped at the module's end."""
+    box: list[LLMEngine] = []
+    yield box
+    for e in box:
+        e.constraints.shutdown()
+
+
+@pytest.fixture
+def engine(json_model, shared: list[LLMEngine]) -> LLMEngine:
+    """A clean engine (no request, no used block) shared by the tests that need no fresh
+    one: an engine's compiler starts a zygote (an interpreter importing xgrammar and torch)
+    and compiles from an empty cache, ~3.5 s of CPU each. A test that counts compiles from
+    zero, builds under other kernels or settings, or stops the engine (an AsyncEngine's
+    shutdown stops its compiler) builds its own. A test that failed and left requests or
+    blocks behind hands the next a fresh engine."""
+    if not shared or not _is_clean(shared[0]):
+        for e in shared:
+            e.constraints.shutdown()
+        shared[:] = [engine_for(json_model)]
+    return shared[0]
+
+
 def constrained(c: dict, seed: int | None = None, max_new: int = 300) -> SamplingParams:
     return SamplingParams(temperature=0.0 if seed is None else 1.0, seed=seed,
                           max_new_tokens=max_new, structured_outputs=c)
@@ -54,17 +80,24 @@ def free(max_new: int = 24) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_new_tokens=max_new, ignore_eos=True)
 
 
+def _is_clean(engine: LLMEngine) -> bool:
+    return (engine.block_manager.num_used_blocks == 0
+            and not engine.has_unfinished_requests() and not engine.requests)
+
+
 def assert_clean(engine: LLMEngine) -> None:
     assert engine.block_manager.num_used_blocks == 0
     assert not engine.has_unfinished_requests() and not engine.requests
 
 
 @pytest.mark.parametrize("kernels", ["cpu", "torch"])
-def test_schemas_in_mixed_batches_with_free_requests(json_model, kernels, monkeypatch):
+def test_schemas_in_mixed_batches_with_free_requests(json_model, engine, kernels, monkeypatch):
     """Every schema, greedy and sampled, on the base and both adapters, in one batch with
     free requests, whose tokens equal what they are alone."""
     monkeypatch.setenv("LORAPLEX_KERNELS", kernels)
-    engine = engine_for(json_model)
+    if engine.base.kernels.name != kernels:  # the shared engine runs the default kernels
+        engine = engine_for(json_model)
+    assert engine.base.kernels.name == kernels
     adapters = [None, "extract", "tools"]
     jobs = []  # (prompt, params, adapter, schema or None)
     for i, (_, schema, _) in enumerate(cases.SCHEMAS):
@@ -86,8 +119,7 @@ def test_schemas_in_mixed_batches_with_free_requests(json_model, kernels, monkey
     assert_clean(engine)
 
 
-def test_regex_choice_grammar_and_json_object(json_model):
-    engine = engine_for(json_model)
+def test_regex_choice_grammar_and_json_object(engine):
     jobs = [({"regex": cases.REGEX}, lambda t: re.fullmatch(cases.REGEX, t)),
             ({"choice": cases.CHOICES}, lambda t: t in cases.CHOICES),
             ({"grammar": cases.GRAMMAR}, lambda t: re.fullmatch(cases.GRAMMAR_REGEX, t)),
@@ -111,8 +143,7 @@ def test_regex_choice_grammar_and_json_object(json_model):
     assert_clean(engine)
 
 
-def test_max_tokens_first_gives_length(json_model):
-    engine = engine_for(json_model)
+def test_max_tokens_first_gives_length(engine):
     schema = cases.SCHEMAS[1][1]
     out = engine.generate(["the cat"], constrained({"json": schema}, max_new=5))[0]
     assert out.finish_reason == "length" and len(out.token_ids) == 5
@@ -120,13 +151,13 @@ def test_max_tokens_first_gives_length(json_model):
     assert_clean(engine)
 
 
-def test_preemption_keeps_the_matchers_right(json_model):
+def test_preemption_keeps_the_matchers_right(json_model, engine):
     """Few KV blocks: sequences are preempted and recomputed mid-answer; greedy answers
-    equal those of a roomy engine, and validate."""
+    equal those of a roomy engine (the shared one), and validate."""
     jobs = [(PROMPTS[i % 4] + " and" * i, cases.SCHEMAS[i % len(cases.SCHEMAS)][1])
             for i in range(12)]
     params = [constrained({"json": s}) for _, s in jobs]
-    roomy = engine_for(json_model).generate([p for p, _ in jobs], params)
+    roomy = engine.generate([p for p, _ in jobs], params)
     tight = engine_for(json_model, num_kv_blocks=14, block_size=16)
     seqs = [tight.make_sequence(p, constrained({"json": s})) for p, s in jobs]
     for seq in seqs:
@@ -141,10 +172,9 @@ def test_preemption_keeps_the_matchers_right(json_model):
     assert_clean(tight)
 
 
-def test_a_copied_sequence_gets_its_own_matcher(json_model):
+def test_a_copied_sequence_gets_its_own_matcher(engine):
     """A sequence copied with its parent's matcher (as an n > 1 fork is) gets a matcher of
     its own at its first step; both answer validly, sampled from their own seeds."""
-    engine = engine_for(json_model)
     schema = cases.SCHEMAS[2][1]
     parent = engine.make_sequence("the cat", constrained({"json": schema}, seed=1))
     child = dataclasses.replace(parent, request_id="child", output_token_ids=[], block_table=[],
@@ -163,10 +193,9 @@ def test_a_copied_sequence_gets_its_own_matcher(json_model):
     assert_clean(engine)
 
 
-def test_n_choices_each_hold_their_own_matcher(json_model):
+def test_n_choices_each_hold_their_own_matcher(engine):
     """n > 1 forks from one prefill: every choice answers the schema from its own seed, in a
     batch with a free request and an adapter."""
-    engine = engine_for(json_model)
     schema = cases.SCHEMAS[0][1]
     params = SamplingParams(temperature=1.0, seed=11, n=4, max_new_tokens=300,
                             structured_outputs={"json": schema})
@@ -190,8 +219,7 @@ def test_n_choices_each_hold_their_own_matcher(json_model):
     ({"regex": "a", "choice": ["a"]}, r"exactly one of"),
     ({"jsonschema": {}}, r"structured_outputs: .*jsonschema"),
 ])
-def test_bad_constraints_are_refused_and_nothing_leaks(json_model, c, message):
-    engine = engine_for(json_model)
+def test_bad_constraints_are_refused_and_nothing_leaks(engine, c, message):
     with pytest.raises(ValueError, match=message):  # InvalidRequestError is a ValueError
         engine.add_request("the cat", SamplingParams(structured_outputs=c))
     with pytest.raises(InvalidRequestError, match="ignore_eos cannot be combined"):
@@ -228,14 +256,15 @@ def test_async_engine_compiles_off_the_engine_thread(json_model):
     asyncio.run(main())
 
 
-def test_structured_outputs_object_and_dict_are_one(json_model):
-    engine = engine_for(json_model)
+def test_structured_outputs_object_and_dict_are_one(engine):
+    """The object form finds the dict form's compiled grammar (one key): a cache hit."""
     a = engine.generate(["one two"], constrained({"regex": cases.REGEX}))[0]
+    hits = engine.constraints.compiler.stats().hits  # the shared engine's so far
     b = engine.generate(["one two"], SamplingParams(
         temperature=0.0, max_new_tokens=300,
         structured_outputs=StructuredOutputs(regex=cases.REGEX)))[0]
     assert a.token_ids == b.token_ids
-    assert engine.constraints.compiler.stats().hits == 1
+    assert engine.constraints.compiler.stats().hits == hits + 1
 
 
 def test_every_other_check_runs_before_a_compile(json_model):
