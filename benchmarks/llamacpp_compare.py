@@ -5,7 +5,7 @@
     export LLAMA_CPP_PYTHON=DIR/venv/bin/python LORAPLEX_LLAMACPP_WORK=DIR/models
     python -m loraplex.benchmarks.llamacpp_compare --both-orders [--quant Q4_K_M]
         [--requests 32 --prompt-len 128 --new-tokens 128] [--only single,base,mixed,int4]
-        [--dtype auto] [--json FILE]
+        [--int4-lm-head float|int8|both] [--dtype auto] [--json FILE]
 
 ``--llama-cpp`` (default $LLAMA_CPP) is a llama.cpp source tree with
 ``build/bin/{llama-bench,llama-server,llama-quantize}``; ``--convert-python`` (default
@@ -22,7 +22,10 @@ Measured, each in a fresh process, the baseline first (and again after, with
   target >= 2x;
 - mixed: the same, request i on adapter i mod ``--adapters`` -- target >= 4x;
 - int4: loraplex at batch 1 on the HF dir, ``--quantization int4`` against ``none`` (its
-  float weights in the serving dtype) -- >= 2.5x.
+  float weights in the serving dtype) -- >= 2.5x; ``--int4-lm-head`` picks the int4 rows:
+  ``float`` (the head float, as vLLM keeps it: the row measured since s24), ``int8``
+  (``--quantize-lm-head``: the head in int8 too, as llama.cpp keeps its output tensor
+  quantized) or ``both`` (the default: both rows, against one float baseline).
 
 loraplex serves at ``--dtype`` (default auto: the engine's own rule, so a bf16 checkpoint
 runs in bf16 only where the CPU has native bf16, float32 elsewhere, and a GGUF's float
@@ -50,6 +53,7 @@ from .llamacpp_runs import PROMPT_VOCAB, llama_bench_tg, llama_server_tps, reque
 if TYPE_CHECKING:
     from .llamacpp_models import BenchFiles, LlamaCppTools
 STEPS = ("single", "base", "mixed", "int4")
+INT4_HEADS = ("float", "int8")  # --int4-lm-head: the int4 rows' logits head
 TARGETS = {"single": 0.9, "base": 2.0, "mixed": 4.0, "int4": 2.5}
 
 
@@ -88,6 +92,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--quant", default="Q4_K_M", choices=("Q8_0", "Q4_K_M"),
                     help="the GGUF both engines serve")
     ap.add_argument("--only", default=",".join(STEPS), type=_steps)
+    ap.add_argument("--int4-lm-head", default="both", choices=(*INT4_HEADS, "both"),
+                    help="the int4 step's head: float, int8 (--quantize-lm-head), or both rows")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--prompt-len", type=int, default=128)
@@ -130,13 +136,15 @@ class Measured:
     dtype: str
 
 
-def loraplex_decode_tps(model: str, quantization: str, dtype: str, new_tokens: int) -> Measured:
+def loraplex_decode_tps(model: str, quantization: str, dtype: str, new_tokens: int,
+                        quantize_lm_head: bool = False) -> Measured:
     """Decode tok/s at batch 1: (new_tokens) / (time of 1 + new_tokens tokens - time of 1
     token), each on a fresh 16-token prompt (the prefill is in both and cancels)."""
     from .. import LLMEngine, SamplingParams
     from ..engine.engine_config import EngineConfig
 
     engine = LLMEngine.from_config(EngineConfig(model=model, quantization=quantization,
+                                                quantize_lm_head=quantize_lm_head,
                                                 dtype=dtype, max_num_seqs=1,
                                                 max_model_len=1024))
     prompts = iter(random_prompts(8, 16, PROMPT_VOCAB, seed=3))
@@ -209,7 +217,7 @@ def run_child(what: dict) -> None:
     if what["kind"] != "decode":
         raise ValueError(what)
     measured = loraplex_decode_tps(what["model"], what["quantization"], what["dtype"],
-                                   what["new_tokens"])
+                                   what["new_tokens"], what.get("quantize_lm_head", False))
     print(f"RESULT {json.dumps(asdict(measured))}")
 
 
@@ -227,7 +235,7 @@ def measure(args: argparse.Namespace) -> list[Row]:
         if step in args.only:
             rows.append(_served(args, step, n, tools, files))
     if "int4" in args.only:
-        rows.append(_int4(args, files.model_dir))
+        rows += _int4(args, files.model_dir)
     return rows
 
 
@@ -271,20 +279,28 @@ def _served(args: argparse.Namespace, step: str, n: int, tools: LlamaCppTools,
                statistics.mean(base), ours.tps, dtype=ours.dtype)
 
 
-def _int4(args: argparse.Namespace, model_dir: Path) -> Row:
+def _int4(args: argparse.Namespace, model_dir: Path) -> list[Row]:
+    """The int4 rows, one per head of ``--int4-lm-head``, against one float baseline
+    (measured first, and again last with ``--both-orders``)."""
     decode = {"kind": "decode", "model": str(model_dir), "dtype": args.dtype,
               "new_tokens": args.single_new_tokens}
+    heads = INT4_HEADS if args.int4_lm_head == "both" else (args.int4_lm_head,)
     floats = [in_child(args, {**decode, "quantization": "none"})]
-    int4 = in_child(args, {**decode, "quantization": "int4"})
+    int4 = {head: in_child(args, {**decode, "quantization": "int4",
+                                  "quantize_lm_head": head == "int8"}) for head in heads}
     if args.both_orders:
         floats.append(in_child(args, {**decode, "quantization": "none"}))
-    dtypes = {m.dtype for m in floats} | {int4.dtype}
+    dtypes = {m.dtype for m in floats} | {m.dtype for m in int4.values()}
     if len(dtypes) != 1:  # activations must match, or the ratio is not int4's alone
         raise RuntimeError(f"int4 and its baseline served in different dtypes: {dtypes}")
-    _note("int4", floats, int4)
-    return Row("int4", f"decode, batch 1, HF dir, --quantization int4 vs none "
-               f"({int4.dtype} activations)", f"loraplex {int4.dtype}",
-               statistics.mean(m.tps for m in floats), int4.tps, dtype=int4.dtype)
+    rows = []
+    for head, ours in int4.items():
+        _note(f"int4, {head} head", floats, ours)
+        what = "" if head == "float" else " --quantize-lm-head (int8 head)"
+        rows.append(Row("int4", f"decode, batch 1, HF dir, --quantization int4{what} vs "
+                        f"none ({ours.dtype} activations)", f"loraplex {ours.dtype}",
+                        statistics.mean(m.tps for m in floats), ours.tps, dtype=ours.dtype))
+    return rows
 
 
 def _note(step: str, baseline: list[float | Measured], ours: Measured) -> None:

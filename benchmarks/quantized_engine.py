@@ -6,13 +6,16 @@ one sequence and decode of a batch.
     python -m loraplex.benchmarks.quantized_engine [--models smollm2 llama1b default]
         [--quantization int4 int8] [--prompt 512] [--batch 32] [--steps 16] [--rounds 3]
         [--llama1b-layers 4] [--dtype bfloat16] [--threads N] [--clock wall|cpu]
+        [--quantize-lm-head]
 
 The models are random Llama checkpoints with SmolLM2-135M's shapes (30 layers of hidden
 576, intermediate 1536, 9 query / 3 KV heads of 64, vocabulary 49152) and Llama-3.2-1B's
 (hidden 2048, intermediate 8192, 32 / 8 heads of 64, vocabulary 128256; ``--llama1b-layers``
 of its 16 layers, to keep the run short: a layer's cost does not depend on how many
 follow); speed does not depend on the values. The embedding and the tied head stay in the
-serving dtype on both sides (``--quantization`` quantizes the decoder linears).
+serving dtype on both sides (``--quantization`` quantizes the decoder linears);
+``--quantize-lm-head`` adds, for each ``--quantization``, an engine whose head is int8 too
+(engine/models/quantized_head.py): its row against the float one's gives the head's share.
 ``default`` is the embedded model as served: its own GGUF (Q4_1 linears, a Q8_0 embedding
 and tied head; ``--quantization auto``) against its float32 conversion (``none``); the
 ``--quantization`` list does not apply to it.
@@ -106,6 +109,8 @@ def main() -> None:
     ap.add_argument("--llama1b-layers", type=int, default=4)
     ap.add_argument("--threads", type=int, default=0, help="torch's threads (0: its default)")
     ap.add_argument("--clock", default="wall", choices=["wall", "cpu"])
+    ap.add_argument("--quantize-lm-head", action="store_true",
+                    help="also each quantization with the head in int8")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -130,6 +135,9 @@ def main() -> None:
             engines = {"none": LLMEngine(model=model, quantization="none", **common)}
             for q in quantizations:
                 engines[q] = LLMEngine(model=model, quantization=q, **common)
+                if args.quantize_lm_head and q in ("int4", "int8"):
+                    engines[f"{q}, int8 head"] = LLMEngine(
+                        model=model, quantization=q, quantize_lm_head=True, **common)
             for engine in engines.values():  # warm-up: every path once
                 figures(engine, vocab, 64, 2, 2)
             got: dict[str, list[dict[str, float]]] = {q: [] for q in engines}
@@ -138,7 +146,7 @@ def main() -> None:
                 for q in order:
                     got[q].append(figures(engines[q], vocab, args.prompt, args.batch,
                                           args.steps, clock))
-            for q in quantizations:
+            for q in [q for q in engines if q != "none"]:
                 for fig in got["none"][0]:
                     base = statistics.median(g[fig] for g in got["none"])
                     quant = statistics.median(g[fig] for g in got[q])

@@ -116,7 +116,8 @@ def _load_base_model(cfg: EngineConfig, progress: bool) -> BaseModel:
         model = load_gguf_model(path, config, kernels, max_model_len)
         defaults, eos = {}, set()
     else:
-        model = load_model(path, config, kernels, max_model_len, progress, cfg.quantization)
+        model = load_model(path, config, kernels, max_model_len, progress, cfg.quantization,
+                           cfg.quantize_lm_head)
         tokenizer = _load_tokenizer(path)
         defaults, eos = _generation_defaults(path)
     for source in (config.eos_token_id, getattr(tokenizer, "eos_token_id", None)):

@@ -19,6 +19,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 BATCH_INVARIANT = ("auto", "on", "off")  # --batch-invariant (docs/sampling.md)
 DEVICES = ("auto", "cpu", "cuda")
 QUANTIZATIONS = ("auto", "none", "int8", "int4")  # vLLM's --quantization flag, these values
+QUANTIZE_ON_LOAD = ("int8", "int4")  # the values that quantize a float checkpoint on load
 DEFAULT_CPU_KV_BYTES = 1 << 30  # 1 GiB, further capped by what max_num_seqs × max_model_len needs
 MODEL = "model"
 CAPACITY = "capacity"
@@ -53,6 +54,11 @@ class EngineConfig:
         "embedded default's or a .gguf's float32 conversion, made once); int8 / int4: "
         "quantize a 16/32-bit checkpoint's linears on load (weight-only; int8 per output "
         "channel, int4 in groups with zero points)")
+    quantize_lm_head: bool = flag(  # engine/models/quantized_head.py
+        False, group=MODEL,
+        help="with --quantization int8|int4, serve the logits head in int8 per output "
+        "channel too (a tied head gets its own int8 copy; the embedding stays float for "
+        "lookups); default: the head stays float, as vLLM keeps it")
     max_num_seqs: int = flag(32, group=CAPACITY, help="requests running in a step")
     max_num_batched_tokens: int = flag(512, group=CAPACITY, help="token budget per step")
     max_model_len: int | None = flag(None, group=CAPACITY,  # None: max_position_embeddings
@@ -163,6 +169,11 @@ class EngineConfig:
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization={self.quantization!r} is not supported: choose "
                              f"one of {QUANTIZATIONS}")
+        if self.quantize_lm_head and self.quantization not in QUANTIZE_ON_LOAD:
+            raise ValueError(f"--quantize-lm-head (quantize_lm_head=True) quantizes the head "
+                             f"of a checkpoint quantized on load: it needs --quantization "
+                             f"int8 or int4, not {self.quantization!r} (a GGUF, GPTQ or AWQ "
+                             f"file decides its own head)")
         _check_range("max_num_seqs", self.max_num_seqs, 1)
         _check_range("max_num_batched_tokens", self.max_num_batched_tokens, 1)
         _check_range("block_size", self.block_size, 1)

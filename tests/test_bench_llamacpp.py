@@ -108,9 +108,9 @@ def test_missing_binary_is_a_clear_error(tmp_path):
         LlamaCppTools(tmp_path).binary("llama-bench")
 
 
-def _int4_args(tmp_path: Path, both_orders: bool):
+def _int4_args(tmp_path: Path, both_orders: bool, head: str = "float"):
     return parse_args(["--llama-cpp", "/x", "--work", str(tmp_path), "--single-new-tokens",
-                       "8"] + (["--both-orders"] if both_orders else []))
+                       "8", "--int4-lm-head", head] + (["--both-orders"] if both_orders else []))
 
 
 def test_int4_row_names_the_served_dtype(monkeypatch, tmp_path):
@@ -119,9 +119,33 @@ def test_int4_row_names_the_served_dtype(monkeypatch, tmp_path):
     figures = {"none": 10.0, "int4": 25.0}
     monkeypatch.setattr(compare, "in_child", lambda args, what: compare.Measured(
         figures[what["quantization"]], "float32"))
-    row = compare._int4(_int4_args(tmp_path, True), tmp_path)
+    [row] = compare._int4(_int4_args(tmp_path, True), tmp_path)
+    assert "lm-head" not in row.what  # the row measured since s24: the head float
     assert row.baseline_name == "loraplex float32" and row.dtype == "float32"
     assert "float32" in row.what and row.ratio == 2.5 and row.met
+
+
+def test_int4_rows_with_the_int8_head(monkeypatch, tmp_path):
+    """--int4-lm-head both: the float-head row and the int8-head one, against one float
+    baseline (measured first and last with --both-orders); int8 alone: its row only."""
+    from loraplex.benchmarks import llamacpp_compare as compare
+
+    asked = []
+    figures = {("none", False): 10.0, ("int4", False): 18.0, ("int4", True): 27.0}
+
+    def child(args, what):
+        asked.append((what["quantization"], what.get("quantize_lm_head", False)))
+        return compare.Measured(figures[asked[-1]], "float32")
+
+    monkeypatch.setattr(compare, "in_child", child)
+    assert compare.parse_args(["--llama-cpp", "/x", "--work", "/y"]).int4_lm_head == "both"
+    rows = compare._int4(_int4_args(tmp_path, True, "both"), tmp_path)
+    assert asked == [("none", False), ("int4", False), ("int4", True), ("none", False)]
+    assert [r.ratio for r in rows] == [1.8, 2.7] and not rows[0].met and rows[1].met
+    assert "--quantize-lm-head" in rows[1].what and "lm-head" not in rows[0].what
+    asked.clear()
+    [row] = compare._int4(_int4_args(tmp_path, False, "int8"), tmp_path)
+    assert asked == [("none", False), ("int4", True)] and row.ratio == 2.7
 
 
 def test_int4_refuses_a_baseline_in_another_dtype(monkeypatch, tmp_path):

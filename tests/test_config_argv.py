@@ -77,7 +77,8 @@ def other_value(name: str, hint: Any, default: Any, choices: Any, tmp: Path) -> 
     special = {"model": str(tmp), "max_loras": 3, "block_size": 64, "gpu_memory_utilization": 0.5,
                "max_request_bytes": 8 * 1024**2 + 1, "address": "auto", "num_replicas": 2,
                "min_replicas": 1, "max_replicas": 2, "upload_disk_budget": 2 * 1024**3,
-               "lora_modules": {"a": str(adapter_dir(tmp, "a"))}}
+               "lora_modules": {"a": str(adapter_dir(tmp, "a"))},
+               "quantization": "int4"}  # what quantize_lm_head needs beside it
     if name in special:
         return special[name]
     if choices:
@@ -100,7 +101,8 @@ def other_value(name: str, hint: Any, default: Any, choices: Any, tmp: Path) -> 
 # fields that are valid only with others: what each needs beside it
 COMPANIONS = {"ssl_certfile": ("ssl_keyfile",), "ssl_keyfile": ("ssl_certfile",),
               "ssl_ca_certs": ("ssl_certfile", "ssl_keyfile"),
-              "enable_auto_tool_choice": ("tool_call_parser",)}
+              "enable_auto_tool_choice": ("tool_call_parser",),
+              "quantize_lm_head": ("quantization",)}
 
 
 def test_every_flag_round_trips(tmp_path: Path) -> None:

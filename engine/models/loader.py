@@ -12,7 +12,8 @@ or without the ``model.`` prefix (a bare base model saved); Phi-3's fused ``qkv_
 The model is built on meta (``build_model``): modules served quantized are swapped for
 QuantizedLinear / QuantizedEmbedding there (quant_modules.py), before anything is
 allocated; ``fill_weights`` fills floats and quantized weights alike, from a safetensors
-checkpoint (``--quantization int8|int4`` quantizing its decoder linears as they are read),
+checkpoint (``--quantization int8|int4`` quantizing its decoder linears as they are read,
+and with ``--quantize-lm-head`` the head in int8: quantized_head.py),
 from a GPTQ / AWQ checkpoint's packed int4 tensors repacked (gptq_awq.py), or from a GGUF
 file's tensors (gguf_model.py).
 """
@@ -33,6 +34,7 @@ from transformers import AutoConfig, PretrainedConfig
 from ...kernel_backends.backend import KernelBackend
 from ...kernel_backends.quantized_weight import QuantizedWeight
 from ...kernel_backends.weight_quantization import quantize_weight
+from ..engine_config import QUANTIZE_ON_LOAD
 from .gemma import GemmaForCausalLM
 from .gptq_awq import checkpoint_quantization, checkpoint_tensors, quantized_prefixes
 from .llama import LlamaForCausalLM
@@ -44,6 +46,7 @@ from .quant_modules import (
     check_complete,
     swap_quantized,
 )
+from .quantized_head import HEAD_QUANTIZATION, head_modules, quantize_tied_head
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -146,8 +149,9 @@ def _destination(model: LlamaForCausalLM, key: str,
 def load_weights(model: LlamaForCausalLM, files: list[Path], progress: bool = False,
                  quantization: str = "auto") -> None:
     """Fill every parameter of ``model`` from ``files`` (and its QuantizedLinears with their
-    tensors quantized by ``quantization``); ValueError names the file and the tensor that is
-    unexpected or misshapen, or the tensors no file holds."""
+    tensors quantized by ``quantization``, an untied ``lm_head`` swapped for one in
+    HEAD_QUANTIZATION); ValueError names the file and the tensor that is unexpected or
+    misshapen, or the tensors no file holds."""
 
     def tensors() -> Iterator[tuple[str, Path, Callable[[], CheckpointTensor]]]:
         for path in tqdm(files, desc="loading weights", disable=not progress, unit="file"):
@@ -158,27 +162,31 @@ def load_weights(model: LlamaForCausalLM, files: list[Path], progress: bool = Fa
     names = ", ".join(f.name for f in files)
     quantize = None
     if quantization in QUANTIZE_ON_LOAD:
-        quantize = functools.partial(_quantize_on_load, method=quantization,
+        quantize = functools.partial(_quantize_on_load, linears=quantization,
                                      device=next(model.parameters()).device)
     fill_weights(model, tensors(), f"the checkpoint in {files[0].parent} ({names})", quantize)
 
 
 CheckpointTensor = torch.Tensor | QuantizedWeight
-QUANTIZE_ON_LOAD = ("int8", "int4")  # the --quantization values that quantize on load
+# (the module's parameter name, its float tensor) -> the tensor quantized
+Quantize = Callable[[str, torch.Tensor], QuantizedWeight]
 
 
-def _quantize_on_load(tensor: torch.Tensor, method: str, device: torch.device) -> QuantizedWeight:
+def _quantize_on_load(name: str, tensor: torch.Tensor, linears: str,
+                      device: torch.device) -> QuantizedWeight:
+    """A decoder linear in ``linears`` (int8 / int4), the untied head in HEAD_QUANTIZATION."""
+    method = HEAD_QUANTIZATION if name == HEAD else linears
     return quantize_weight(tensor.to(device), method)
 
 
 def fill_weights(model: LlamaForCausalLM,
                  tensors: Iterable[tuple[str, Path, Callable[[], CheckpointTensor]]],
                  where: str,
-                 quantize: Callable[[torch.Tensor], QuantizedWeight] | None = None) -> None:
+                 quantize: Quantize | None = None) -> None:
     """Fill ``model`` from ``(checkpoint name, file, read the tensor)`` triples: float
     tensors into the parameters (converted to their dtype), QuantizedWeights into the
     quantized modules (kernel_backends/quantized_weight.py; a float tensor for one is
-    quantized by ``quantize``). ValueError names the tensor that is unexpected, misshapen
+    quantized by ``quantize(its parameter name, tensor)``). ValueError names the tensor that is unexpected, misshapen
     or of the wrong kind, or the weights none filled (``where``: the checkpoint)."""
     params = dict(model.named_parameters())
     quantized = {f"{n}.weight": m for n, m in model.named_modules()
@@ -195,7 +203,8 @@ def fill_weights(model: LlamaForCausalLM,
             continue  # tied, stored under both names: the embedding is kept
         tensor = read()
         if name in quantized:
-            _fill_quantized(quantized[name], rows, tensor, key, path, quantize)
+            _fill_quantized(quantized[name], rows, tensor, key, path,
+                            None if quantize is None else functools.partial(quantize, name))
         else:
             if isinstance(tensor, QuantizedWeight):
                 raise ValueError(f"tensor {key!r} in {path} is stored as "
@@ -251,13 +260,17 @@ def resolve_dtype(config: PretrainedConfig, dtype: str, device: torch.device,
 
 def load_model(
     model_dir: Path, config: PretrainedConfig, backend: KernelBackend, max_positions: int,
-    progress: bool = False, quantization: str = "auto",
+    progress: bool = False, quantization: str = "auto", quantize_lm_head: bool = False,
 ) -> LlamaForCausalLM:
     """The model on the backend's device and dtype, its kernels run by ``backend``;
     ``quantization`` "int8" / "int4" quantizes its decoder linears on load
-    (kernel_backends/weight_quantization.py), "auto" serves the checkpoint as stored (a
-    GPTQ / AWQ one in its own quantization), "none" a float checkpoint's floats (a GPTQ /
-    AWQ one is refused: it is not dequantized on load)."""
+    (kernel_backends/weight_quantization.py; ``quantize_lm_head``: the head too, in int8,
+    quantized_head.py), "auto" serves the checkpoint as stored (a GPTQ / AWQ one in its own
+    quantization), "none" a float checkpoint's floats (a GPTQ / AWQ one is refused: it is
+    not dequantized on load)."""
+    if quantize_lm_head and quantization not in QUANTIZE_ON_LOAD:
+        raise ValueError(f"--quantize-lm-head needs --quantization int8 or int4, not "
+                         f"{quantization!r}")
     files = weight_files(model_dir)
     scheme = checkpoint_quantization(config)
     if scheme is not None:
@@ -275,10 +288,19 @@ def load_model(
                      f"the {scheme.method.upper()} checkpoint in {model_dir} ({names})")
         return finish_model(model)
     model = build_model(config, backend, max_positions,
-                        lambda m: decoder_linears(m) if quantization in QUANTIZE_ON_LOAD
-                        else set())
+                        lambda m: _quantized_on_load(m, quantization, quantize_lm_head))
     load_weights(model, files, progress, quantization)
+    if quantize_lm_head and model.tie_word_embeddings:
+        quantize_tied_head(model, backend)
     return finish_model(model)
+
+
+def _quantized_on_load(model: LlamaForCausalLM, quantization: str,
+                       quantize_lm_head: bool) -> set[str]:
+    """The modules ``--quantization`` (and ``--quantize-lm-head``) quantize as they load."""
+    if quantization not in QUANTIZE_ON_LOAD:
+        return set()
+    return decoder_linears(model) | (head_modules(model) if quantize_lm_head else set())
 
 
 def _stored_quantized(model: LlamaForCausalLM, prefixes: set[str], method: str) -> set[str]:
@@ -320,6 +342,6 @@ def finish_model(model: LlamaForCausalLM) -> LlamaForCausalLM:
 def decoder_linears(model: LlamaForCausalLM) -> set[str]:
     """The module names of the decoder's linears (those adapters may target): what
     ``--quantization int8|int4`` quantizes (the embedding and the head stay float, as
-    vLLM's weight-only methods keep them)."""
+    vLLM's weight-only methods keep them, unless ``--quantize-lm-head``)."""
     names = {id(m): n for n, m in model.named_modules()}
     return {f"{names[id(parent)]}.{attr}" for _, parent, attr, _, _ in model.lora_targets()}
