@@ -15,10 +15,11 @@ from ..kernel_backends import backend_class, backend_name
 from ..kernel_backends.backend import KernelBackend
 from .engine_config import EngineConfig
 from .gguf_metadata import load_gguf_metadata
+from .models.checkpoint_dir import load_config
 from .models.gguf_model import forget_parsed, is_gguf_file, load_gguf_model
 from .models.gptq_awq import checkpoint_quantization
 from .models.llama import LlamaForCausalLM
-from .models.loader import load_config, load_model, resolve_dtype
+from .models.loader import load_model, resolve_dtype
 from .models.quant_modules import WeightsInfo, weights_info
 
 log = logging.getLogger(__name__)

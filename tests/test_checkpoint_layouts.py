@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from loraplex import LLMEngine, SamplingParams
-from loraplex.engine.models.loader import weight_files
+from loraplex.engine.models.checkpoint_dir import weight_files
 from safetensors.torch import load_file, save_file, save_model
 from transformers import AutoModelForCausalLM
 

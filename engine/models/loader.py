@@ -21,7 +21,6 @@ file's tensors (gguf_model.py).
 from __future__ import annotations
 
 import functools
-import json
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
@@ -29,12 +28,13 @@ import torch
 from safetensors import safe_open
 from torch import nn
 from tqdm import tqdm
-from transformers import AutoConfig, PretrainedConfig
+from transformers import PretrainedConfig
 
 from ...kernel_backends.backend import KernelBackend
 from ...kernel_backends.quantized_weight import QuantizedWeight
 from ...kernel_backends.weight_quantization import quantize_weight
 from ..engine_config import QUANTIZE_ON_LOAD
+from .checkpoint_dir import weight_files
 from .gemma import GemmaForCausalLM
 from .gptq_awq import checkpoint_quantization, checkpoint_tensors, quantized_prefixes
 from .llama import LlamaForCausalLM
@@ -48,15 +48,6 @@ from .quant_modules import (
 )
 from .quantized_head import HEAD_QUANTIZATION, head_modules, quantize_tied_head
 
-SUPPORTED_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-    "Gemma2ForCausalLM": "gemma2",
-    "Gemma3ForCausalLM": "gemma3_text",
-    "Phi3ForCausalLM": "phi3",
-}
 # model_type -> the model class serving it
 MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "llama": LlamaForCausalLM, "mistral": LlamaForCausalLM, "qwen2": LlamaForCausalLM,
@@ -69,51 +60,6 @@ FUSED = {
     "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
     "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
 }
-
-
-def load_config(model_dir: Path) -> PretrainedConfig:
-    """The model's config, refused with a clear message when loraplex cannot serve it."""
-    if not model_dir.is_dir():
-        raise FileNotFoundError(f"model directory {model_dir} does not exist")
-    if not (model_dir / "config.json").is_file():
-        raise FileNotFoundError(f"{model_dir} has no config.json: not a Hugging Face model dir")
-    config = AutoConfig.from_pretrained(model_dir)
-    archs = getattr(config, "architectures", None) or []
-    supported = ", ".join(SUPPORTED_ARCHITECTURES)
-    if not any(a in SUPPORTED_ARCHITECTURES for a in archs) and \
-            config.model_type not in SUPPORTED_ARCHITECTURES.values():
-        raise ValueError(
-            f"unsupported architecture {archs or config.model_type!r} in {model_dir}; "
-            f"supported: {supported}"
-        )
-    return config
-
-
-def weight_files(model_dir: Path) -> list[Path]:
-    """The safetensors files of the checkpoint: the index's shards, else model.safetensors,
-    else every ``*.safetensors`` of the directory."""
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (ValueError, KeyError, TypeError) as exc:
-            raise ValueError(f"{index} is not a safetensors index (a JSON object with a "
-                             f"'weight_map' of tensor name -> shard file): {exc}") from exc
-        files = [model_dir / n for n in sorted(set(weight_map.values()))]
-        missing = [f.name for f in files if not f.is_file()]
-        if missing:
-            raise FileNotFoundError(f"{index} names shards missing from {model_dir}: "
-                                    f"{', '.join(missing)}")
-        return files
-    if (model_dir / "model.safetensors").is_file():
-        return [model_dir / "model.safetensors"]
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        others = sorted(p.name for p in model_dir.iterdir() if p.suffix in (".bin", ".pt", ".pth"))
-        hint = f" (found {', '.join(others)}: pickle weights are never loaded)" if others else ""
-        raise FileNotFoundError(f"model weights missing in {model_dir}: no *.safetensors file"
-                                f"{hint}")
-    return files
 
 
 def _slice_rows(model: LlamaForCausalLM, name: str, index: int) -> tuple[int, int]:
