@@ -71,8 +71,12 @@ def test_the_float_base_runs_the_panels(made, monkeypatch):  # noqa: F811
 
 
 def test_the_torch_backend_is_not_thread_invariant(made, monkeypatch):  # noqa: F811
-    """The torch backend (PyTorch's GEMMs, the kernels' oracle) makes no such promise: its
-    float32 bits move with the thread count. This documents the limit (docs/sampling.md)
-    and shows that the comparison above can see a difference."""
+    """The torch backend (PyTorch's GEMMs, the kernels' oracle) makes no such promise: where
+    its float32 bits move with the thread count (they do on the AVX2 hosts here), the
+    comparison above sees it. Whether oneDNN splits a sum by threads depends on the CPU and
+    the shapes, so a CPU where it does not skips this (equal bits break no promise)."""
     monkeypatch.setenv("LORAPLEX_KERNELS", "torch")
-    assert served_with(2, made, "float") != served_with(1, made, "float")
+    one, two = served_with(1, made, "float"), served_with(2, made, "float")
+    if one == two:
+        pytest.skip("PyTorch's GEMMs give the same bits on 1 and 2 threads on this CPU")
+    assert two != one
