@@ -9,7 +9,8 @@
 # For the GPU machine (torch + triton preinstalled, no package registry); < 5 minutes.
 #
 #   bash benchmarks/gpu_check.sh            # on the GPU machine
-#   bash benchmarks/gpu_check.sh --dry-run  # on CPU: interpreter, tiny shapes (make test runs it)
+#   bash benchmarks/gpu_check.sh --dry-run  # on CPU: interpreter, tiny shapes, untimed, the
+#                                           # three steps side by side (make test runs it)
 #
 # Logs go to $OUT (or /tmp/loraplex-gpu-check). The last line is the verdict:
 # "gpu_check: PASS | ..." or "gpu_check: FAIL | ..."; the exit status is 0 only on PASS.
@@ -49,17 +50,41 @@ export LORAPLEX_KERNELS=triton
   || fail "cannot import loraplex.kernel_backends.triton (see $LOG/import.log)"
 "$PY" -c 'import pytest' 2> /dev/null || fail "pytest is not installed: the kernel tests cannot run"
 
-timeout 200 "$PY" -m pytest -q -p no:cacheprovider "${TESTS[@]}" > "$LOG/tests.log" 2>&1
-tests_status=$?
+# step NAME LIMIT CMD...: CMD under `timeout LIMIT`, its output in $LOG/NAME.log, its exit
+# status in $LOG/NAME.status; status_of NAME reads it back (1 where the step left none).
+step() {
+  local name=$1 limit=$2
+  shift 2
+  timeout "$limit" "$@" > "$LOG/$name.log" 2>&1
+  echo $? > "$LOG/$name.status"
+}
+status_of() { cat "$LOG/$1.status" 2> /dev/null || echo 1; }
+run_tests() { step tests 200 "$PY" -m pytest -q -p no:cacheprovider "${TESTS[@]}"; }
+run_bench() { step bench 120 "$PY" -m loraplex.benchmarks.kernels "${BENCH[@]}"; }
+run_invariance() { step invariance 150 "$PY" -m loraplex.benchmarks.invariance_cost "${BENCH[@]}"; }
+
+rm -f "$LOG/tests.status" "$LOG/bench.status" "$LOG/invariance.status"
+if (( DRY )); then
+  # Untimed (the interpreter on CPU): the three steps side by side, one torch thread each
+  # (three processes on 2 cores); the same logs, statuses and verdict as one after another.
+  export OMP_NUM_THREADS=1
+  run_tests & tests_pid=$!
+  run_bench & bench_pid=$!
+  run_invariance & invariance_pid=$!
+  wait "$tests_pid" "$bench_pid" "$invariance_pid"
+else  # one after another: bench and invariance time the kernels
+  run_tests
+  run_bench
+  run_invariance
+fi
+tests_status=$(status_of tests)
 tail -3 "$LOG/tests.log"
 
-timeout 120 "$PY" -m loraplex.benchmarks.kernels "${BENCH[@]}" > "$LOG/bench.log" 2>&1
-bench_status=$?
+bench_status=$(status_of bench)
 cat "$LOG/bench.log"
 verdict=$(tail -1 "$LOG/bench.log")
 
-timeout 150 "$PY" -m loraplex.benchmarks.invariance_cost "${BENCH[@]}" > "$LOG/invariance.log" 2>&1
-invariance_status=$?
+invariance_status=$(status_of invariance)
 cat "$LOG/invariance.log"
 invariance=$(tail -1 "$LOG/invariance.log")
 

@@ -52,6 +52,7 @@ def test_lora_scales_mixed_exact_with_triton_kernels(monkeypatch, tiny_llama, tm
     from tests.test_lora_scale import peft_greedy
 
     monkeypatch.setenv("LORAPLEX_KERNELS", "triton")
+    new = 3  # three runs on the interpreter (decode steps: its time), so 3 tokens, not NEW
     adapter = make_adapter(tiny_llama, tmp_path / "all", r=8, target_modules=ALL_TARGETS,
                            seed=4, scale=0.3)
     engine = LLMEngine(model=tiny_llama, dtype="float32", max_lora_rank=8, max_model_len=128,
@@ -61,14 +62,14 @@ def test_lora_scales_mixed_exact_with_triton_kernels(monkeypatch, tiny_llama, tm
     def run(items):
         return engine.generate(
             [prompt] * len(items),
-            [SamplingParams(temperature=0.0, max_new_tokens=NEW, min_new_tokens=NEW,
+            [SamplingParams(temperature=0.0, max_new_tokens=new, min_new_tokens=new,
                             logprobs=2, lora_scale=s) for _, s in items],
             adapters=[a for a, _ in items])
 
     items = [("all", 0.5), ("all", 2.0), ("all", 1.0), (None, 1.0)]
     outs = run(items)
     for (name, scale), out in zip(items, outs):
-        want = peft_greedy(tiny_llama, adapter if name else None, scale, prompt, NEW)
+        want = peft_greedy(tiny_llama, adapter if name else None, scale, prompt, new)
         assert out.token_ids == want, (name, scale)
     base = run(items)[3]  # the adapter now loaded: the same steps as the run below
     zero = run([*items[:3], ("all", 0.0)])[3]

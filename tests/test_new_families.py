@@ -43,11 +43,15 @@ def prompts(arch: str, seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(4, 384) for _ in range(n)] for n in lengths]
 
 
-def workload(arch: str) -> list[tuple[str | None, list[int]]]:
-    """(adapter or None, prompt): each prompt with the base and each adapter, shuffled."""
+def workload(arch: str, second_set: bool = True) -> list[tuple[str | None, list[int]]]:
+    """(adapter or None, prompt): each prompt with the base and each adapter, shuffled; the
+    first set alone (``second_set=False``) still holds every adapter, the base and every
+    length."""
     names = [None, *ADAPTERS[arch]]
     items = [(names[i % len(names)], p) for i, p in enumerate(prompts(arch))]
-    items += [(names[(i + 1) % len(names)], p) for i, p in enumerate(prompts(arch, 1)[1:])]
+    if second_set:
+        items += [(names[(i + 1) % len(names)], p)
+                  for i, p in enumerate(prompts(arch, 1)[1:])]
     random.Random(2).shuffle(items)
     return items
 
@@ -101,7 +105,8 @@ ARCH_KERNELS = [pytest.param(arch, kernels, id=f"{arch}-{kernels}", marks=(
 
 @pytest.mark.parametrize(("arch", "kernels"), ARCH_KERNELS)
 def test_mixed_batch_exact(arch, kernels, family, monkeypatch):
-    """24-token steps split the long prompts; 7 blocks of 16 tokens force preemption."""
+    """24-token steps split the long prompts; 7 blocks of 16 tokens force preemption (on
+    Triton with the first prompt set alone)."""
     monkeypatch.setenv("LORAPLEX_KERNELS", kernels)
     model, adapters, refs = family(arch)
     engine = LLMEngine(model=model, dtype="float32", max_num_seqs=8, max_num_batched_tokens=24,
@@ -119,7 +124,11 @@ def test_mixed_batch_exact(arch, kernels, family, monkeypatch):
         return real_run(batch, adapter_slots)
 
     engine.runner.run = spy
-    items = workload(arch)
+    # Triton (the interpreter, ~20 s a run in `make test`, most of it the prefill steps):
+    # the first prompt set only, 6 of the 11 requests: still every adapter and the base,
+    # chunked and preempted (asserted below)
+    items = workload(arch, second_set=kernels != "triton")
+    assert {a for a, _ in items} == {None, *ADAPTERS[arch]}
     outs = engine.generate([p for _, p in items], SamplingParams(
         temperature=0.0, max_new_tokens=NEW, min_new_tokens=NEW),
         adapters=[a for a, _ in items])

@@ -39,6 +39,9 @@ MODELS = {"llama": {}, "qwen2": {}, "qwen3": {"hidden_size": 128},  # qwen3: hea
 
 
 LENGTHS = (1, 7, 12, 20, 31, 9)
+# On Triton (the interpreter: its programs are the test's time) three requests: the base,
+# each adapter, one prompt split by the 24-token steps
+TRITON_LENGTHS = (1, 31, 9)
 # Phi-3's longrope switches past 32 tokens (original_max_position_embeddings), where
 # loraplex and transformers part by design (engine/models/rope.py): its sequences stay short
 PHI3_LENGTHS = (1, 7, 12, 20, 26, 9)
@@ -173,7 +176,8 @@ def test_gguf_served_as_stored_equals_transformers(arch, kernels, family, gguf_o
     assert isinstance(model.model.embed_tokens, QuantizedEmbedding)
     assert isinstance(model.logits_head, QuantizedLinear)
     assert engine.base.weights.format == "Q8_0+Q4_1+Q4_0"
-    check_against(engine, adapters, gguf_oracles(arch))
+    check_against(engine, adapters, gguf_oracles(arch),
+                  TRITON_LENGTHS if kernels == "triton" else LENGTHS)
 
 
 def test_k_quants_q4_k_m_mix_equals_transformers(tmp_path):

@@ -1,7 +1,7 @@
 """The HTTP front through the server's life: /health follows the phase shared with gRPC,
 graceful shutdown drains HTTP and gRPC streams together, what outlives the grace period is
 cancelled (and aborted in the engine), and ``loraplex serve --http-port`` in a subprocess
-serves the SDK and exits 0 on SIGTERM after finishing its HTTP stream."""
+serves the SDK and exits 0 on SIGTERM after finishing its gRPC and HTTP streams."""
 
 from __future__ import annotations
 
@@ -105,12 +105,15 @@ def test_stop_cancels_http_past_the_grace_period(serve, make_engine, tiny_llama:
     assert server.server.state.in_flight == 0 and not server.server.state.engine.alive
 
 
-def test_cli_serve_http_port_and_sigterm(tiny_llama: Path, tmp_path: Path) -> None:
+def test_cli_serve_drains_both_fronts_on_sigterm(tiny_llama: Path, tmp_path: Path) -> None:
+    """The real entry point (one process for both fronts: each start costs ~9 s of
+    `make test`): logs its capacity, reports SERVING, serves the SDK on its HTTP port, and
+    on SIGTERM finishes the running gRPC and HTTP streams before it exits 0."""
     log_path = tmp_path / "serve.log"
     cmd = [sys.executable, "-m", "loraplex.cli", "serve", "--model", str(tiny_llama),
            "--served-model-name", "tiny", "--port", "0", "--http-port", "0", "--device",
-           "cpu", "--dtype", "float32", "--max-model-len", "256",
-           # the drain is the point, not the default 20 s: 150 tokens outlast it on a
+           "cpu", "--dtype", "float32", "--max-model-len", "256", "--max-queue", "8",
+           # the drain is the point, not the default 20 s: 200 + 150 tokens outlast it on a
            # loaded 2-core machine (a stream cut there failed this test at load ~15)
            "--shutdown-grace-period", "120"]
     proc, port = launch_serve(cmd, log_path)
@@ -121,16 +124,23 @@ def test_cli_serve_http_port_and_sigterm(tiny_llama: Path, tmp_path: Path) -> No
         url = f"http://127.0.0.1:{http_port}"
         with Client(f"127.0.0.1:{port}") as client:
             client.wait_until_serving(timeout=60)
-        oai = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
-        assert [m.id for m in oai.models.list().data] == ["tiny"]
-        response, lines = stream_lines(url, 150)
-        proc.send_signal(signal.SIGTERM)
-        events = texts(lines)
-        response.close()
+            oai = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+            assert [m.id for m in oai.models.list().data] == ["tiny"]
+            call = client.generate_stream("the cat", max_new_tokens=200, ignore_eos=True)
+            chunks = [next(call)]
+            response, lines = stream_lines(url, 150)
+            proc.send_signal(signal.SIGTERM)
+            chunks += list(call)
+            events = texts(lines)
+            response.close()
+        assert chunks[-1].finish_reason == "length"
+        assert sum(len(c.token_ids) for c in chunks) == 200
         assert events[-1] == "[DONE]"
         assert json.loads(events[-2])["choices"][0]["finish_reason"] == "length"
         assert proc.wait(30) == 0
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert "SIGTERM: draining" in log_path.read_text()
+    text = log_path.read_text()
+    assert "kv_cache_tokens=" in text and "max_queue=8" in text and "max_num_seqs=32" in text
+    assert "SIGTERM: draining" in text

@@ -1,21 +1,18 @@
 """Start-up, draining, shutdown and engine death: health and status codes in each phase,
-and `loraplex serve` in a subprocess stopped by SIGTERM while a stream runs."""
+and (test_http_lifecycle.py) `loraplex serve` in a subprocess stopped by SIGTERM while a
+stream runs."""
 
 from __future__ import annotations
 
-import signal
-import sys
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
-from loraplex.client import Client
 from loraplex.server.state import Phase
 
-from tests.server.conftest import launch_serve, wait_until
+from tests.server.conftest import wait_until
 
 
 def error_of(fn, *args: Any, **kwargs: Any) -> grpc.RpcError:
@@ -103,30 +100,6 @@ def test_engine_death_turns_health_not_serving(serve, make_engine, tiny_llama) -
         assert err.code() == grpc.StatusCode.INTERNAL and "restarted" in err.details()
 
 
-def test_cli_serve_drains_on_sigterm(tiny_llama: Path, tmp_path: Path) -> None:
-    """The real entry point: logs its capacity, reports SERVING, and on SIGTERM finishes the
-    running stream before it exits 0."""
-    log_path = tmp_path / "serve.log"
-    cmd = [sys.executable, "-m", "loraplex.cli", "serve", "--model", str(tiny_llama),
-           "--port", "0", "--device", "cpu", "--dtype", "float32", "--max-model-len", "256",
-           "--max-queue", "8",
-           # the drain is the point, not the default 20 s: 200 tokens may outlast it on a
-           # loaded 2-core machine
-           "--shutdown-grace-period", "120"]
-    proc, port = launch_serve(cmd, log_path)
-    try:
-        with Client(f"127.0.0.1:{port}") as client:
-            client.wait_until_serving(timeout=60)
-            call = client.generate_stream("the cat", max_new_tokens=200, ignore_eos=True)
-            chunks = [next(call)]
-            proc.send_signal(signal.SIGTERM)
-            chunks += list(call)
-        assert chunks[-1].finish_reason == "length"
-        assert sum(len(c.token_ids) for c in chunks) == 200
-        assert proc.wait(30) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    text = log_path.read_text()
-    assert "kv_cache_tokens=" in text and "max_queue=8" in text and "max_num_seqs=32" in text
-    assert "SIGTERM: draining" in text
+# `loraplex serve` in a subprocess, stopped by SIGTERM while a gRPC stream runs (it finishes
+# the stream, exits 0, logged its capacity): tests/server/test_http_lifecycle.py's
+# test_cli_serve_drains_both_fronts_on_sigterm, one process with an HTTP stream beside it.
