@@ -121,6 +121,7 @@ def non_default_flags(tmp_path: Path) -> dict[str, tuple[list[str], dict[str, An
         "--dtype": (["bfloat16"], {"dtype": "bfloat16"}),
         "--device": (["cpu"], {"device": "cpu"}),
         "--quantization": (["int4"], {"quantization": "int4"}),
+        "--quantize-lm-head": ([], {"quantize_lm_head": True}),
         "--max-num-seqs": (["7"], {"max_num_seqs": 7}),
         "--max-num-batched-tokens": (["100"], {"max_num_batched_tokens": 100}),
         "--max-model-len": (["99"], {"max_model_len": 99}),
