@@ -4,12 +4,14 @@ through the kernel (on) against the route choose_route picks per step (off: "loo
 rest of the step unchanged.
 
     .venv/bin/python -m loraplex.benchmarks.invariant_lora_route [--ranks 16,64]
-        [--prompt-len 512] [--requests 8] [--dtypes float32,bfloat16] [--rounds 2] [--threads N]
+        [--prompt-len 512] [--requests 8] [--dtypes float32,bfloat16] [--rounds 2] [--repeats 1]
+        [--threads N]
 
 SmolLM2-135M (benchmarks/common.py), one random PEFT adapter on all seven targets for every
 request (one long segment per request: the case the routes differ on), greedy, 1 new token
 (a prefill: decode steps take the kernel in both modes). Seconds per ``generate`` (the
-minimum over ``--rounds``), in the order chosen, kernel, kernel, chosen; prints the ISA,
+minimum over ``--rounds``), in the order chosen, kernel, kernel, chosen (``--repeats``
+times); prints the ISA,
 dtype, threads, and the ratio kernel / chosen.
 """
 
@@ -44,6 +46,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=8)
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=1, help="times the ABBA order is run")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's)")
     args = ap.parse_args()
     if args.threads:  # on a loaded 2-core host, 1 (2 OpenMP threads wait on each other)
@@ -70,7 +73,7 @@ def main() -> None:
                                 batch_invariant="on")
                 names = ["a"] * len(prompts)
                 times: dict[str, list[float]] = {"chosen": [], "kernel": []}
-                for which in ("chosen", "kernel", "kernel", "chosen"):
+                for which in ("chosen", "kernel", "kernel", "chosen") * args.repeats:
                     route["forced"] = which
                     times[which].append(timed(eng, prompts, names, args.rounds))
                 fig = {k: min(v) for k, v in times.items()}
