@@ -193,6 +193,30 @@ def test_cpu_probe_after_preemption(tiny_llama, adapters, dtype, monkeypatch):
     assert draws.choices(outs[0]) == alone
 
 
+@needs_cpu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_long_segments_lora_is_the_same_bits_in_every_split(tiny_llama, adapters, dtype,
+                                                              monkeypatch):
+    """A 300-token prompt on the rank-16 adapter: in one step its segment's work (300 × 16)
+    passes lora_routes.KERNEL_MAX_WORK, where the step's LoRA delta took the "loop" route
+    (PyTorch's GEMMs) while 64-token chunks took the kernel, other sums: its prompt and
+    decode logprobs moved with the split, and an echo re-score (the whole sequence in one
+    step) differed from the decode logprobs. On, every step's delta runs the kernel."""
+    from loraplex.kernel_backends.cpu import lora_routes
+
+    monkeypatch.setenv("LORAPLEX_KERNELS", "cpu")
+    rng = random.Random(300)
+    probe = draws.prompt(rng, 300)
+    assert len(probe) * 16 > lora_routes.KERNEL_MAX_WORK
+    p = draws.params(rng, 2, greedy=False)
+    alone = draws.choices(engine(tiny_llama, adapters, dtype, max_model_len=512,
+                                 enable_prefix_caching=False).generate([probe], p, ["a1"])[0])
+    chunked = engine(tiny_llama, adapters, dtype, max_model_len=512, max_num_batched_tokens=64)
+    assert draws.choices(chunked.generate([probe], p, ["a1"])[0]) == alone
+    whole = engine(tiny_llama, adapters, dtype, max_model_len=512)
+    assert draws.rescore_mismatches(whole, [(300, "a1", False)]) == []
+
+
 def rescore_mismatches(tiny_llama, adapters, dtype: str, **kw) -> list[str]:
     return draws.rescore_mismatches(engine(tiny_llama, adapters, dtype, **kw))
 

@@ -3,7 +3,9 @@ one batch (adapters and the base, greedy and seeded with n = 2, prompts chunked 
 several steps, prompt logprobs) served with 1 and with 2 torch threads gives every
 request the same tokens and logprobs, bit for bit, on the float panel path and on
 quantized bases (tests/test_quantized_invariance.py's GGUF: K-quants, Q8_0, Q4_x and float
-tensors; ``--quantization int4``).
+tensors; ``--quantization int4``), in float32, and in bfloat16 where the CPU has native
+bf16 (AVX512-BF16 or AMX: the bf16 packed layout, on AMX oneDNN at fixed rows, and the
+quantized kernels' avx512_bf16 path; skipped elsewhere).
 
 The CPU kernels share work out by output columns, rows and (sequence, tile, KV head) items
 (at::parallel_for), never a row's sums; the attention kernel's order of items depends on
@@ -23,7 +25,11 @@ from loraplex.kernel_backends.cpu.packed_linear import PackedLinear
 
 from tests import invariance_draws as draws
 from tests.conftest import one_thread
-from tests.test_quantized_invariance import made, make_engine  # noqa: F401 (a fixture)
+from tests.test_quantized_invariance import (  # noqa: F401 (made: a fixture)
+    made,
+    make_engine,
+    needs_native_bf16,
+)
 
 pytestmark = pytest.mark.skipif(not cpu_backend.available(),
                                 reason="the CPU kernels do not build here")
@@ -39,12 +45,12 @@ def batch() -> tuple[list[list[int]], list[SamplingParams], list[str | None]]:
     return prompts, params, ["a1", "a0", None, "a1"]
 
 
-def served_with(threads: int, files: dict, base: str) -> list:
+def served_with(threads: int, files: dict, base: str, dtype: str = "float32") -> list:
     """Every request's bits, the batch served by a fresh engine on ``threads`` threads."""
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(threads)
-        eng = make_engine(files, base, max_num_batched_tokens=BUDGET)
+        eng = make_engine(files, base, dtype, max_num_batched_tokens=BUDGET)
         prompts, params, adapters = batch()
         outs = eng.generate(prompts, params, adapters)
         assert torch.get_num_threads() == threads
@@ -53,11 +59,16 @@ def served_with(threads: int, files: dict, base: str) -> list:
         torch.set_num_threads(before)
 
 
+BF16 = pytest.param("bfloat16", marks=needs_native_bf16)
+
+
+@pytest.mark.parametrize("dtype", ["float32", BF16])
 @pytest.mark.parametrize("base", ["float", "gguf", "int4"])
-def test_the_thread_count_does_not_change_a_batchs_bits(made, base, monkeypatch):  # noqa: F811
+def test_the_thread_count_does_not_change_a_batchs_bits(made, base, dtype,  # noqa: F811
+                                                         monkeypatch):
     monkeypatch.setenv("LORAPLEX_KERNELS", "cpu")
-    one = served_with(1, made, base)
-    assert served_with(2, made, base) == one
+    one = served_with(1, made, base, dtype)
+    assert served_with(2, made, base, dtype) == one
 
 
 def test_the_float_base_runs_the_panels(made, monkeypatch):  # noqa: F811

@@ -9,10 +9,12 @@ Ops without a C++ kernel, or inputs outside a kernel's layout (a strided x for R
 non-float32 logits), run as the torch backend's.
 
 Batch-invariant by default (docs/sampling.md): every linear in the panel layout (a row's
-sums do not depend on its batch) and every query token through the tiled attention kernel
+sums do not depend on its batch; on AMX oneDNN at fixed rows), every LoRA delta through the
+LoRA kernel (lora_routes' "kernel" route, whatever the step's shape), quantized linears
+never on oneDNN's many-row route, and every query token through the tiled attention kernel
 (its sums in one order for a given position, prefill or decode). ``--batch-invariant off``
-(``batch_invariant = False``) serves with the layout rule measured fastest per ISA and the
-decode kernel instead.
+(``batch_invariant = False``) serves with the layout rule measured fastest per ISA, the LoRA
+route chosen per step (choose_route) and the decode kernel instead.
 """
 
 from __future__ import annotations
@@ -59,7 +61,11 @@ class CPUBackend(TorchBackend):
         if not isinstance(seg, CPULoRASegments):
             raise TypeError(f"{type(seg).__name__}: the {self.name} backend reads the "
                             "CPULoRASegments its lora_segments builds")
-        lora_routes.add_lora(out, x, lora_a, lora_b, ranks, seg)
+        # batch-invariant: the kernel for every step (a token's sums do not depend on the
+        # tokens beside it); the other routes' GEMMs, and the choice between routes, follow
+        # the step's shape (docs/sampling.md)
+        lora_routes.add_lora(out, x, lora_a, lora_b, ranks, seg,
+                             route="kernel" if self.batch_invariant else None)
 
     def quantized_linear(self, x: torch.Tensor, weight: QuantizedWeight,
                          bias: torch.Tensor | None = None) -> torch.Tensor:

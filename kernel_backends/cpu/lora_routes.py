@@ -11,6 +11,11 @@ among the step's used slots (grouped, dense), never r_max; and they work over th
 slots in use (``CPULoRASegments``' compact groups), never over every slot up to the
 largest id. Half-precision deltas are computed in fp32 where the CPU has no native bf16
 GEMM (``isa.py``).
+
+Batch-invariant (``--batch-invariant on``, the CPU default) the backend asks for the
+"kernel" route on every step (CPUBackend.add_lora): a token's sums there do not depend on
+the step, while the other routes' GEMMs, and the choice among routes, follow its shape
+(docs/sampling.md); ``choose_route`` serves ``off``.
 """
 
 from __future__ import annotations
