@@ -136,6 +136,22 @@ inline Chunk chunk(const Problem& p, const uint8_t* row, int64_t n, int64_t c) {
   }
 }
 
+// A Q4_K / Q5_K super-block's twelve scale bytes s unpacked by ggml's kmask trick, four bytes
+// at a time (every mask and shift stays within its byte, so the bytes come out the same on
+// either endianness): out[0 .. 8) the sub-blocks' 6-bit scales, out[8 .. 16) their mins,
+// each get_scale_min_k4's.
+inline void k4_scale_bytes(const uint8_t* s, uint8_t* out) {
+  uint32_t u[4];
+  std::memcpy(u, s, 12);
+  constexpr uint32_t k6 = 0x3F3F3F3Fu, k4 = 0x0F0F0F0Fu, k2 = 0x03030303u;
+  u[3] = ((u[2] >> 4) & k4) | (((u[1] >> 6) & k2) << 4);
+  const uint32_t mins_lo = u[1] & k6;
+  u[1] = (u[2] & k4) | (((u[0] >> 6) & k2) << 4);
+  u[2] = mins_lo;
+  u[0] &= k6;
+  std::memcpy(out, u, 16);
+}
+
 // Q4_K (block_bytes 144) and Q5_K (176): the scale d and offset c of each of `chunks`
 // chunks, each super-block's two fp16 and twelve scale bytes read once for its eight
 // chunks (the same products as chunk<kQ4_K>).
@@ -143,15 +159,14 @@ inline void q4_k_chunks(const uint8_t* row, int64_t chunks, float* d, float* c,
                         int64_t block_bytes = 144) {
   for (int64_t b = 0; b < chunks / 8; ++b) {
     const uint8_t* blk = row + b * block_bytes;
-    const uint8_t* s = blk + 4;
     const float dd = half_to_float(blk), dmin = half_to_float(blk + 2);
     float* db = d + 8 * b;
     float* cb = c + 8 * b;
-    for (int j = 0; j < 4; ++j) {
-      db[j] = dd * float(s[j] & 63);
-      cb[j] = -(dmin * float(s[j + 4] & 63));
-      db[j + 4] = dd * float((s[j + 8] & 0x0F) | ((s[j] >> 6) << 4));
-      cb[j + 4] = -(dmin * float((s[j + 8] >> 4) | ((s[j + 4] >> 6) << 4)));
+    uint8_t sc[16];
+    k4_scale_bytes(blk + 4, sc);
+    for (int j = 0; j < 8; ++j) {
+      db[j] = dd * float(sc[j]);
+      cb[j] = -(dmin * float(sc[j + 8]));
     }
   }
 }

@@ -9,6 +9,17 @@
 //   multiplies the sum), and every row of x takes them in one VDPBF16PS (32 products, exact
 //   in float32, summed in float32): one instruction a chunk and row where the float32
 //   loop takes three, and no widening of x.
+//   The 4-bit formats and Q5_K take their weights from a table instead (weight_table,
+//   weight_indices): a chunk's (d, c) has 16 (32) possible weights, bf16(d q + c) for every
+//   q, one FMA on the vector [0 .. 15] and one conversion, and its 32 weights are one VPERMW
+//   of their q into it: the same bits as converting each weight, without widening the
+//   integers to float32 (2 x cvtepu8_epi32, and / shift, cvtepi32_ps, FMA a chunk before).
+//   int4 builds its table once a group (2-4 chunks at 64, 128 weights); Q4_K one conversion
+//   for the two chunks that share 32 bytes. At 1-8 rows the scalar work around the vectors
+//   was as dear as the decode: the K-quants' scales are unpacked and multiplied in vectors
+//   (block_scales_bf16), the fp16 scales converted by F16C (chunk_bf16), the same products.
+//   Q8_0, int8 and Q6_K (8, 6 bits: 256 or 64 values a 16-weight scale) still convert each
+//   weight. Figures: benchmarks/results/2026-12-07-s27-quant-lut.md.
 #include "quant_gemm.h"
 
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -102,15 +113,114 @@ bool built_avx512() { return true; }
 #pragma GCC pop_options
 
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma")
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,f16c")
 
 namespace lp_quant {
 namespace {
 
+// block_scales<F> (quant_gemm.h) in vectors: super-block b's scales (and offsets), the same
+// products (a float32 multiply each, the offsets' sign flipped after), eight or sixteen at
+// once where the scalar loop takes one.
+template <int F>
+inline void block_scales_bf16(const uint8_t* row, int64_t b, float* dk, float* ck) {
+  if constexpr (F == kQ4_K || F == kQ5_K) {
+    const uint8_t* blk = row + b * (F == kQ4_K ? 144 : 176);
+    alignas(16) uint8_t sc[16];
+    k4_scale_bytes(blk + 4, sc);
+    const __m128i bytes = _mm_load_si128(reinterpret_cast<const __m128i*>(sc));
+    const __m256 scale = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes));
+    const __m256 mins = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8)));
+    _mm256_storeu_ps(dk + 8 * b, _mm256_mul_ps(_mm256_set1_ps(half_to_float(blk)), scale));
+    _mm256_storeu_ps(ck + 8 * b, _mm256_xor_ps(_mm256_mul_ps(_mm256_set1_ps(half_to_float(blk + 2)),
+                                                             mins),
+                                               _mm256_set1_ps(-0.f)));
+  } else if constexpr (F == kQ6_K) {
+    const uint8_t* blk = row + b * 210;
+    const __m512 s = _mm512_cvtepi32_ps(
+        _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192))));
+    _mm512_storeu_ps(dk + 16 * b, _mm512_mul_ps(_mm512_set1_ps(half_to_float(blk + 208)), s));
+  }
+}
+
+// The formats whose chunk's weights take a table of their 16 (4-bit q) or 32 (Q5_K's 5-bit
+// q) possible values: the chunk's 32 weights one VPERMW of their q into it.
+constexpr bool lut(int F) { return nibbles(F) || F == kQ4_K || F == kQ5_K; }
+
+// The table of a chunk's (d, c): entry i = bf16(d * (i mod 16) + c) for i = 0 .. 31 (4-bit
+// formats: both halves the 16 values), or bf16(d * i + c) (5-bit: Q5_K). The same FMA on the
+// same float32 q, d and c, rounded by the same conversion, as the decode-then-FMA of every
+// weight: each weight the table gives is that weight's bf16 bits.
+template <int Bits>
+inline __m512i weight_table(float d, float c) {
+  const __m512 lo = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512 vd = _mm512_set1_ps(d), vc = _mm512_set1_ps(c);
+  const __m512 t0 = _mm512_fmadd_ps(lo, vd, vc);
+  if constexpr (Bits == 4) return (__m512i)_mm512_cvtne2ps_pbh(t0, t0);
+  const __m512 t1 = _mm512_fmadd_ps(_mm512_add_ps(lo, _mm512_set1_ps(16.f)), vd, vc);
+  return (__m512i)_mm512_cvtne2ps_pbh(t1, t0);
+}
+
+// The 32 table indices (16-bit words; VPERMW reads bits 0-4 of each) of a chunk:
+// - 16 bytes (Q4_0, Q4_1, int4): weights 0-15 the low nibbles, 16-31 the high ones. The low
+//   ones keep their byte's bit 4 (the 4-bit table repeats at 16, so it does not matter);
+// - 32 bytes, shift 0 or 4 (Q4_K): the low or high nibbles, bit 4 again free;
+// - Q5_K: those nibbles, bit 4 from bit hshift of the 32 qh bytes.
+template <int F>
+inline __m512i weight_indices(const Chunk& ch) {
+  if constexpr (nibbles(F)) {
+    const __m512i b = _mm512_cvtepu8_epi16(
+        _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ch.q))));
+    const __m512i shifts = _mm512_set_epi64(0x0004000400040004, 0x0004000400040004,
+                                            0x0004000400040004, 0x0004000400040004, 0, 0, 0, 0);
+    return _mm512_srlv_epi16(b, shifts);
+  } else {
+    const __m512i b =
+        _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ch.q)));
+    const __m512i lo = _mm512_srl_epi16(b, _mm_cvtsi32_si128(ch.shift));
+    if constexpr (F == kQ4_K) return lo;
+    const __m512i h =
+        _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ch.qh)));
+    const __m512i hb = _mm512_slli_epi16(_mm512_srl_epi16(h, _mm_cvtsi32_si128(ch.hshift)), 4);
+    // (lo & 15) | hb: hb's bit 4 is q's, its bits 0-3 are 0, those above 4 VPERMW ignores
+    return _mm512_ternarylogic_epi32(lo, hb, _mm512_set1_epi16(15), 0xEC);
+  }
+}
+
+// An fp16 as float32 by F16C: exact, as half_to_float (quant_gemm.h) for every non-NaN half
+// (subnormals included), in three instructions where half_to_float takes a dozen.
+inline float half_f16c(const uint8_t* at) {
+  uint16_t h;
+  std::memcpy(&h, at, 2);
+  return _cvtsh_ss(h);
+}
+
+// chunk_at<F>, Q8_0's, Q4_0's and Q4_1's fp16 read by half_f16c (the same d and c).
+template <int F>
+inline Chunk chunk_bf16(const Problem& p, const uint8_t* row, int64_t n, int64_t c,
+                        const float* dk, const float* ck) {
+  if constexpr (F == kQ8_0) {
+    const uint8_t* b = row + c * 34;
+    return {half_f16c(b), 0.f, b + 2};
+  } else if constexpr (F == kQ4_0) {
+    const uint8_t* b = row + c * 18;
+    const float d = half_f16c(b);
+    return {d, -8.f * d, b + 2};
+  } else if constexpr (F == kQ4_1) {
+    const uint8_t* b = row + c * 20;
+    return {half_f16c(b), half_f16c(b + 2), b + 4};
+  } else {
+    return chunk_at<F>(p, row, n, c, dk, ck);
+  }
+}
+
 template <int F>
 inline __m512bh weights_bf16(const Problem& p, const uint8_t* row, int64_t n, int64_t c,
                              const float* dk, const float* ck) {
-  const Chunk ch = chunk_at<F>(p, row, n, c, dk, ck);
+  const Chunk ch = chunk_bf16<F>(p, row, n, c, dk, ck);
+  if constexpr (lut(F)) {
+    return (__m512bh)_mm512_permutexvar_epi16(weight_indices<F>(ch),
+                                              weight_table<F == kQ5_K ? 5 : 4>(ch.d, ch.c));
+  }
   __m512 q[2];
   decode<F>(ch, q);
   if constexpr (prescaled(F)) return _mm512_cvtne2ps_pbh(q[1], q[0]);
@@ -145,16 +255,91 @@ inline void finish_bf16(const Problem& p, int64_t n, int64_t m, __m512 a0, __m51
   p.y[m * p.N + n] = sum;
 }
 
+// int4, G = 1, 2 or 4 chunks a group (of 32, 64, 128 weights): rows_of_column_bf16's steps
+// (the same weights, products and sums in the same order), the group's table built once for
+// its G chunks (chunk<kInt4>'s d and c).
+template <int R, int G>
+inline void rows_of_column_int4(const Problem& p, int64_t n, int64_t m0) {
+  const int64_t K = p.K, chunks = K / 32;
+  const uint8_t* row = p.data + n * p.row_bytes;
+  const float* scales = p.scales + n * (K >> p.group_shift);
+  const uint8_t* zeros = p.zeros + n * (K >> p.group_shift);
+  auto table = [&](int64_t c) __attribute__((always_inline)) {
+    const float s = scales[c / G];
+    return weight_table<4>(s, -float(zeros[c / G]) * s);
+  };
+  __m512 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  auto step = [&](int64_t c, int a, __m512i t) __attribute__((always_inline)) {
+    Chunk ch{};
+    ch.q = row + c * 16;
+    const __m512bh w = (__m512bh)_mm512_permutexvar_epi16(weight_indices<kInt4>(ch), t);
+    for (int r = 0; r < R; ++r) {
+      const __m512i x = _mm512_loadu_si512(p.xb + (m0 + r) * K + c * 32);
+      acc[r][a] = _mm512_dpbf16_ps(acc[r][a], w, (__m512bh)x);
+    }
+  };
+  int64_t c = 0;
+  __m512i t = _mm512_setzero_si512();
+  for (; c + 2 <= chunks; c += 2) {
+    if (G == 1 || c % G == 0) t = table(c);  // G >= 2: c even, c and c + 1 one group
+    step(c, 0, t);
+    if (G == 1) t = table(c + 1);
+    step(c + 1, 1, t);
+  }
+  if (c < chunks) step(c, 0, table(c));
+  for (int r = 0; r < R; ++r) finish_bf16<kInt4>(p, n, m0 + r, acc[r][0], acc[r][1]);
+}
+
+// Q4_K, chunks two at a time: chunks c (even) and c + 1 are the low and high nibbles of the
+// same 32 bytes, so one widening serves both, and one conversion both tables: entries 0-15
+// chunk c + 1's (index: the high nibble, bit 4 clear), 16-31 chunk c's (the byte with bit 4
+// set: the low nibble + 16). Each weight, product and sum as rows_of_column_bf16's steps.
+template <int R>
+inline void rows_of_column_q4_k(const Problem& p, int64_t n, int64_t m0, float* dk, float* ck) {
+  const int64_t K = p.K, chunks = K / 32;  // K % 256 == 0: whole super-blocks, chunk pairs
+  const uint8_t* row = p.data + n * p.row_bytes;
+  const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  __m512 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < chunks; c += 2) {
+    if ((c & 7) == 0) block_scales_bf16<kQ4_K>(row, c >> 3, dk, ck);
+    const __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256(
+        reinterpret_cast<const __m256i*>(row + (c >> 3) * 144 + 16 + 32 * ((c & 7) >> 1))));
+    const __m512 t0 = _mm512_fmadd_ps(iota, _mm512_set1_ps(dk[c]), _mm512_set1_ps(ck[c]));
+    const __m512 t1 =
+        _mm512_fmadd_ps(iota, _mm512_set1_ps(dk[c + 1]), _mm512_set1_ps(ck[c + 1]));
+    const __m512i table = (__m512i)_mm512_cvtne2ps_pbh(t0, t1);
+    const __m512bh w0 =
+        (__m512bh)_mm512_permutexvar_epi16(_mm512_or_si512(b, _mm512_set1_epi16(16)), table);
+    const __m512bh w1 = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(b, 4), table);
+    for (int r = 0; r < R; ++r) {
+      const uint16_t* x = p.xb + (m0 + r) * K + c * 32;
+      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], w0, (__m512bh)_mm512_loadu_si512(x));
+      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], w1, (__m512bh)_mm512_loadu_si512(x + 32));
+    }
+  }
+  for (int r = 0; r < R; ++r) finish_bf16<kQ4_K>(p, n, m0 + r, acc[r][0], acc[r][1]);
+}
+
 // Rows m0 .. m0+R of x (bf16) against column n; two accumulators a row (chunk parity).
 template <int F, int R>
 inline void rows_of_column_bf16(const Problem& p, int64_t n, int64_t m0, float* dk, float* ck) {
+  if constexpr (F == kQ4_K) return rows_of_column_q4_k<R>(p, n, m0, dk, ck);
+  if constexpr (F == kInt4) {
+    switch (p.group_shift) {
+      case 5: return rows_of_column_int4<R, 1>(p, n, m0);
+      case 6: return rows_of_column_int4<R, 2>(p, n, m0);
+      default: return rows_of_column_int4<R, 4>(p, n, m0);
+    }
+  }
   const int64_t K = p.K, chunks = K / 32;
   const uint8_t* row = p.data + n * p.row_bytes;
   __m512 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
   auto step = [&](int64_t c, int a) __attribute__((always_inline)) {
     if constexpr (k_quant(F)) {
-      if ((c & 7) == 0) block_scales<F>(row, c >> 3, dk, ck);
+      if ((c & 7) == 0) block_scales_bf16<F>(row, c >> 3, dk, ck);
     }
     const __m512bh w = weights_bf16<F>(p, row, n, c, dk, ck);
     for (int r = 0; r < R; ++r) {
@@ -177,7 +362,7 @@ inline void decode_column_bf16(const Problem& p, int64_t n, __m512bh* w, float* 
   const uint8_t* row = p.data + n * p.row_bytes;
   for (int64_t c = 0; c < p.K / 32; ++c) {
     if constexpr (k_quant(F)) {
-      if ((c & 7) == 0) block_scales<F>(row, c >> 3, dk, ck);
+      if ((c & 7) == 0) block_scales_bf16<F>(row, c >> 3, dk, ck);
     }
     _mm512_storeu_si512(w + c, (__m512i)weights_bf16<F>(p, row, n, c, dk, ck));
   }
@@ -293,7 +478,7 @@ void dequantize_rows_bf16(const Problem& p, int64_t n0, int64_t n1, uint16_t* ou
         w = _mm512_cvtne2ps_pbh(_mm512_mul_ps(q[1], s), _mm512_mul_ps(q[0], s));
       } else {
         if constexpr (k_quant(F)) {
-          if ((c & 7) == 0) block_scales<F>(row, c >> 3, dk, ck);
+          if ((c & 7) == 0) block_scales_bf16<F>(row, c >> 3, dk, ck);
         }
         w = weights_bf16<F>(p, row, n, c, dk, ck);
       }
