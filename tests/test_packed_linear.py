@@ -215,18 +215,24 @@ def test_bfloat16_linears_pack_in_the_rules_layout_and_keep_their_outputs(tiny_m
 def test_batch_invariant_engines_pack_every_linear_in_the_invariant_layout(
         dtype: torch.dtype, tiny_models, panel_gemm) -> None:
     """Batch-invariant (the CPU backend's default): every linear and the head in the ISA's
-    invariant layout (INVARIANT_GEMM_LAYOUT: oneDNN at a fixed row count on AMX, else the
-    panels), whose rows do not depend on their batch, whatever the ISA's speed rule."""
+    invariant layout (INVARIANT_GEMM_LAYOUT, BF16_INVARIANT_GEMM_LAYOUT: on AMX oneDNN at a
+    fixed row count for float32 and the AMX tile GEMM for bfloat16, else the panels), whose
+    rows do not depend on their batch, whatever the ISA's speed rule."""
     if not packing_available(dtype) or not packed_linear.panels_built(dtype):
         pytest.skip(f"no {dtype} panel GEMM on this CPU")
-    layout = packed_linear.INVARIANT_GEMM_LAYOUT.get(packed_linear.cpu_isa(), "panels")
+    rules = (packed_linear.INVARIANT_GEMM_LAYOUT if dtype == torch.float32
+             else packed_linear.BF16_INVARIANT_GEMM_LAYOUT)
+    layout = rules.get(packed_linear.cpu_isa(), "panels")
+    if layout == "amx_tiles" and not packed_linear.amx_tiles_built(dtype):
+        layout = "onednn_fixed"
     assert gemm_layout(dtype, batch_invariant=True) == layout
     engine = LLMEngine(model=tiny_models("llama"), dtype=str(dtype).removeprefix("torch."),
                        max_model_len=128)
     assert engine.base.kernels.batch_invariant
     packed = [m for m in engine.base.model.modules() if isinstance(m, PackedLinear)]
     assert len(packed) == 1 + 4 * engine.base.model.config.num_hidden_layers
-    if layout == "panels":
+    assert all(m.layout == layout for m in packed)
+    if layout in ("panels", "amx_tiles"):
         assert all(m.panels is not None and m.packed is None for m in packed)
     else:
         assert all(m.panels is None and m.fixed_rows == packed_linear.FIXED_ROWS

@@ -14,6 +14,8 @@
   one read of each row.
 - csrc/panel_gemm.cpp: float32 linears over weights packed into 16-column panels (AVX2).
 - csrc/panel_gemm_bf16.cpp: bfloat16 linears over 32-column panels of k pairs (AVX512-BF16).
+- csrc/amx_gemm_bf16.cpp: bfloat16 linears on AMX tiles (TDPBF16PS) over 32-column panels of
+  16 x 16-pair B tiles, a row's bits independent of its batch (the batch-invariant layout).
 - csrc/quant_gemm*.cpp: linears over weight-only quantized weights read in their own bytes
   (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, int8, int4; the AVX2 path's own loop in
   quant_gemm_avx2_tiles.h), one path per ISA chosen at run time (AVX-512 and
@@ -49,6 +51,7 @@ CSRC = Path(__file__).with_name("csrc")
 SOURCES = [CSRC / name for name in ("bindings.cpp", "lora_gather.cpp", "paged_decode.cpp",
                                     "paged_prefill.cpp", "layer_ops.cpp", "argmax.cpp",
                                     "logprob_rows.cpp", "panel_gemm.cpp", "panel_gemm_bf16.cpp",
+                                    "amx_gemm_bf16.cpp",
                                     "quant_gemm.cpp", "quant_gemm_avx2.cpp",
                                     "quant_gemm_avx512.cpp")]
 HEADERS = [CSRC / name for name in ("vec.h", "tile_6x16.h", "lora_blocks.h", "online_softmax.h",

@@ -6,6 +6,9 @@ and bfloat16 either; bfloat16 only where the CPU has native bf16):
   8 x 32 AVX512-BF16 tiles (csrc/panel_gemm_bf16.cpp). A row's result does not depend on
   its batch (the same FMA sequence whatever the rows), there is no per-size state, and a
   call costs a few microseconds where oneDNN's costs ~20 (121 calls a decode step).
+- "amx_tiles" (bfloat16 on AMX): csrc/amx_gemm_bf16.cpp, TDPBF16PS over 32-column panels
+  of 16 x 16-pair B tiles, every output element the same sequence of 32-k blocks whatever
+  the rows: the batch-invariant layout on AMX, at any row count in one call.
 - "onednn": oneDNN's pre-packed (blocked) layout, the one inductor's CPU freezing pass
   uses. Every distinct row count makes oneDNN build and cache a primitive (~0.6 MB of JIT
   code), so rows run padded to a bounded set of sizes (``padded_rows``) and longer inputs
@@ -41,15 +44,17 @@ BF16_GEMM_LAYOUT: dict[str, str] = {
     "AVX512": "panels",  # AVX512-BF16: 1.1-1.7x oneDNN up to 128 rows, 0.97x at 512
     "AMX": "onednn",  # oneDNN's AMX tiles
 }
-# --batch-invariant's layout per ISA (both dtypes; unlisted: "panels"). "onednn_fixed":
-# oneDNN always called at exactly FIXED_ROWS rows (the last chunk zero-padded): one
-# primitive, one blocking, so a row's bits depend neither on the other rows nor on its
-# place (tests/test_packed_linear.py checks it on the CPU it runs on). On AMX it costs
-# 1.17x / 1.00x / 3.1x a direct call at 1 / 32 / 512 bf16 rows, the panels 1.0 / 1.7 / 5.5x
-# (benchmarks/results/notebook.md).
+# --batch-invariant's layout per ISA for float32 / bfloat16 (unlisted: "panels").
+# "onednn_fixed": oneDNN always called at exactly FIXED_ROWS rows (the last chunk
+# zero-padded): one primitive, one blocking, so a row's bits depend neither on the other
+# rows nor on its place (tests/test_packed_linear.py checks it on the CPU it runs on). On
+# AMX it costs 1.17x / 1.00x / 3.1x a direct call at 1 / 32 / 512 bf16 rows, the panels
+# 1.0 / 1.7 / 5.5x (benchmarks/results/notebook.md). bfloat16 on AMX: "amx_tiles", AMX at
+# any row count in one call (benchmarks/results/2026-12-07-s27-amx-invariant-gemm.md).
 INVARIANT_GEMM_LAYOUT: dict[str, str] = {"AMX": "onednn_fixed"}
+BF16_INVARIANT_GEMM_LAYOUT: dict[str, str] = {"AMX": "amx_tiles"}
 FIXED_ROWS = 32
-LAYOUTS = ("panels", "onednn", "onednn_fixed")
+LAYOUTS = ("panels", "onednn", "onednn_fixed", "amx_tiles")
 
 
 def gemm_layout(dtype: torch.dtype = torch.float32, batch_invariant: bool = False) -> str:
@@ -57,18 +62,27 @@ def gemm_layout(dtype: torch.dtype = torch.float32, batch_invariant: bool = Fals
     (to check the rule on another CPU); else, where ``batch_invariant`` (oneDNN's kernels
     pick their blocking by row count, so a row's sums depend on its batch: 1e-6 apart in
     float32), INVARIANT_GEMM_LAYOUT's entry ("panels" where unlisted); else the rule's entry
-    for its ISA. "onednn" where unlisted or where the panel GEMM of ``dtype`` is not built
-    (float32: no AVX2/FMA; bfloat16: no AVX512-BF16): there a row's sums may depend on its
+    for its ISA (the bfloat16 tables for bfloat16). "onednn" where unlisted or where the
+    panel GEMM of ``dtype`` is not built (float32: no AVX2/FMA; bfloat16: no AVX512-BF16),
+    or the AMX one ("amx_tiles": bfloat16 with AMX): there a row's sums may depend on its
     batch (docs/sampling.md); "onednn_fixed" then where ``batch_invariant``."""
-    rules = GEMM_LAYOUT if dtype == torch.float32 else BF16_GEMM_LAYOUT
+    half = dtype != torch.float32
+    rules = BF16_GEMM_LAYOUT if half else GEMM_LAYOUT
+    invariant = BF16_INVARIANT_GEMM_LAYOUT if half else INVARIANT_GEMM_LAYOUT
     layout = os.environ.get("LORAPLEX_GEMM_LAYOUT") or (
-        INVARIANT_GEMM_LAYOUT.get(cpu_isa(), "panels") if batch_invariant
+        invariant.get(cpu_isa(), "panels") if batch_invariant
         else rules.get(cpu_isa(), "onednn"))
     if layout not in LAYOUTS:
         raise ValueError(f"LORAPLEX_GEMM_LAYOUT={layout!r}; allowed: {', '.join(LAYOUTS)}")
-    if layout == "panels" and not panels_built(dtype):
+    if (layout == "panels" and not panels_built(dtype)) or (
+            layout == "amx_tiles" and not amx_tiles_built(dtype)):
         return "onednn_fixed" if batch_invariant else "onednn"
     return layout
+
+
+def amx_tiles_built(dtype: torch.dtype) -> bool:
+    """Whether the AMX tile GEMM of ``dtype`` (bfloat16 only) was built and may run here."""
+    return dtype == torch.bfloat16 and extension.load().amx_gemm_bf16_available()
 
 
 def panels_built(dtype: torch.dtype) -> bool:
@@ -105,8 +119,9 @@ _LINEAR = (torch.ops.mkldnn._linear_pointwise.default
 
 class PackedLinear(nn.Module):
     """``x @ weightᵀ + bias`` with the weight held only in the packed ``layout``
-    ("panels": ``self.panels``; "onednn", "onednn_fixed": ``self.packed``; the latter run
-    at FIXED_ROWS rows a call, ``self.fixed_rows``)."""
+    ("panels", "amx_tiles": ``self.panels``, the kernels' own packing; "onednn",
+    "onednn_fixed": ``self.packed``; the latter run at FIXED_ROWS rows a call,
+    ``self.fixed_rows``)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, layout: str):
         super().__init__()
@@ -116,8 +131,11 @@ class PackedLinear(nn.Module):
         self.out_features, self.in_features = weight.shape
         self.bias = None if bias is None else bias.detach()
         self.panels = self.panel_bias = self.packed = None
+        self.layout = layout
         if layout == "panels":
             self._pack_panels(weight.detach())
+        elif layout == "amx_tiles":
+            self._pack_amx_tiles(weight.detach())
         else:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), BATCH_HINT)
 
@@ -138,6 +156,16 @@ class PackedLinear(nn.Module):
         else:
             raise ValueError(f"the panel layout packs float32 weights, and bfloat16 ones "
                              f"where the CPU has AVX512-BF16; not {weight.dtype} here")
+
+    def _pack_amx_tiles(self, weight: torch.Tensor) -> None:
+        kernels = extension.load()
+        if weight.dtype != torch.bfloat16 or not kernels.amx_gemm_bf16_available():
+            raise ValueError(f"the amx_tiles layout packs bfloat16 weights where the CPU has "
+                             f"AMX; not {weight.dtype} here")
+        self.panels = kernels.pack_amx_bf16(weight)
+        self._panel_linear = kernels.amx_linear_bf16
+        if self.bias is not None:  # added in float32 before the one rounding to bf16
+            self.panel_bias = self.bias.float().contiguous()
 
     @classmethod
     def of(cls, linear: nn.Linear, layout: str) -> PackedLinear:

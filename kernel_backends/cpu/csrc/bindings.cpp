@@ -41,6 +41,10 @@ bool bf16_panel_gemm_available();
 torch::Tensor pack_panels_bf16(torch::Tensor weight);
 torch::Tensor panel_linear_bf16(torch::Tensor x, torch::Tensor panels,
                                 c10::optional<torch::Tensor> bias, int64_t N);
+bool amx_gemm_bf16_available();
+torch::Tensor pack_amx_bf16(torch::Tensor weight);
+torch::Tensor amx_linear_bf16(torch::Tensor x, torch::Tensor panels,
+                              c10::optional<torch::Tensor> bias, int64_t N);
 
 // All release the GIL while they run (arguments are converted before, the result after),
 // as torch's own ops do: the gRPC loop and the adapter loader thread keep running.
@@ -94,6 +98,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("panel_linear_bf16", &panel_linear_bf16,
         "x · Wᵀ (+ float32 bias) over W's 32-column bfloat16 panels (VDPBF16PS)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("amx_gemm_bf16_available", &amx_gemm_bf16_available,
+        "whether amx_linear_bf16 was built (AMX-BF16) and the process may use AMX tiles");
+  m.def("pack_amx_bf16", &pack_amx_bf16,
+        "a [N, K] weight as [ceil(N/32), ceil(K/32), 2, 16, 32] bfloat16 AMX B tiles",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("amx_linear_bf16", &amx_linear_bf16,
+        "x · Wᵀ (+ float32 bias) over W's AMX B tiles (bfloat16, TDPBF16PS; a row's bits "
+        "do not depend on its batch)",
         py::call_guard<py::gil_scoped_release>());
   m.def("quant_isas", &quant_isas,
         "the quantized linear's paths this CPU runs, fastest first (avx512, avx2, scalar)");
