@@ -207,8 +207,7 @@ async def _loraplex_round(target: str, prompts: list[list[int]], adapters: list[
 def in_child(args: argparse.Namespace, what: dict) -> Measured:
     """One loraplex measurement in a fresh interpreter (no state shared with the others)."""
     argv = [sys.executable, "-m", "loraplex.benchmarks.llamacpp_compare",
-            "--llama-cpp", str(args.llama_cpp), "--work", str(args.work),
-            "--child", json.dumps(what)]
+            "--work", str(args.work), "--child", json.dumps(what)]
     out = subprocess.run(argv, capture_output=True, text=True, check=True).stdout
     return Measured(**json.loads(out.split("RESULT ")[-1]))
 
@@ -224,11 +223,16 @@ def run_child(what: dict) -> None:
 # --- the run -------------------------------------------------------------------------------
 
 def measure(args: argparse.Namespace) -> list[Row]:
-    from .llamacpp_models import LlamaCppTools, ensure_files
+    from .llamacpp_models import LlamaCppTools, ensure_files, ensure_model
 
+    rows: list[Row] = []
+    if set(args.only) <= {"int4"}:  # loraplex against itself: no llama.cpp, no GGUF
+        return _int4(args, ensure_model(args.work / "llama-3.2-1b-shapes"))
+    if args.llama_cpp is None:
+        raise SystemExit("--llama-cpp (or $LLAMA_CPP) is required for the steps "
+                         f"{', '.join(s for s in args.only if s != 'int4')}")
     tools = LlamaCppTools(args.llama_cpp, args.convert_python)
     files = ensure_files(args.work, tools, args.adapters, args.rank)
-    rows: list[Row] = []
     if "single" in args.only:
         rows.append(_single(args, tools, files.ggufs[args.quant]))
     for step, n in (("base", 0), ("mixed", args.adapters)):

@@ -142,8 +142,9 @@ def add_file_args(ap: argparse.ArgumentParser) -> None:
     """The flags that say where llama.cpp and the files are, and which adapters to make
     (llamacpp_compare's too)."""
     tree = os.environ.get("LLAMA_CPP")
-    ap.add_argument("--llama-cpp", type=Path, required=tree is None, default=tree,
-                    help="llama.cpp tree, built (default $LLAMA_CPP)")
+    ap.add_argument("--llama-cpp", type=Path, default=tree,
+                    help="llama.cpp tree, built (default $LLAMA_CPP; not needed by "
+                         "llamacpp_compare --only int4)")
     ap.add_argument("--convert-python", default=os.environ.get("LLAMA_CPP_PYTHON",
                                                                sys.executable),
                     help="the interpreter for llama.cpp's converters (needs sentencepiece; "
@@ -161,6 +162,8 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_file_args(ap)
     args, _ = ap.parse_known_args(argv)  # llamacpp_compare's other flags are accepted
+    if args.llama_cpp is None:
+        ap.error("--llama-cpp (or $LLAMA_CPP) is required: its tools make the GGUFs")
     args.work.mkdir(parents=True, exist_ok=True)
     files = ensure_files(args.work, LlamaCppTools(args.llama_cpp, args.convert_python),
                          args.adapters, args.rank)
