@@ -103,7 +103,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="measure the baseline again after loraplex")
     ap.add_argument("--json", type=Path, help="write the rows and the machine here")
     ap.add_argument("--child", help=argparse.SUPPRESS)  # a loraplex measurement, as JSON
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    needs_llama_cpp = [s for s in args.only if s != "int4"]
+    if args.child is None and needs_llama_cpp and args.llama_cpp is None:
+        ap.error(f"--llama-cpp (or $LLAMA_CPP) is required for {','.join(needs_llama_cpp)} "
+                 "(only int4 runs without it)")
+    return args
 
 
 def _steps(value: str) -> tuple[str, ...]:
@@ -228,9 +233,6 @@ def measure(args: argparse.Namespace) -> list[Row]:
     rows: list[Row] = []
     if set(args.only) <= {"int4"}:  # loraplex against itself: no llama.cpp, no GGUF
         return _int4(args, ensure_model(args.work / "llama-3.2-1b-shapes"))
-    if args.llama_cpp is None:
-        raise SystemExit("--llama-cpp (or $LLAMA_CPP) is required for the steps "
-                         f"{', '.join(s for s in args.only if s != 'int4')}")
     tools = LlamaCppTools(args.llama_cpp, args.convert_python)
     files = ensure_files(args.work, tools, args.adapters, args.rank)
     if "single" in args.only:

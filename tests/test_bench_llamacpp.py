@@ -42,7 +42,9 @@ def test_flags_parse_and_bad_steps_are_refused(capsys, monkeypatch):
         parse_args(["--llama-cpp", "/x", "--only", "single,decode"])
     assert "decode" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        parse_args([])  # --llama-cpp is required
+        parse_args([])  # --llama-cpp is required for llama.cpp's own steps
+    assert "--llama-cpp" in capsys.readouterr().err
+    assert parse_args(["--only", "int4"]).llama_cpp is None  # loraplex against itself
 
 
 def test_base_request_names_every_adapter_at_scale_zero():
