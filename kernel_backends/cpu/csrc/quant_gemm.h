@@ -101,18 +101,20 @@ struct Chunk {
   float d1 = 0.f;  // Q6_K: the scale of weights 16-31 (d: of weights 0-15)
 };
 
-template <int F>
+// Half: how an fp16 scale is read (half_to_float; a path built with F16C passes its own,
+// the same value in fewer instructions).
+template <int F, float (*Half)(const uint8_t*) = half_to_float>
 inline Chunk chunk(const Problem& p, const uint8_t* row, int64_t n, int64_t c) {
   if constexpr (F == kQ8_0) {
     const uint8_t* b = row + c * 34;
-    return {half_to_float(b), 0.f, b + 2};
+    return {Half(b), 0.f, b + 2};
   } else if constexpr (F == kQ4_0) {
     const uint8_t* b = row + c * 18;
-    const float d = half_to_float(b);
+    const float d = Half(b);
     return {d, -8.f * d, b + 2};
   } else if constexpr (F == kQ4_1) {
     const uint8_t* b = row + c * 20;
-    return {half_to_float(b), half_to_float(b + 2), b + 4};
+    return {Half(b), Half(b + 2), b + 4};
   } else if constexpr (F == kInt8) {
     return {1.f, 0.f, row + c * 32};  // the row's scale multiplies the sum at the end
   } else if constexpr (F == kQ4_K) {  // ggml's get_scale_min_k4
@@ -197,7 +199,7 @@ constexpr bool k_quant(int F) { return F == kQ4_K || F == kQ5_K || F == kQ6_K; }
 // j of qh[0 .. 32). Q6_K's 32 weights j of a super-block (dequantize_row_q6_K: half h = j / 4,
 // k = j % 4): the low (k < 2) or high nibbles of ql[64 h + 32 (k % 2) ..], bits 2k, 2k + 1 of
 // qh[32 h ..], scales 2j and 2j + 1.
-template <int F>
+template <int F, float (*Half)(const uint8_t*) = half_to_float>
 inline Chunk chunk_at(const Problem& p, const uint8_t* row, int64_t n, int64_t c,
                       const float* dk, const float* ck) {
   if constexpr (F == kQ4_K) {
@@ -211,7 +213,7 @@ inline Chunk chunk_at(const Problem& p, const uint8_t* row, int64_t n, int64_t c
     return {dk[2 * c], 0.f, b + 64 * h + 32 * (k & 1), (k >> 1) * 4, b + 128 + 32 * h, 2 * k,
             dk[2 * c + 1]};
   } else {
-    return chunk<F>(p, row, n, c);
+    return chunk<F, Half>(p, row, n, c);
   }
 }
 

@@ -17,7 +17,7 @@
 //   int4 builds its table once a group (2-4 chunks at 64, 128 weights); Q4_K one conversion
 //   for the two chunks that share 32 bytes. At 1-8 rows the scalar work around the vectors
 //   was as dear as the decode: the K-quants' scales are unpacked and multiplied in vectors
-//   (block_scales_bf16), the fp16 scales converted by F16C (chunk_bf16), the same products.
+//   (block_scales_bf16), the fp16 scales converted by F16C (half_f16c), the same products.
 //   Q8_0, int8 and Q6_K (8, 6 bits: 256 or 64 values a 16-weight scale) still convert each
 //   weight. Figures: benchmarks/results/2026-12-07-s27-quant-lut.md.
 #include "quant_gemm.h"
@@ -194,29 +194,10 @@ inline float half_f16c(const uint8_t* at) {
   return _cvtsh_ss(h);
 }
 
-// chunk_at<F>, Q8_0's, Q4_0's and Q4_1's fp16 read by half_f16c (the same d and c).
-template <int F>
-inline Chunk chunk_bf16(const Problem& p, const uint8_t* row, int64_t n, int64_t c,
-                        const float* dk, const float* ck) {
-  if constexpr (F == kQ8_0) {
-    const uint8_t* b = row + c * 34;
-    return {half_f16c(b), 0.f, b + 2};
-  } else if constexpr (F == kQ4_0) {
-    const uint8_t* b = row + c * 18;
-    const float d = half_f16c(b);
-    return {d, -8.f * d, b + 2};
-  } else if constexpr (F == kQ4_1) {
-    const uint8_t* b = row + c * 20;
-    return {half_f16c(b), half_f16c(b + 2), b + 4};
-  } else {
-    return chunk_at<F>(p, row, n, c, dk, ck);
-  }
-}
-
 template <int F>
 inline __m512bh weights_bf16(const Problem& p, const uint8_t* row, int64_t n, int64_t c,
                              const float* dk, const float* ck) {
-  const Chunk ch = chunk_bf16<F>(p, row, n, c, dk, ck);
+  const Chunk ch = chunk_at<F, half_f16c>(p, row, n, c, dk, ck);
   if constexpr (lut(F)) {
     return (__m512bh)_mm512_permutexvar_epi16(weight_indices<F>(ch),
                                               weight_table<F == kQ5_K ? 5 : 4>(ch.d, ch.c));
