@@ -13,8 +13,8 @@ from contextlib import contextmanager
 import pytest
 import torch
 import torch.nn.functional as F
-from loraplex.kernel_backends.cpu import extension, packed_linear
-from loraplex.kernel_backends.cpu.packed_linear import PackedLinear, amx_tiles_built, gemm_layout
+from loraplex.kernel_backends.cpu import extension
+from loraplex.kernel_backends.cpu.packed_linear import PackedLinear, amx_tiles_built
 
 pytestmark = pytest.mark.skipif(
     not (extension.available() and amx_tiles_built(torch.bfloat16)),
@@ -92,13 +92,3 @@ def test_amx_tiles_in_a_model_row_invariant_to_a_float_reference() -> None:
 def test_amx_tiles_refuse_float32() -> None:
     with pytest.raises(ValueError, match="amx_tiles"):
         PackedLinear(torch.randn(8, 8), None, "amx_tiles")
-
-
-def test_the_invariant_rule_picks_amx_tiles_for_bf16_and_onednn_fixed_for_float32() -> None:
-    """On AMX, --batch-invariant serves bf16 linears with the AMX tile GEMM and float32
-    ones with oneDNN at a fixed row count; invariance off keeps oneDNN."""
-    if packed_linear.cpu_isa() != "AMX":
-        pytest.skip("the rule is keyed by the AMX ISA")
-    assert gemm_layout(torch.bfloat16, batch_invariant=True) == "amx_tiles"
-    assert gemm_layout(torch.float32, batch_invariant=True) == "onednn_fixed"
-    assert gemm_layout(torch.bfloat16) == packed_linear.BF16_GEMM_LAYOUT["AMX"]

@@ -262,3 +262,17 @@ def test_onednn_fixed_rows_do_not_depend_on_their_batch(dtype: torch.dtype,
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(alone, F.linear(probe.float(), weight.float(), bias.float())
                                .to(dtype), rtol=tol, atol=tol * in_features ** 0.5)
+
+
+def test_the_invariant_rule_picks_amx_tiles_for_bf16_and_onednn_fixed_for_float32(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """On AMX, --batch-invariant serves bf16 linears with the AMX tile GEMM (oneDNN at a
+    fixed row count where the kernel was not built) and float32 ones with oneDNN at a fixed
+    row count; invariance off keeps oneDNN. The rule is read as on an AMX CPU wherever the
+    test runs."""
+    monkeypatch.setattr(packed_linear, "cpu_isa", lambda: "AMX")
+    built = packed_linear.amx_tiles_built(torch.bfloat16)
+    assert packed_linear.gemm_layout(torch.bfloat16, batch_invariant=True) == (
+        "amx_tiles" if built else "onednn_fixed")
+    assert packed_linear.gemm_layout(torch.float32, batch_invariant=True) == "onednn_fixed"
+    assert packed_linear.gemm_layout(torch.bfloat16) == packed_linear.BF16_GEMM_LAYOUT["AMX"]

@@ -18,9 +18,8 @@ layout; on AMX, ``--batch-invariant off`` would send 8 bf16 rows or more to oneD
 (``quantized_linear.MANY_ROWS_RULE``), whose rows follow the row count: on, they never go
 there (test_on_never_sends_bf16_rows_to_onednn), and forcing that route under on makes the
 re-score differ (test_the_onednn_many_rows_route_is_not_invariant: the checks can fail).
-The GGUF's float tensors were not invariant before session 26 (a quantized head kept the
-engine from packing any float linear: they ran oneDNN's GEMM, whose rows follow the row
-count).
+The GGUF's float tensors run packed whatever the head's format (a quantized head must not
+keep the engine from packing a float linear: oneDNN's GEMM rows follow the row count).
 
 The draws run on one intra-op thread (``one_thread``: on 2 loaded cores, 2 OpenMP threads
 make these tiny steps 15-50x slower); tests/test_thread_invariance.py shows that the thread
