@@ -5,6 +5,7 @@ metadata is built (what a GPU would pay a sync for, and what CUDA graphs will ne
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -57,12 +58,22 @@ def decode_step_host_work(tiny_llama: Path, tmp_path: Path) -> list[str]:
     engine = LLMEngine(model=tiny_llama, dtype="float32", max_lora_rank=8, max_model_len=64,
                        lora_modules={"all": str(adapter)})
     params = SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True)
-    for prompt, name in (([5, 6, 7], "all"), ([8, 9], None), ([10, 11, 12, 13], "all")):
-        engine.add_request(prompt, params, adapter=name)
     spy = ForwardSpy(engine.runner.model)
     engine.runner.model = spy
-    for _ in range(2):  # prefill, then a first decode step
+    # the adapter's requests first, stepped until admitted (its load onto the device runs on
+    # the loader thread: a base request would be admitted ahead of them, and their prefill,
+    # the layers' first LoRA call, could land in the watched step); then the base's prefill
+    # beside their first decode
+    for prompt in ([5, 6, 7], [10, 11, 12, 13]):
+        engine.add_request(prompt, params, adapter="all")
+    for _ in range(6000):  # ~60 s: a tiny adapter's load takes milliseconds
         engine.step()
+        if len(engine.scheduler.running) == 2:
+            break
+        time.sleep(0.01)
+    engine.add_request([8, 9], params)
+    engine.step()
+    assert len(engine.scheduler.running) == 3 and not engine.scheduler.waiting
     assert all(s.num_computed_tokens == s.num_tokens - 1 for s in engine.scheduler.running)
     spy.watch = True
     engine.step()
