@@ -24,6 +24,7 @@ from .common import machine_line
 from .step_workload import add_workload_args, step_workload
 
 PARTS = ("gemm", "lora", "attention", "layer ops", "logits head", "sampler", "inputs")
+GEMM_MODULES = ("PackedLinear", "QuantizedLinear")  # the linears' module classes besides nn.Linear
 LAYER_OPS = ("rms_norm", "add_rms_norm_", "rope_store_kv", "silu_mul")
 
 
@@ -53,7 +54,7 @@ def instrument(engine: Any, clock: StepClock) -> None:
     """Wrap the engine's pieces in ``clock``'s timers (instance attributes only)."""
     model, runner, kernels = engine.base.model, engine.runner, engine.base.kernels
     for module in model.model.modules():
-        if isinstance(module, nn.Linear) or type(module).__name__ == "PackedLinear":
+        if isinstance(module, nn.Linear) or type(module).__name__ in GEMM_MODULES:
             module.forward = clock.timed("gemm", module.forward)
     kernels.add_lora = clock.timed("lora", kernels.add_lora)
     for name in ("paged_attention_decode", "paged_attention_prefill"):
@@ -104,7 +105,7 @@ def main() -> None:
         work.run()
     seconds = time.perf_counter() - start
     print(machine_line(engine.base.kernels.name, str(engine.base.dtype).removeprefix("torch.")))
-    print(f"SmolLM2-135M, {n} requests x {args.prompt_len} prompt x {args.new_tokens} new "
+    print(f"{args.model or 'SmolLM2-135M'} ({args.quantization}), {n} requests x {args.prompt_len} prompt x {args.new_tokens} new "
           f"tokens, {args.adapters or 'no'} adapters, {args.rounds} rounds: "
           f"{args.rounds * n * args.new_tokens / seconds:.1f} output tok/s (timers on)")
     print("\n".join(report(clock)))

@@ -1,5 +1,6 @@
 """The workload that step_breakdown.py and step_inputs.py time, and their shared flags:
-SmolLM2-135M, ``--requests`` greedy requests of ``--prompt-len`` random tokens and
+SmolLM2-135M (or ``--model DIR``, e.g. llamacpp_compare's Llama-3.2-1B-shaped dir, with
+``--quantization`` / ``--quantize-lm-head`` as ``loraplex serve`` has them), ``--requests`` greedy requests of ``--prompt-len`` random tokens and
 ``--new-tokens`` new ones (EOS ignored), request i on adapter i mod ``--adapters`` (random
 rank-8, all seven targets; 0: the base model), no prefix caching; one untimed generate first,
 so the adapters are resident before anything is timed."""
@@ -16,7 +17,8 @@ from .common import add_engine_flags, default_model_dir, make_random_adapters, r
 
 
 def add_workload_args(ap: argparse.ArgumentParser, adapters: int) -> None:
-    add_engine_flags(ap, "dtype", "batch_invariant")
+    add_engine_flags(ap, "dtype", "batch_invariant", "quantization", "quantize_lm_head")
+    ap.add_argument("--model", type=Path, help="an HF model dir (default: the embedded model)")
     ap.add_argument("--adapters", type=int, default=adapters)
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--prompt-len", type=int, default=64)
@@ -42,7 +44,7 @@ def step_workload(args: argparse.Namespace) -> StepWorkload:
     from .. import LLMEngine, SamplingParams
     from ..engine.engine_config import EngineConfig
 
-    model_dir = default_model_dir()
+    model_dir = args.model or default_model_dir()
     n = args.requests
     adapters = (make_random_adapters(model_dir, args.adapters, args.adapter_dir)
                 if args.adapters else {})
@@ -53,10 +55,11 @@ def step_workload(args: argparse.Namespace) -> StepWorkload:
     # (rounds repeat their prompts: each must compute them)
     engine = LLMEngine.from_config(EngineConfig(
         model=str(model_dir), dtype=args.dtype, batch_invariant=args.batch_invariant,
+        quantization=args.quantization, quantize_lm_head=args.quantize_lm_head,
         max_num_seqs=n, max_model_len=1024,
         max_lora_rank=8, max_loras=max(1, len(adapters)), max_cpu_loras=max(1, len(adapters)),
         enable_prefix_caching=False, lora_modules={k: str(p) for k, p in adapters.items()}))
-    prompts = random_prompts(n, args.prompt_len, vocab=49152, seed=2)
+    prompts = random_prompts(n, args.prompt_len, vocab=49152, seed=2)  # SmolLM2's tokenizer
     params = SamplingParams(temperature=0.0, max_new_tokens=args.new_tokens, ignore_eos=True)
     workload = StepWorkload(engine, prompts, params, names)
     workload.run()  # warm-up; adapters become resident

@@ -187,7 +187,10 @@ torch::Tensor quant_linear(torch::Tensor x, torch::Tensor data, c10::optional<to
               "quant_linear: bias must be float32 [N]");
   const bool bf16_path = isa == kAvx512Bf16 && x.scalar_type() == torch::kBFloat16;
   auto xf = bf16_path ? x.contiguous() : x.to(torch::kFloat).contiguous();
-  if (format == kInt4)  // each chunk's evens then odds, as the nibbles decode
+  const bool words = int4_word_order(int(format), int(group), bf16_path);
+  if (words)  // each 128: (a, b, k) -> (k, a, b), the nibbles' order in the 16-bit words
+    xf = xf.view({M, K / 128, 4, 8, 4}).permute({0, 1, 4, 2, 3}).contiguous().view({M, K});
+  else if (format == kInt4)  // each chunk's evens then odds, as the nibbles decode
     xf = xf.view({M, K / 32, 16, 2}).transpose(2, 3).contiguous().view({M, K});
   torch::Tensor xsum;
   const bool avx2_sums = format == kQ4_K || format == kQ5_K;  // quant_gemm_avx2.cpp's offsets
@@ -204,7 +207,7 @@ torch::Tensor quant_linear(torch::Tensor x, torch::Tensor data, c10::optional<to
               zeros ? zeros->data_ptr<uint8_t>() : nullptr,
               group_shift(format, group), int(format),
               bias ? bias->data_ptr<float>() : nullptr,
-              y.data_ptr<float>()};
+              y.data_ptr<float>(), words};
     // columns in ranges of at least 16 (a thread's share of small linears stays whole)
     at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
       if (bf16_path) run_avx512_bf16(p, n0, n1);

@@ -28,7 +28,8 @@ enum Format : int { kQ8_0 = 0, kQ4_0 = 1, kQ4_1 = 2, kInt8 = 3, kInt4 = 4, kQ4_K
 enum Isa : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3 };
 
 struct Problem {
-  const float* x;        // [M, K] float32, contiguous (int4: each 32-chunk evens then odds)
+  const float* x;        // [M, K] float32, contiguous (int4: each 32-chunk evens then odds;
+                         // int4_words: each 128 in word order, see int4_word_order)
   const uint16_t* xb;    // the avx512_bf16 path: x as bfloat16 bits, same layout (else null)
   const float* xsum;     // [M, K / 32]: each chunk's sum of x (formats with an offset)
   int64_t M, K, N;
@@ -40,7 +41,18 @@ struct Problem {
   int format;
   const float* bias;     // [N] or null
   float* y;              // [M, N]
+  // The avx512_bf16 int4 path with groups of 128: x (xb) in word order and W's 64 bytes of a
+  // group decoded as 32 16-bit words, four nibbles each (quant_gemm_avx512.cpp).
+  bool int4_words = false;
 };
+
+// int4 with 128-weight groups on the avx512_bf16 path: byte i of a 16-byte chunk a holds
+// weights 32a + 2i (low nibble) and 32a + 2i + 1 (high), so the 16-bit word j = 8a + b of a
+// group's 64 bytes holds weights 32a + 4b + k as its nibble k (k = 0 .. 3). x is laid out
+// to match, each 128 as four 32-vectors: vector k, lane j = x[32a + 4b + k].
+inline bool int4_word_order(int format, int group, bool bf16_path) {
+  return bf16_path && format == kInt4 && group == 128;
+}
 
 // fn(std::integral_constant<int, F>{}) for format F (nothing for an unknown one): the one
 // switch from a run-time format to each path's template instance.

@@ -217,7 +217,7 @@ inline float bf16_to_float(uint16_t b) {
 }
 
 constexpr int kMbBf16 = 8;  // rows a chunk's bf16 weights serve before the next decode
-constexpr int kMsBf16 = 4;  // rows of a tile over decoded columns (two columns at a time)
+constexpr int kMsBf16 = 4;  // rows of a tile over decoded columns (three columns at a time)
 // From this many bf16 rows on, decode each tile of columns once (float32: kScratchRows, 16):
 // 1.06-1.11x the register loop at 8 rows, 1.3-1.4x at 12 (float32 decoded: 0.5-0.9x there)
 constexpr int64_t kScratchRowsBf16 = 8;
@@ -272,6 +272,44 @@ inline void rows_of_column_int4(const Problem& p, int64_t n, int64_t m0) {
   for (int r = 0; r < R; ++r) finish_bf16<kInt4>(p, n, m0 + r, acc[r][0], acc[r][1]);
 }
 
+// int4 in word order (Problem::int4_words, groups of 128): the group's 64 bytes as 32 16-bit
+// words, w[k] = VPERMW of the words shifted by 4k into the group's table (bits 0-3 nibble k,
+// bit 4 free: the table repeats at 16): the group's 128 weights, no widening of the bytes,
+// each vector k the x vector k of the group (int4_word_order), taken as chunk 4g + k.
+inline void int4_words(const uint8_t* q, __m512i table, __m512bh* w) {
+  const __m512i v = _mm512_loadu_si512(q);
+  w[0] = (__m512bh)_mm512_permutexvar_epi16(v, table);
+  w[1] = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(v, 4), table);
+  w[2] = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(v, 8), table);
+  w[3] = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(v, 12), table);
+}
+
+inline __m512i int4_table(const Problem& p, int64_t n, int64_t g) {
+  const int64_t i = n * (p.K >> p.group_shift) + g;
+  const float s = p.scales[i];
+  return weight_table<4>(s, -float(p.zeros[i]) * s);
+}
+
+// rows_of_column_int4 in word order: a group (four chunks) at a time, chunk 4g + k into the
+// accumulator of its parity, as the chunk loop sums them.
+template <int R>
+inline void rows_of_column_int4_words(const Problem& p, int64_t n, int64_t m0) {
+  const int64_t K = p.K;
+  const uint8_t* row = p.data + n * p.row_bytes;
+  __m512 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < K / 128; ++g) {
+    __m512bh w[4];
+    int4_words(row + g * 64, int4_table(p, n, g), w);
+    for (int k = 0; k < 4; ++k)
+      for (int r = 0; r < R; ++r) {
+        const __m512i x = _mm512_loadu_si512(p.xb + (m0 + r) * K + g * 128 + k * 32);
+        acc[r][k & 1] = _mm512_dpbf16_ps(acc[r][k & 1], w[k], (__m512bh)x);
+      }
+  }
+  for (int r = 0; r < R; ++r) finish_bf16<kInt4>(p, n, m0 + r, acc[r][0], acc[r][1]);
+}
+
 // Q4_K, chunks two at a time: chunks c (even) and c + 1 are the low and high nibbles of the
 // same 32 bytes, so one widening serves both, and one conversion both tables: entries 0-15
 // chunk c + 1's (index: the high nibble, bit 4 clear), 16-31 chunk c's (the byte with bit 4
@@ -308,6 +346,7 @@ template <int F, int R>
 inline void rows_of_column_bf16(const Problem& p, int64_t n, int64_t m0, float* dk, float* ck) {
   if constexpr (F == kQ4_K) return rows_of_column_q4_k<R>(p, n, m0, dk, ck);
   if constexpr (F == kInt4) {
+    if (p.int4_words) return rows_of_column_int4_words<R>(p, n, m0);
     switch (p.group_shift) {
       case 5: return rows_of_column_int4<R, 1>(p, n, m0);
       case 6: return rows_of_column_int4<R, 2>(p, n, m0);
@@ -341,6 +380,13 @@ inline void rows_of_column_bf16(const Problem& p, int64_t n, int64_t m0, float* 
 template <int F>
 inline void decode_column_bf16(const Problem& p, int64_t n, __m512bh* w, float* dk, float* ck) {
   const uint8_t* row = p.data + n * p.row_bytes;
+  if constexpr (F == kInt4) {
+    if (p.int4_words) {
+      for (int64_t g = 0; g < p.K / 128; ++g)
+        int4_words(row + g * 64, int4_table(p, n, g), w + 4 * g);
+      return;
+    }
+  }
   for (int64_t c = 0; c < p.K / 32; ++c) {
     if constexpr (k_quant(F)) {
       if ((c & 7) == 0) block_scales_bf16<F>(row, c >> 3, dk, ck);
@@ -381,12 +427,13 @@ inline void tile_columns_bf16(const Problem& p, int64_t t0, int64_t t1, int64_t 
                               const __m512bh* w) {
   const int64_t chunks = p.K / 32;
   int64_t n = t0;
-  for (; n + 2 <= t1; n += 2) tile_decoded_bf16<F, R, 2>(p, n, m, w + (n - t0) * chunks);
-  if (n < t1) tile_decoded_bf16<F, R, 1>(p, n, m, w + (n - t0) * chunks);
+  for (; n + 3 <= t1; n += 3) tile_decoded_bf16<F, R, 3>(p, n, m, w + (n - t0) * chunks);
+  if (t1 - n == 2) tile_decoded_bf16<F, R, 2>(p, n, m, w + (n - t0) * chunks);
+  if (t1 - n == 1) tile_decoded_bf16<F, R, 1>(p, n, m, w + (n - t0) * chunks);
 }
 
 // Many rows: each tile of columns (~kScratchBytes of bf16 weights) decoded once, then every
-// block of kMsBf16 rows against it, two columns at a time.
+// block of kMsBf16 rows against it, three columns at a time (4 x 3 x 2 accumulators).
 template <int F>
 void columns_decoded_bf16(const Problem& p, int64_t n0, int64_t n1) {
   const int64_t chunks = p.K / 32;
