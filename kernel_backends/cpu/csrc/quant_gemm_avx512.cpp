@@ -19,7 +19,9 @@
 //   was as dear as the decode: the K-quants' scales are unpacked and multiplied in vectors
 //   (block_scales_bf16), the fp16 scales converted by F16C (half_f16c), the same products.
 //   Q8_0, int8 and Q6_K (8, 6 bits: 256 or 64 values a 16-weight scale) still convert each
-//   weight. Figures: benchmarks/results/2026-12-07-s27-quant-lut.md.
+//   weight (Q6_K's q assembled in bytes first: decode_q6_k). int4 in groups of 128
+//   decodes a group's 64 bytes as 16-bit words (int4_words). Figures:
+//   benchmarks/results/2026-12-07-s27-quant-lut.md, 2026-12-07-s28-quant-words.md.
 #include "quant_gemm.h"
 
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -77,21 +79,26 @@ inline void decode_q5_k(const Chunk& ch, __m512* out) {
   }
 }
 
-// Q6_K: (nibble | 2 bits of qh << 4) - 32, times the scale of its 16 weights (d, d1).
+// Q6_K: (nibble | 2 bits of qh << 4) - 32, times the scale of its 16 weights (d, d1). q is
+// built in bytes, ((ql >> shift) & 15) | (bits hshift, hshift + 1 of qh) << 4, minus 32, all
+// 32 in a few 256-bit ops, and widened only to convert (before: eleven 512-bit ops a 16
+// weights; the same q, scale and product, so the same bits).
 inline void decode_q6_k(const Chunk& ch, __m512* out) {
-  const __m512i mask = _mm512_set1_epi32(0x0F), three = _mm512_set1_epi32(3);
-  const __m512i bias = _mm512_set1_epi32(32);
-  const __m128i s = _mm_cvtsi32_si128(ch.shift), hs = _mm_cvtsi32_si128(ch.hshift);
-  for (int i = 0; i < 2; ++i) {
-    const __m512i v = _mm512_cvtepu8_epi32(
-        _mm_loadu_si128(reinterpret_cast<const __m128i*>(ch.q + 16 * i)));
-    const __m512i h = _mm512_cvtepu8_epi32(
-        _mm_loadu_si128(reinterpret_cast<const __m128i*>(ch.qh + 16 * i)));
-    const __m512i lo = _mm512_and_si512(_mm512_srl_epi32(v, s), mask);
-    const __m512i hi = _mm512_slli_epi32(_mm512_and_si512(_mm512_srl_epi32(h, hs), three), 4);
-    const __m512i q = _mm512_sub_epi32(_mm512_or_si512(lo, hi), bias);
-    out[i] = _mm512_mul_ps(_mm512_cvtepi32_ps(q), _mm512_set1_ps(i == 0 ? ch.d : ch.d1));
-  }
+  const __m256i ql = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ch.q));
+  const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ch.qh));
+  const __m256i lo = _mm256_and_si256(_mm256_srl_epi16(ql, _mm_cvtsi32_si128(ch.shift)),
+                                      _mm256_set1_epi8(15));
+  // bits hshift, hshift + 1 of each byte to its bits 4, 5 (16-bit shifts by at most 4 keep
+  // them within the byte; the mask drops what crossed from the other one)
+  const __m256i up = ch.hshift <= 4 ? _mm256_sll_epi16(qh, _mm_cvtsi32_si128(4 - ch.hshift))
+                                    : _mm256_srl_epi16(qh, _mm_cvtsi32_si128(ch.hshift - 4));
+  const __m256i q = _mm256_sub_epi8(
+      _mm256_or_si256(lo, _mm256_and_si256(up, _mm256_set1_epi8(0x30))), _mm256_set1_epi8(32));
+  out[0] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q))),
+                         _mm512_set1_ps(ch.d));
+  out[1] = _mm512_mul_ps(
+      _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1))),
+      _mm512_set1_ps(ch.d1));
 }
 
 inline void decode_int8(const uint8_t* q, __m512* out) {
