@@ -44,6 +44,7 @@ from .quant_modules import (
     QuantizedLinear,
     attach_quantized_head,
     check_complete,
+    merge_parts,
     swap_quantized,
 )
 from .quantized_head import HEAD_QUANTIZATION, head_modules, quantize_tied_head
@@ -166,6 +167,7 @@ def fill_weights(model: LlamaForCausalLM,
         more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
         raise ValueError(f"weights missing from {where}: {missing[:5]}{more}")
     check_complete(model, where)
+    merge_parts(model)
 
 
 def _fill_quantized(module: QuantizedLinear | QuantizedEmbedding, rows: slice | None,

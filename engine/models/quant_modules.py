@@ -85,6 +85,22 @@ class QuantizedLinear(nn.Module):
         self.parts = sorted([p for p in self.parts if p[0] != start] + [(start, part)],
                             key=lambda p: p[0])
 
+    def merge_parts(self) -> None:
+        """Adjacent parts of one generic format (int8, int4: quantized on load, or a GPTQ /
+        AWQ checkpoint repacked) with the same input_perm become one weight, their rows
+        concatenated: one kernel call and no concatenation of outputs a forward (each
+        output row's result is the same bits: the kernels compute rows apart). GGUF parts
+        stay apart: they are views of the mapped file, and a copy would hold their bytes
+        twice."""
+        merged: list[tuple[int, Part]] = []
+        for start, part in self.parts:
+            last = merged[-1][1] if merged else None
+            if _mergeable(last, part):
+                merged[-1] = (merged[-1][0], _concat_rows(last, part))
+            else:
+                merged.append((start, part))
+        self.parts = merged
+
     def _rows(self, part: Part) -> int:
         """How many output rows ``part`` serves."""
         return getattr(self, part).out_features if isinstance(part, str) else part.shape[0]
@@ -146,6 +162,29 @@ class QuantizedLinear(nn.Module):
             for _, w in self.parts))
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bias={self.bias is not None}, format={formats or 'unset'}")
+
+
+def _mergeable(a: Part | None, b: Part) -> bool:
+    return (isinstance(a, QuantizedWeight) and isinstance(b, QuantizedWeight)
+            and not a.format.is_gguf and a.format == b.format and a.input_perm is b.input_perm
+            and (a.scales is None) == (b.scales is None)
+            and (a.scales is None or a.scales.dtype == b.scales.dtype))
+
+
+def _concat_rows(a: QuantizedWeight, b: QuantizedWeight) -> QuantizedWeight:
+    def cat(x: torch.Tensor | None, y: torch.Tensor | None) -> torch.Tensor | None:
+        return None if x is None else torch.cat([x, y])
+
+    return dataclasses.replace(a, shape=(a.shape[0] + b.shape[0], a.shape[1]),
+                               data=cat(a.data, b.data), scales=cat(a.scales, b.scales),
+                               zeros=cat(a.zeros, b.zeros))
+
+
+def merge_parts(model: nn.Module) -> None:
+    """QuantizedLinear.merge_parts on every quantized linear of ``model`` (once loaded)."""
+    for module in model.modules():
+        if isinstance(module, QuantizedLinear):
+            module.merge_parts()
 
 
 class QuantizedEmbedding(nn.Module):
