@@ -24,7 +24,7 @@ from .common import machine_line
 from .step_workload import add_workload_args, step_workload
 
 PARTS = ("gemm", "lora", "attention", "layer ops", "logits head", "sampler", "inputs")
-GEMM_MODULES = ("PackedLinear", "QuantizedLinear")  # the linears' module classes besides nn.Linear
+GEMM_MODULES = ("PackedLinear", "QuantizedLinear")  # linears' classes besides nn.Linear
 LAYER_OPS = ("rms_norm", "add_rms_norm_", "rope_store_kv", "silu_mul")
 
 
@@ -105,8 +105,9 @@ def main() -> None:
         work.run()
     seconds = time.perf_counter() - start
     print(machine_line(engine.base.kernels.name, str(engine.base.dtype).removeprefix("torch.")))
-    print(f"{args.model or 'SmolLM2-135M'} ({args.quantization}), {n} requests x {args.prompt_len} prompt x {args.new_tokens} new "
-          f"tokens, {args.adapters or 'no'} adapters, {args.rounds} rounds: "
+    print(f"{args.model or 'SmolLM2-135M'} ({args.quantization}), {n} requests x "
+          f"{args.prompt_len} prompt x {args.new_tokens} new tokens, "
+          f"{args.adapters or 'no'} adapters, {args.rounds} rounds: "
           f"{args.rounds * n * args.new_tokens / seconds:.1f} output tok/s (timers on)")
     print("\n".join(report(clock)))
 

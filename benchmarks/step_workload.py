@@ -1,6 +1,7 @@
 """The workload that step_breakdown.py and step_inputs.py time, and their shared flags:
 SmolLM2-135M (or ``--model DIR``, e.g. llamacpp_compare's Llama-3.2-1B-shaped dir, with
-``--quantization`` / ``--quantize-lm-head`` as ``loraplex serve`` has them), ``--requests`` greedy requests of ``--prompt-len`` random tokens and
+``--quantization`` / ``--quantize-lm-head`` as ``loraplex serve`` has them), ``--requests``
+greedy requests of ``--prompt-len`` random tokens (ids below SmolLM2's vocabulary) and
 ``--new-tokens`` new ones (EOS ignored), request i on adapter i mod ``--adapters`` (random
 rank-8, all seven targets; 0: the base model), no prefix caching; one untimed generate first,
 so the adapters are resident before anything is timed."""
