@@ -101,7 +101,8 @@ ACT_ORDER = {"llama": Scheme("gptq", 32, desc_act=True),
 def test_act_order_served_equals_transformers_on_the_formula(arch, checkpoints):
     """GPTQ desc_act=True with AutoGPTQ's scattering g_idx, one act-order per x (q/k/v
     share one, gate/up one, o_proj and down_proj their own): served with the inputs
-    sorted by group, one gather per x (q/k/v's three parts hold one perm tensor); greedy
+    sorted by group, one gather per x (q/k/v's three parts hold one perm tensor, and are
+    merged into one weight once loaded); greedy
     tokens and logprobs equal transformers + PEFT on the formula's weights (adapters on
     the unpermuted x), base and adapters mixed in one batch."""
     quant, ref, adapters = checkpoints(arch, ACT_ORDER[arch])
