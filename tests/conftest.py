@@ -286,6 +286,23 @@ def rows_one_by_one(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,
         return torch.cat([fn(x[i:i + 1]) for i in range(0, x.shape[0], step)])
 
 
+def assert_bf16_linear_exact(linear: Callable[[torch.Tensor], torch.Tensor],
+                             weight: torch.Tensor, bias: torch.Tensor | None,
+                             rows: Sequence[int], gen: torch.Generator) -> None:
+    """A packed bf16 linear against F.linear in float64 on random x of each row count:
+    one rounding to bf16 (2^-8 relative) after an fp32 sum of k exact products; 0 rows
+    give an empty [0, n]."""
+    n, k = weight.shape
+    for count in rows:
+        x = torch.randn(count, k, generator=gen).bfloat16()
+        exact = torch.nn.functional.linear(x.double(), weight.double(),
+                                           None if bias is None else bias.double())
+        y = linear(x)
+        assert y.dtype == torch.bfloat16 and y.shape == (count, n)
+        torch.testing.assert_close(y.double(), exact, rtol=2**-8, atol=1e-5 * k**0.5)
+    assert linear(torch.randn(0, k).bfloat16()).shape == (0, n)
+
+
 def greedy_logprobs(model: torch.nn.Module, prompt: list[int], new: int
                     ) -> tuple[list[int], list[float]]:
     """The oracle's greedy ``new`` tokens after ``prompt`` (transformers' ``generate`` on

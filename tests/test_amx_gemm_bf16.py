@@ -16,6 +16,8 @@ import torch.nn.functional as F
 from loraplex.kernel_backends.cpu import extension
 from loraplex.kernel_backends.cpu.packed_linear import PackedLinear, amx_tiles_built
 
+from tests.conftest import assert_bf16_linear_exact
+
 pytestmark = pytest.mark.skipif(
     not (extension.available() and amx_tiles_built(torch.bfloat16)),
     reason="the AMX tile GEMM needs a CPU (and a build) with AMX-BF16")
@@ -50,13 +52,8 @@ def test_amx_tiles_match_f_linear(k: int, n: int) -> None:
     for bias in (None, torch.randn(n, generator=g).bfloat16()):
         packed = PackedLinear(weight, bias, "amx_tiles")
         assert packed.panels is not None and packed.packed is None
-        for rows in [1, 2, 15, 16, 17, 31, 32, 33, 48, 257, 300]:
-            x = torch.randn(rows, k, generator=g).bfloat16()
-            exact = F.linear(x.double(), weight.double(), None if bias is None else bias.double())
-            y = packed(x)
-            assert y.dtype == torch.bfloat16 and y.shape == (rows, n)
-            torch.testing.assert_close(y.double(), exact, rtol=2**-8, atol=1e-5 * k**0.5)
-        assert packed(torch.randn(0, k).bfloat16()).shape == (0, n)
+        assert_bf16_linear_exact(packed, weight, bias,
+                                 [1, 2, 15, 16, 17, 31, 32, 33, 48, 257, 300], g)
 
 
 @pytest.mark.parametrize(("k", "n"), SHAPES[1:])

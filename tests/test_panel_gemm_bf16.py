@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 from loraplex import LLMEngine, SamplingParams
 from loraplex.kernel_backends.cpu import extension, packed_linear
 from loraplex.kernel_backends.cpu.packed_linear import (
@@ -19,7 +18,7 @@ from loraplex.kernel_backends.cpu.packed_linear import (
 )
 from loraplex.lora.layers import LoRALinear
 
-from tests.conftest import rows_one_by_one
+from tests.conftest import assert_bf16_linear_exact, rows_one_by_one
 
 pytestmark = pytest.mark.skipif(
     not (extension.available() and panels_built(torch.bfloat16)),
@@ -34,14 +33,7 @@ def test_bf16_panels_match_f_linear(k: int, n: int, bias: bool) -> None:
     b = torch.randn(n, generator=g).bfloat16() if bias else None
     packed = PackedLinear(weight, b, "panels")
     assert packed.panels is not None and packed.packed is None
-    for rows in [*range(1, 18), 97, 203]:
-        x = torch.randn(rows, k, generator=g).bfloat16()
-        exact = F.linear(x.double(), weight.double(), None if b is None else b.double())
-        y = packed(x)
-        assert y.dtype == torch.bfloat16 and y.shape == (rows, n)
-        # one rounding to bf16 (2^-8 relative) after an fp32 sum of k exact products
-        torch.testing.assert_close(y.double(), exact, rtol=2**-8, atol=1e-5 * k**0.5)
-    assert packed(torch.randn(0, k).bfloat16()).shape == (0, n)
+    assert_bf16_linear_exact(packed, weight, b, [*range(1, 18), 97, 203], g)
 
 
 def test_bf16_panel_rows_do_not_depend_on_their_batch() -> None:
