@@ -26,7 +26,7 @@ import pytest
 import torch
 from loraplex.kernel_backends.cpu import CPUBackend, extension
 from loraplex.kernel_backends.cpu import quantized_linear as kernels
-from loraplex.kernel_backends.quantized_weight import QuantizedWeight, gguf_format
+from loraplex.kernel_backends.quantized_weight import INT8, QuantizedWeight, gguf_format, int4_format
 from loraplex.kernel_backends.torch import quantized_linear as twin
 from loraplex.kernel_backends.weight_quantization import quantize_int4, quantize_int8
 
@@ -260,3 +260,31 @@ def test_bad_calls_are_refused(ext) -> None:
         kernels.quantized_linear(ext, torch.randn(1, 32), weight)
     with pytest.raises(RuntimeError, match="isa"):
         kernels.quantized_linear(ext, torch.randn(1, 64), weight, isa="neon")
+
+
+
+@pytest.mark.parametrize("name", ["int8", "int4"])
+def test_bf16_results_round_to_nearest_even(ext, isa: str, name: str) -> None:
+    """A bf16 result is its float32 sum rounded as torch rounds it, to nearest and ties to
+    even (the avx512_bf16 path writes bf16 itself): W's row is w0 = 8 s, w1 = s (s = 2^-3,
+    exact in both formats), x = [1, x1, 0, ...], so the sums are exact: 1 + 2^-8 and
+    1 + 3 * 2^-8 halfway between two bf16 values (to 1 and to 1 + 2^-6, the even ones), and
+    1 + 2^-8 + 2^-12 just past a tie (up, to 1 + 2^-7)."""
+    s, K = 2.0 ** -3, 128
+    if name == "int8":
+        data = torch.zeros(1, K, dtype=torch.int8)
+        data[0, 0], data[0, 1] = 8, 1
+        weight = QuantizedWeight(INT8, (1, K), data, torch.tensor([s]))
+    else:  # groups of 128, zero point 0: weight 0 the low nibble of byte 0, weight 1 its high
+        data = torch.zeros(1, K // 2, dtype=torch.uint8)
+        data[0, 0] = 8 | (1 << 4)
+        weight = QuantizedWeight(int4_format(128), (1, K), data, torch.tensor([[s]]),
+                                 torch.zeros(1, 1, dtype=torch.uint8))
+    x = torch.zeros(3, K, dtype=torch.bfloat16)
+    x[:, 0] = 1.0
+    x[:, 1] = torch.tensor([2.0 ** -5, 3 * 2.0 ** -5, 2.0 ** -5 + 2.0 ** -9])
+    exact = torch.tensor([1 + 2.0 ** -8, 1 + 3 * 2.0 ** -8, 1 + 2.0 ** -8 + 2.0 ** -12])
+    want = exact.bfloat16()
+    assert want.tolist() == [1.0, 1 + 2.0 ** -6, 1 + 2.0 ** -7]  # torch's own rounding
+    y = kernels.quantized_linear(ext, x, weight, isa=isa)
+    assert y.dtype == torch.bfloat16 and torch.equal(y[:, 0], want), y[:, 0]

@@ -34,6 +34,7 @@ docs/sampling.md) the kernel serves every row count, whatever the rule.
 from __future__ import annotations
 
 import os
+import weakref
 from types import ModuleType
 
 import torch
@@ -77,12 +78,34 @@ def quantized_linear(ext: ModuleType, x: torch.Tensor, weight: QuantizedWeight,
     if (isa is None and not batch_invariant and rows >= MANY_ROWS_ONEDNN
             and _onednn_route(ext, x, weight)):
         return dequantized_linear(ext, x, weight, bias)
-    scales, zeros = _scales_zeros(weight)
-    y = ext.quant_linear(x.reshape(rows, in_features), weight.data.contiguous(), scales, zeros,
+    data, scales, zeros, code, group = _kernel_args(weight)
+    y = ext.quant_linear(x.reshape(rows, in_features), data, scales, zeros,
                          None if bias is None else bias.float().contiguous(),
-                         FORMAT_CODES[weight.format.name], weight.format.block,
-                         isa or isas(ext)[0])
+                         code, group, isa or _fastest_isa(ext))
     return y.view(*x.shape[:-1], out_features)
+
+
+# weight -> its kernel arguments, made once (the tensors as the kernel takes them, views or
+# the weight's own: no copy for a weight stored so); an entry goes with its weight
+_ARGS: weakref.WeakKeyDictionary[QuantizedWeight, tuple] = weakref.WeakKeyDictionary()
+_FASTEST: dict[int, str] = {}  # id(extension module) -> isas(ext)[0]
+
+
+def _kernel_args(weight: QuantizedWeight) -> tuple:
+    args = _ARGS.get(weight)
+    if args is None:
+        scales, zeros = _scales_zeros(weight)
+        args = (weight.data.contiguous(), scales, zeros, FORMAT_CODES[weight.format.name],
+                weight.format.block)
+        _ARGS[weight] = args
+    return args
+
+
+def _fastest_isa(ext: ModuleType) -> str:
+    isa = _FASTEST.get(id(ext))
+    if isa is None:
+        isa = _FASTEST[id(ext)] = isas(ext)[0]
+    return isa
 
 
 def _scales_zeros(weight: QuantizedWeight) -> tuple[torch.Tensor | None, torch.Tensor | None]:

@@ -164,6 +164,29 @@ int group_shift(int64_t format, int64_t group) {
   return format == lp_quant::kInt4 ? (group == 32 ? 5 : group == 64 ? 6 : 7) : 5;
 }
 
+// x [M, K] (K % 32 == 0) in the int4 kernels' order, a plain copy loop (four torch ops, the
+// permute's ~5 us a call, before): words, each 128 as (a, b, k) -> (k, a, b), the nibbles'
+// order in the 16-bit words (int4_word_order); else each 32-chunk's evens then odds, as the
+// nibbles decode.
+template <class T>
+void int4_x_order(const T* x, T* out, int64_t M, int64_t K, bool words) {
+  at::parallel_for(0, M, 64, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      const T* src = x + m * K;
+      T* dst = out + m * K;
+      if (words) {
+        for (int64_t g = 0; g < K; g += 128)
+          for (int k = 0; k < 4; ++k)
+            for (int ab = 0; ab < 32; ++ab) dst[g + 32 * k + ab] = src[g + 4 * ab + k];
+      } else {
+        for (int64_t c = 0; c < K; c += 32)
+          for (int j = 0; j < 2; ++j)
+            for (int i = 0; i < 16; ++i) dst[c + 16 * j + i] = src[c + 2 * i + j];
+      }
+    }
+  });
+}
+
 }  // namespace
 
 // x [M, K] float32 / bfloat16 -> y [M, N] in x's dtype. format: 0 Q8_0, 1 Q4_0, 2 Q4_1,
@@ -188,15 +211,21 @@ torch::Tensor quant_linear(torch::Tensor x, torch::Tensor data, c10::optional<to
   const bool bf16_path = isa == kAvx512Bf16 && x.scalar_type() == torch::kBFloat16;
   auto xf = bf16_path ? x.contiguous() : x.to(torch::kFloat).contiguous();
   const bool words = int4_word_order(int(format), int(group), bf16_path);
-  if (words)  // each 128: (a, b, k) -> (k, a, b), the nibbles' order in the 16-bit words
-    xf = xf.view({M, K / 128, 4, 8, 4}).permute({0, 1, 4, 2, 3}).contiguous().view({M, K});
-  else if (format == kInt4)  // each chunk's evens then odds, as the nibbles decode
-    xf = xf.view({M, K / 32, 16, 2}).transpose(2, 3).contiguous().view({M, K});
+  if (format == kInt4) {  // K % group == 0 (check_weight): whole chunks, whole words
+    auto ordered = torch::empty_like(xf);
+    if (bf16_path)
+      int4_x_order(reinterpret_cast<const uint16_t*>(xf.data_ptr()),
+                   reinterpret_cast<uint16_t*>(ordered.data_ptr()), M, K, words);
+    else
+      int4_x_order(xf.data_ptr<float>(), ordered.data_ptr<float>(), M, K, words);
+    xf = ordered;
+  }
   torch::Tensor xsum;
   const bool avx2_sums = format == kQ4_K || format == kQ5_K;  // quant_gemm_avx2.cpp's offsets
   if (has_offset(int(format)) && !bf16_path && (isa != kAvx2 || avx2_sums))
     xsum = xf.view({M, K / 32, 32}).sum(2).contiguous();
-  auto y = torch::empty({M, N}, x.options().dtype(torch::kFloat));
+  // the bf16 path writes y in bfloat16 itself (rounded as .to(bfloat16) rounds): no copy
+  auto y = torch::empty({M, N}, x.options().dtype(bf16_path ? torch::kBFloat16 : torch::kFloat));
   if (M > 0 && N > 0) {
     Problem p{bf16_path ? nullptr : xf.data_ptr<float>(),
               bf16_path ? reinterpret_cast<const uint16_t*>(xf.data_ptr()) : nullptr,
@@ -207,7 +236,8 @@ torch::Tensor quant_linear(torch::Tensor x, torch::Tensor data, c10::optional<to
               zeros ? zeros->data_ptr<uint8_t>() : nullptr,
               group_shift(format, group), int(format),
               bias ? bias->data_ptr<float>() : nullptr,
-              y.data_ptr<float>(), words};
+              bf16_path ? nullptr : y.data_ptr<float>(), words,
+              bf16_path ? reinterpret_cast<uint16_t*>(y.data_ptr()) : nullptr};
     // columns in ranges of at least 16 (a thread's share of small linears stays whole)
     at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
       if (bf16_path) run_avx512_bf16(p, n0, n1);
@@ -216,7 +246,7 @@ torch::Tensor quant_linear(torch::Tensor x, torch::Tensor data, c10::optional<to
       else run_scalar(p, n0, n1);
     });
   }
-  return x.scalar_type() == torch::kFloat ? y : y.to(x.scalar_type());
+  return y.scalar_type() == x.scalar_type() ? y : y.to(x.scalar_type());
 }
 
 // Rows n0 .. n1 of W (format and tensors as quant_linear's) as bfloat16 [n1 - n0, K], the

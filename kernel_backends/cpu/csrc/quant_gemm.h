@@ -40,11 +40,21 @@ struct Problem {
   int group_shift;       // int4: log2 of the group size (5, 6, 7: 32, 64, 128 weights)
   int format;
   const float* bias;     // [N] or null
-  float* y;              // [M, N]
+  float* y;              // [M, N] (null where yb takes the result)
   // The avx512_bf16 int4 path with groups of 128: x (xb) in word order and W's 64 bytes of a
   // group decoded as 32 16-bit words, four nibbles each (quant_gemm_avx512.cpp).
   bool int4_words = false;
+  uint16_t* yb = nullptr;  // the avx512_bf16 path: y [M, N] as bfloat16 bits (float_to_bf16)
 };
+
+// float -> bfloat16 bits, rounded to nearest even (NaN: a quiet NaN), as c10::BFloat16 and
+// torch's .to(torch.bfloat16) round every non-NaN float.
+inline uint16_t float_to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0;
+  return uint16_t((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
 
 // int4 with 128-weight groups on the avx512_bf16 path: byte i of a 16-byte chunk a holds
 // weights 32a + 2i (low nibble) and 32a + 2i + 1 (high), so the 16-bit word j = 8a + b of a

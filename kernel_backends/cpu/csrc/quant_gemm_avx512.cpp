@@ -125,6 +125,14 @@ bool built_avx512() { return true; }
 namespace lp_quant {
 namespace {
 
+// An fp16 as float32 by F16C: exact, as half_to_float (quant_gemm.h) for every non-NaN half
+// (subnormals included), in three instructions where half_to_float takes a dozen.
+inline float half_f16c(const uint8_t* at) {
+  uint16_t h;
+  std::memcpy(&h, at, 2);
+  return _cvtsh_ss(h);
+}
+
 // block_scales<F> (quant_gemm.h) in vectors: super-block b's scales (and offsets), the same
 // products (a float32 multiply each, the offsets' sign flipped after), eight or sixteen at
 // once where the scalar loop takes one.
@@ -137,15 +145,15 @@ inline void block_scales_bf16(const uint8_t* row, int64_t b, float* dk, float* c
     const __m128i bytes = _mm_load_si128(reinterpret_cast<const __m128i*>(sc));
     const __m256 scale = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes));
     const __m256 mins = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8)));
-    _mm256_storeu_ps(dk + 8 * b, _mm256_mul_ps(_mm256_set1_ps(half_to_float(blk)), scale));
-    _mm256_storeu_ps(ck + 8 * b, _mm256_xor_ps(_mm256_mul_ps(_mm256_set1_ps(half_to_float(blk + 2)),
+    _mm256_storeu_ps(dk + 8 * b, _mm256_mul_ps(_mm256_set1_ps(half_f16c(blk)), scale));
+    _mm256_storeu_ps(ck + 8 * b, _mm256_xor_ps(_mm256_mul_ps(_mm256_set1_ps(half_f16c(blk + 2)),
                                                              mins),
                                                _mm256_set1_ps(-0.f)));
   } else if constexpr (F == kQ6_K) {
     const uint8_t* blk = row + b * 210;
     const __m512 s = _mm512_cvtepi32_ps(
         _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192))));
-    _mm512_storeu_ps(dk + 16 * b, _mm512_mul_ps(_mm512_set1_ps(half_to_float(blk + 208)), s));
+    _mm512_storeu_ps(dk + 16 * b, _mm512_mul_ps(_mm512_set1_ps(half_f16c(blk + 208)), s));
   }
 }
 
@@ -193,14 +201,6 @@ inline __m512i weight_indices(const Chunk& ch) {
   }
 }
 
-// An fp16 as float32 by F16C: exact, as half_to_float (quant_gemm.h) for every non-NaN half
-// (subnormals included), in three instructions where half_to_float takes a dozen.
-inline float half_f16c(const uint8_t* at) {
-  uint16_t h;
-  std::memcpy(&h, at, 2);
-  return _cvtsh_ss(h);
-}
-
 template <int F>
 inline __m512bh weights_bf16(const Problem& p, const uint8_t* row, int64_t n, int64_t c,
                              const float* dk, const float* ck) {
@@ -240,7 +240,7 @@ inline void finish_bf16(const Problem& p, int64_t n, int64_t m, __m512 a0, __m51
     sum *= p.scales[n];
   }
   if (p.bias) sum += p.bias[n];
-  p.y[m * p.N + n] = sum;
+  p.yb[m * p.N + n] = float_to_bf16(sum);
 }
 
 // int4, G = 1, 2 or 4 chunks a group (of 32, 64, 128 weights): rows_of_column_bf16's steps
@@ -291,9 +291,10 @@ inline void int4_words(const uint8_t* q, __m512i table, __m512bh* w) {
   w[3] = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(v, 12), table);
 }
 
-// bytes of W requested ahead of the group read (four 2048-weight columns): cold, one row,
-// 1.01-1.11x without (the largest linears most), 30-32 GB/s of a 32.6 GB/s roofline on Zen 4
-constexpr int64_t kInt4Ahead = 4096;
+// bytes of W requested ahead of the bytes read (int4: four 2048-weight columns): cold, one
+// row, int4 1.01-1.11x without (the largest linears most), 30-32 GB/s of a 32.6 GB/s
+// roofline on Zen 4
+constexpr int64_t kWeightAhead = 4096;
 
 inline __m512i int4_table(const Problem& p, int64_t n, int64_t g) {
   const int64_t i = n * (p.K >> p.group_shift) + g;
@@ -311,7 +312,7 @@ inline void rows_of_column_int4_words(const Problem& p, int64_t n, int64_t m0) {
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
   for (int64_t g = 0; g < K / 128; ++g) {
     __m512bh w[4];
-    _mm_prefetch(reinterpret_cast<const char*>(row + g * 64 + kInt4Ahead), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(row + g * 64 + kWeightAhead), _MM_HINT_T0);
     int4_words(row + g * 64, int4_table(p, n, g), w);
     for (int k = 0; k < 4; ++k)
       for (int r = 0; r < R; ++r) {
@@ -335,8 +336,9 @@ inline void rows_of_column_q4_k(const Problem& p, int64_t n, int64_t m0, float* 
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
   for (int64_t c = 0; c < chunks; c += 2) {
     if ((c & 7) == 0) block_scales_bf16<kQ4_K>(row, c >> 3, dk, ck);
-    const __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256(
-        reinterpret_cast<const __m256i*>(row + (c >> 3) * 144 + 16 + 32 * ((c & 7) >> 1))));
+    const uint8_t* q = row + (c >> 3) * 144 + 16 + 32 * ((c & 7) >> 1);
+    _mm_prefetch(reinterpret_cast<const char*>(q + kWeightAhead), _MM_HINT_T0);
+    const __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q)));
     const __m512 t0 = _mm512_fmadd_ps(iota, _mm512_set1_ps(dk[c]), _mm512_set1_ps(ck[c]));
     const __m512 t1 =
         _mm512_fmadd_ps(iota, _mm512_set1_ps(dk[c + 1]), _mm512_set1_ps(ck[c + 1]));
@@ -351,6 +353,22 @@ inline void rows_of_column_q4_k(const Problem& p, int64_t n, int64_t m0, float* 
     }
   }
   for (int r = 0; r < R; ++r) finish_bf16<kQ4_K>(p, n, m0 + r, acc[r][0], acc[r][1]);
+}
+
+// The bytes of chunk c's block kWeightAhead on requested: the K-quants' whole super-block
+// at its first chunk, the others' chunk (a line twice at most).
+template <int F>
+inline void prefetch_ahead(const uint8_t* row, int64_t c) {
+  if constexpr (k_quant(F)) {
+    constexpr int64_t bytes = F == kQ4_K ? 144 : F == kQ5_K ? 176 : 210;
+    if ((c & 7) != 0) return;
+    const char* at = reinterpret_cast<const char*>(row + (c >> 3) * bytes + kWeightAhead);
+    for (int64_t i = 0; i < bytes; i += 64) _mm_prefetch(at + i, _MM_HINT_T0);
+  } else {
+    constexpr int64_t bytes = F == kQ8_0 ? 34 : F == kQ4_0 ? 18 : F == kQ4_1 ? 20
+                              : F == kInt8 ? 32 : 16;
+    _mm_prefetch(reinterpret_cast<const char*>(row + c * bytes + kWeightAhead), _MM_HINT_T0);
+  }
 }
 
 // Rows m0 .. m0+R of x (bf16) against column n; two accumulators a row (chunk parity).
@@ -373,6 +391,7 @@ inline void rows_of_column_bf16(const Problem& p, int64_t n, int64_t m0, float* 
     if constexpr (k_quant(F)) {
       if ((c & 7) == 0) block_scales_bf16<F>(row, c >> 3, dk, ck);
     }
+    prefetch_ahead<F>(row, c);
     const __m512bh w = weights_bf16<F>(p, row, n, c, dk, ck);
     for (int r = 0; r < R; ++r) {
       const __m512i x = _mm512_loadu_si512(p.xb + (m0 + r) * K + c * 32);
