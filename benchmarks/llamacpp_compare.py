@@ -5,7 +5,7 @@
     export LLAMA_CPP_PYTHON=DIR/venv/bin/python LORAPLEX_LLAMACPP_WORK=DIR/models
     python -m loraplex.benchmarks.llamacpp_compare --both-orders [--quant Q4_K_M]
         [--requests 32 --prompt-len 128 --new-tokens 128] [--only single,base,mixed,int4]
-        [--int4-lm-head float|int8|both] [--dtype auto] [--json FILE]
+        [--int4-lm-head float|int8|both] [--int4-rounds 1] [--dtype auto] [--json FILE]
 
 ``--llama-cpp`` (default $LLAMA_CPP) is a llama.cpp source tree with
 ``build/bin/{llama-bench,llama-server,llama-quantize}``; ``--convert-python`` (default
@@ -25,7 +25,9 @@ Measured, each in a fresh process, the baseline first (and again after, with
   float weights in the serving dtype) -- >= 2.5x; ``--int4-lm-head`` picks the int4 rows:
   ``float`` (the head float, as vLLM keeps it: the row measured since s24), ``int8``
   (``--quantize-lm-head``: the head in int8 too, as llama.cpp keeps its output tensor
-  quantized) or ``both`` (the default: both rows, against one float baseline).
+  quantized) or ``both`` (the default: both rows, against one float baseline);
+  ``--int4-rounds N`` measures each configuration N times, interleaved, and gives medians
+  (one 128-token run moves 1.3x with a shared host's load).
 
 loraplex serves at ``--dtype`` (default auto: the engine's own rule, so a bf16 checkpoint
 runs in bf16 only where the CPU has native bf16, float32 elsewhere, and a GGUF's float
@@ -101,9 +103,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--single-new-tokens", type=int, default=128, help="tg of llama-bench")
     ap.add_argument("--both-orders", action="store_true",
                     help="measure the baseline again after loraplex")
+    ap.add_argument("--int4-rounds", type=int, default=1,
+                    help="the int4 step: each configuration measured this many times, "
+                         "interleaved, each in a fresh process; rows give the medians")
     ap.add_argument("--json", type=Path, help="write the rows and the machine here")
     ap.add_argument("--child", help=argparse.SUPPRESS)  # a loraplex measurement, as JSON
     args = ap.parse_args(argv)
+    if args.int4_rounds < 1:
+        ap.error("--int4-rounds must be >= 1")
     needs_llama_cpp = [s for s in args.only if s != "int4"]
     if args.child is None and needs_llama_cpp and args.llama_cpp is None:
         ap.error(f"--llama-cpp (or $LLAMA_CPP) is required for {','.join(needs_llama_cpp)} "
@@ -286,34 +293,44 @@ def _served(args: argparse.Namespace, step: str, n: int, tools: LlamaCppTools,
 
 
 def _int4(args: argparse.Namespace, model_dir: Path) -> list[Row]:
-    """The int4 rows, one per head of ``--int4-lm-head``, against one float baseline
-    (measured first, and again last with ``--both-orders``)."""
+    """The int4 rows, one per head of ``--int4-lm-head``, against one float baseline:
+    ``--int4-rounds`` rounds of (float, each int4), each in a fresh process, the float one
+    measured again last with ``--both-orders``; each row the medians."""
     decode = {"kind": "decode", "model": str(model_dir), "dtype": args.dtype,
               "new_tokens": args.single_new_tokens}
     heads = INT4_HEADS if args.int4_lm_head == "both" else (args.int4_lm_head,)
-    floats = [in_child(args, {**decode, "quantization": "none"})]
-    int4 = {head: in_child(args, {**decode, "quantization": "int4",
-                                  "quantize_lm_head": head == "int8"}) for head in heads}
+    floats: list[Measured] = []
+    int4: dict[str, list[Measured]] = {head: [] for head in heads}
+    for _ in range(args.int4_rounds):
+        floats.append(in_child(args, {**decode, "quantization": "none"}))
+        for head in heads:
+            int4[head].append(in_child(args, {**decode, "quantization": "int4",
+                                              "quantize_lm_head": head == "int8"}))
     if args.both_orders:
         floats.append(in_child(args, {**decode, "quantization": "none"}))
-    dtypes = {m.dtype for m in floats} | {m.dtype for m in int4.values()}
+    dtypes = {m.dtype for m in floats} | {m.dtype for ms in int4.values() for m in ms}
     if len(dtypes) != 1:  # activations must match, or the ratio is not int4's alone
         raise RuntimeError(f"int4 and its baseline served in different dtypes: {dtypes}")
     rows = []
-    for head, ours in int4.items():
-        _note(f"int4, {head} head", floats, ours)
+    for head, measured in int4.items():
+        ours = Measured(statistics.median(m.tps for m in measured), measured[0].dtype)
+        _note(f"int4, {head} head", floats, ours, measured)
         what = "" if head == "float" else " --quantize-lm-head (int8 head)"
         rows.append(Row("int4", f"decode, batch 1, HF dir, --quantization int4{what} vs "
                         f"none ({ours.dtype} activations)", f"loraplex {ours.dtype}",
-                        statistics.mean(m.tps for m in floats), ours.tps, dtype=ours.dtype))
+                        statistics.median(m.tps for m in floats), ours.tps, dtype=ours.dtype))
     return rows
 
 
-def _note(step: str, baseline: list[float | Measured], ours: Measured) -> None:
+def _note(step: str, baseline: list[float | Measured], ours: Measured,
+          rounds: list[Measured] | None = None) -> None:
+    """One line: each baseline figure, loraplex's (its median and each round's, if several)."""
     load = " ".join(f"{v:.1f}" for v in os.getloadavg())
     figures = [b.tps if isinstance(b, Measured) else b for b in baseline]
+    each = (f" (median of {' '.join(f'{m.tps:.2f}' for m in rounds)})"
+            if rounds and len(rounds) > 1 else "")
     print(f"  {step}: baseline {' '.join(f'{v:.2f}' for v in figures)} tok/s, "
-          f"loraplex {ours.tps:.2f} tok/s in {ours.dtype} (load average after: {load})",
+          f"loraplex {ours.tps:.2f} tok/s{each} in {ours.dtype} (load average after: {load})",
           flush=True)
 
 

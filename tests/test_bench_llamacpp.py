@@ -150,6 +150,28 @@ def test_int4_rows_with_the_int8_head(monkeypatch, tmp_path):
     assert asked == [("none", False), ("int4", True)] and row.ratio == 2.7
 
 
+def test_int4_rounds_interleave_and_give_medians(monkeypatch, tmp_path):
+    """--int4-rounds 3: (float, int4) three times over, then the float again
+    (--both-orders); each side's median, so one slow run moves neither."""
+    from loraplex.benchmarks import llamacpp_compare as compare
+
+    asked = []
+    runs = {"none": iter([10.0, 30.0, 12.0, 11.0]), "int4": iter([25.0, 5.0, 27.0])}
+
+    def child(args, what):
+        asked.append(what["quantization"])
+        return compare.Measured(next(runs[what["quantization"]]), "float32")
+
+    monkeypatch.setattr(compare, "in_child", child)
+    args = parse_args(["--work", str(tmp_path), "--only", "int4", "--int4-lm-head", "float",
+                       "--int4-rounds", "3", "--both-orders", "--single-new-tokens", "8"])
+    [row] = compare._int4(args, tmp_path)
+    assert asked == ["none", "int4"] * 3 + ["none"]
+    assert (row.baseline, row.ours) == (11.5, 25.0)  # medians of (10, 30, 12, 11), (25, 5, 27)
+    with pytest.raises(SystemExit):
+        parse_args(["--only", "int4", "--int4-rounds", "0"])
+
+
 def test_int4_refuses_a_baseline_in_another_dtype(monkeypatch, tmp_path):
     from loraplex.benchmarks import llamacpp_compare as compare
 
