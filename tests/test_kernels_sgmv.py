@@ -189,3 +189,16 @@ def test_mixed_long_and_single_segments_with_r_major_b(dtype: torch.dtype, unit:
     reference.add_lora(want, x, pools.lora_a, pools.lora_b, pools.ranks, seg)
     torch.testing.assert_close(got, want, **TOL[dtype])
     torch.testing.assert_close(got.float(), pools.oracle(x, slots), **TOL[dtype])
+
+
+def test_layer_tables_stay_bounded() -> None:
+    """The per-layer tables (keyed by the B buffers' address and shape) of a process that
+    makes engine after engine are emptied past their bound, never grown without one; the
+    tables of one layer are the same, cached or made anew."""
+    first = [torch.zeros(2, 48, 16)]
+    made = sgmv._layer_tables(first)
+    for i in range(sgmv._MAX_LAYERS + 10):
+        sgmv._layer_tables([torch.zeros(2, 1 + i % 7, 16)])
+        assert len(sgmv._LAYERS) <= sgmv._MAX_LAYERS
+    again = sgmv._layer_tables(first)
+    assert all(torch.equal(a, b) for a, b in zip(made, again))

@@ -9,7 +9,8 @@ registers and multiply it with every row of x in float32; activations
 are float32 or bfloat16 (bf16 rows are widened once per call, the result rounded once).
 One path per ISA (``isas()``, fastest first: "avx512_bf16", "avx512", "avx2", "scalar";
 avx512_bf16 rounds each decoded chunk to bf16 for VDPBF16PS where x is bfloat16, as the
-twin rounds its dequantized weight, and runs float32 x as avx512), the first one this CPU
+twin rounds its dequantized weight, writes y in bf16 itself, and runs float32 x as
+avx512; each weight's kernel arguments are made once, ``_kernel_args``), the first one this CPU
 runs serves; tests run every one of them. Any number of rows: from 8 bf16 rows on (16
 float32 ones: prefill, batched decode) each tile of output columns is decoded once into a scratch that stays in
 L2 and every block of rows reads it there (a float GEMM plus one decode of W), with the

@@ -212,6 +212,7 @@ def lora_shrink(
 
 
 _LAYERS: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+_MAX_LAYERS = 1024  # tables kept (an engine's layers; emptied past it: engines made anew)
 
 
 def _layer_tables(lora_b: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -227,6 +228,8 @@ def _layer_tables(lora_b: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tenso
             blocks += [[i, n0] for n0 in range(0, b.shape[1], BLOCK_N)]
             col += b.shape[1]
         device = lora_b[0].device
+        if len(_LAYERS) >= _MAX_LAYERS:  # a process that made many engines: start over
+            _LAYERS.clear()
         tables = _LAYERS[key] = (torch.tensor(rows, dtype=torch.int64, device=device),
                                  torch.tensor(blocks, dtype=torch.int32, device=device))
     return tables
