@@ -26,7 +26,12 @@ import pytest
 import torch
 from loraplex.kernel_backends.cpu import CPUBackend, extension
 from loraplex.kernel_backends.cpu import quantized_linear as kernels
-from loraplex.kernel_backends.quantized_weight import INT8, QuantizedWeight, gguf_format, int4_format
+from loraplex.kernel_backends.quantized_weight import (
+    INT8,
+    QuantizedWeight,
+    gguf_format,
+    int4_format,
+)
 from loraplex.kernel_backends.torch import quantized_linear as twin
 from loraplex.kernel_backends.weight_quantization import quantize_int4, quantize_int8
 
