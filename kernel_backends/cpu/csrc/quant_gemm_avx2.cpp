@@ -49,11 +49,6 @@ inline __m256i load32(const uint8_t* p) {
 inline void store32(uint8_t* p, __m256i v) {
   _mm256_store_si256(reinterpret_cast<__m256i*>(p), v);
 }
-inline float f16(const uint8_t* at) {  // F16C: exact, as half_to_float
-  uint16_t h;
-  std::memcpy(&h, at, 2);
-  return _cvtsh_ss(h);
-}
 
 // Where a column's bytes, scales and zero points lie.
 struct Column {
@@ -131,8 +126,8 @@ inline void k4_unpack(const uint8_t* blk, SuperBlock& sb) {
   u[2] = mins;
   u[0] &= 0x3f3f3f3f;                                                       // scales 0-3
   const uint8_t* sm = reinterpret_cast<const uint8_t*>(u);
-  _mm256_store_ps(sb.d, _mm256_mul_ps(f32(u8x8(sm)), _mm256_set1_ps(f16(blk))));
-  const __m256 dm = _mm256_mul_ps(f32(u8x8(sm + 8)), _mm256_set1_ps(f16(blk + 2)));
+  _mm256_store_ps(sb.d, _mm256_mul_ps(f32(u8x8(sm)), _mm256_set1_ps(half_f16c(blk))));
+  const __m256 dm = _mm256_mul_ps(f32(u8x8(sm + 8)), _mm256_set1_ps(half_f16c(blk + 2)));
   sb.offsets = _mm256_xor_ps(dm, _mm256_set1_ps(-0.f));  // -DM_j: exact
   const uint8_t* qs = blk + (F == kQ5_K ? 48 : 16);
   const __m256i m4 = _mm256_set1_epi8(0x0F);
@@ -158,7 +153,7 @@ inline void k4_unpack(const uint8_t* blk, SuperBlock& sb) {
 // (bits 0-1, 2-3, 4-5, 6-7) as bits 4-5, minus 32 (in bytes: -32 .. 31); the scale of each
 // 16 weights d scale_g (q6_k_scales' products).
 inline void q6_k_unpack(const uint8_t* blk, SuperBlock& sb) {
-  const __m256 d = _mm256_set1_ps(f16(blk + 208));
+  const __m256 d = _mm256_set1_ps(half_f16c(blk + 208));
   _mm256_store_ps(sb.d, _mm256_mul_ps(f32(i8x8(blk + 192)), d));
   _mm256_store_ps(sb.d + 8, _mm256_mul_ps(f32(i8x8(blk + 200)), d));
   const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
@@ -211,14 +206,14 @@ inline void decode_unit(const Problem& p, const Column& col, int64_t u, Sink& si
   if constexpr (F == kQ8_0) {
     const uint8_t* b = col.row + u * 34;
     for (int i = 0; i < 4; ++i) sink.put(8 * i, i == 0, f32(i8x8(b + 2 + 8 * i)));
-    sink.fold(_mm256_set1_ps(f16(b)));
+    sink.fold(_mm256_set1_ps(half_f16c(b)));
   } else if constexpr (F == kQ4_0) {
     const uint8_t* b = col.row + u * 18;
-    const float d = f16(b);
+    const float d = half_f16c(b);
     q4_chunk(b + 2, sink, d, -8.f * d);  // -8 d: exact
   } else if constexpr (F == kQ4_1) {
     const uint8_t* b = col.row + u * 20;
-    q4_chunk(b + 4, sink, f16(b), f16(b + 2));
+    q4_chunk(b + 4, sink, half_f16c(b), half_f16c(b + 2));
   } else if constexpr (F == kInt8) {  // exact integers; the row's scale multiplies the sum
     for (int i = 0; i < 4; ++i) sink.put(8 * i, i == 0, f32(i8x8(col.row + u * 32 + 8 * i)));
     sink.fold(_mm256_set1_ps(1.f));

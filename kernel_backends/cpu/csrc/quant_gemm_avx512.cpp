@@ -125,14 +125,6 @@ bool built_avx512() { return true; }
 namespace lp_quant {
 namespace {
 
-// An fp16 as float32 by F16C: exact, as half_to_float (quant_gemm.h) for every non-NaN half
-// (subnormals included), in three instructions where half_to_float takes a dozen.
-inline float half_f16c(const uint8_t* at) {
-  uint16_t h;
-  std::memcpy(&h, at, 2);
-  return _cvtsh_ss(h);
-}
-
 // block_scales<F> (quant_gemm.h) in vectors: super-block b's scales (and offsets), the same
 // products (a float32 multiply each, the offsets' sign flipped after), eight or sixteen at
 // once where the scalar loop takes one.
