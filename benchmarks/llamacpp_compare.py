@@ -38,19 +38,18 @@ llama-server's LoRA traps are handled in llamacpp_runs.py.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import statistics
 import subprocess
 import sys
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .common import machine_line, random_prompts
-from .llamacpp_runs import PROMPT_VOCAB, llama_bench_tg, llama_server_tps, request_adapters
+from .common import machine_line
+from .llamacpp_runs import llama_bench_tg, llama_server_tps
+from .loraplex_runs import Measured, loraplex_decode_tps, loraplex_server_tps
 
 if TYPE_CHECKING:
     from .llamacpp_models import BenchFiles, LlamaCppTools
@@ -136,84 +135,6 @@ def format_table(rows: list[Row]) -> str:
         lines.append(f"| {r.what} | {r.baseline_name} | {r.baseline:.1f} {r.unit} | "
                      f"{r.ours:.1f} {r.unit} | {r.ratio:.2f}x | >= {TARGETS[r.step]}x ({mark}) |")
     return "\n".join(lines)
-
-
-# --- loraplex's side ---------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class Measured:
-    """One loraplex figure and the float dtype the engine reports it served in."""
-
-    tps: float
-    dtype: str
-
-
-def loraplex_decode_tps(model: str, quantization: str, dtype: str, new_tokens: int,
-                        quantize_lm_head: bool = False) -> Measured:
-    """Decode tok/s at batch 1: (new_tokens) / (time of 1 + new_tokens tokens - time of 1
-    token), each on a fresh 16-token prompt (the prefill is in both and cancels)."""
-    from .. import LLMEngine, SamplingParams
-    from ..engine.engine_config import EngineConfig
-
-    engine = LLMEngine.from_config(EngineConfig(model=model, quantization=quantization,
-                                                quantize_lm_head=quantize_lm_head,
-                                                dtype=dtype, max_num_seqs=1,
-                                                max_model_len=1024))
-    prompts = iter(random_prompts(8, 16, PROMPT_VOCAB, seed=3))
-
-    def run(n: int) -> float:
-        params = SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True)
-        start = time.perf_counter()
-        engine.generate([next(prompts)], params)
-        return time.perf_counter() - start
-
-    run(8)  # warm-up
-    first = min(run(1) for _ in range(2))
-    tps = new_tokens / (run(1 + new_tokens) - first)
-    return Measured(tps, str(engine.base.dtype).removeprefix("torch."))
-
-
-def loraplex_server_tps(gguf: Path, adapters: dict[str, Path], args: argparse.Namespace,
-                        n_adapters: int, log: Path) -> Measured:
-    """Output tok/s of ``args.requests`` concurrent streams to a fresh ``loraplex serve``,
-    request i on adapter i mod ``n_adapters``; the dtype is GetServerInfo's."""
-    from .server_process import serve_config, served
-
-    names = list(adapters)[:n_adapters]
-    config = serve_config(gguf, {n: adapters[n] for n in names}, max_num_seqs=args.requests,
-                          max_lora_rank=args.rank, max_model_len=1024, dtype=args.dtype)
-    prompts = random_prompts(args.requests, args.prompt_len, PROMPT_VOCAB, seed=7)
-    with served(config, log) as target:
-        asyncio.run(_loraplex_round(target, prompts[:2], [None, None], 4))  # warm-up
-        chosen = [None if a is None else names[a]
-                  for a in request_adapters(args.requests, n_adapters)]
-        start = time.perf_counter()
-        count = asyncio.run(_loraplex_round(target, prompts, chosen, args.new_tokens))
-        tps = count / (time.perf_counter() - start)
-        return Measured(tps, asyncio.run(_served_dtype(target)))
-
-
-async def _served_dtype(target: str) -> str:
-    from ..client import AsyncClient
-
-    async with AsyncClient(target) as client:
-        return (await client.server_info()).dtype
-
-
-async def _loraplex_round(target: str, prompts: list[list[int]], adapters: list[str | None],
-                          new_tokens: int) -> int:
-    from ..client import AsyncClient
-
-    async with AsyncClient(target) as client:
-        async def one(prompt: list[int], adapter: str | None) -> int:
-            tokens = 0
-            async for chunk in client.generate_stream(
-                    prompt_token_ids=prompt, adapter=adapter or "", temperature=0.0,
-                    max_new_tokens=new_tokens, ignore_eos=True):
-                tokens += len(chunk.token_ids)
-            return tokens
-
-        return sum(await asyncio.gather(*(one(p, a) for p, a in zip(prompts, adapters))))
 
 
 def in_child(args: argparse.Namespace, what: dict) -> Measured:

@@ -34,6 +34,7 @@ docs/sampling.md) the kernel serves every row count, whatever the rule.
 
 from __future__ import annotations
 
+import functools
 import os
 import weakref
 from types import ModuleType
@@ -89,31 +90,23 @@ def quantized_linear(ext: ModuleType, x: torch.Tensor, weight: QuantizedWeight,
 # weight -> its kernel arguments, made once (the tensors as the kernel takes them, views or
 # the weight's own: no copy for a weight stored so); an entry goes with its weight
 _ARGS: weakref.WeakKeyDictionary[QuantizedWeight, tuple] = weakref.WeakKeyDictionary()
-_FASTEST: dict[int, str] = {}  # id(extension module) -> isas(ext)[0]
 
 
 def _kernel_args(weight: QuantizedWeight) -> tuple:
     args = _ARGS.get(weight)
     if args is None:
-        scales, zeros = _scales_zeros(weight)
-        args = (weight.data.contiguous(), scales, zeros, FORMAT_CODES[weight.format.name],
-                weight.format.block)
+        scales, zeros = weight.scales, weight.zeros
+        args = (weight.data.contiguous(),
+                None if scales is None else scales.float().contiguous(),
+                None if zeros is None else zeros.contiguous(),
+                FORMAT_CODES[weight.format.name], weight.format.block)
         _ARGS[weight] = args
     return args
 
 
+@functools.cache
 def _fastest_isa(ext: ModuleType) -> str:
-    isa = _FASTEST.get(id(ext))
-    if isa is None:
-        isa = _FASTEST[id(ext)] = isas(ext)[0]
-    return isa
-
-
-def _scales_zeros(weight: QuantizedWeight) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    scales = weight.scales
-    if scales is not None:
-        scales = scales.float().contiguous()
-    return scales, None if weight.zeros is None else weight.zeros.contiguous()
+    return isas(ext)[0]
 
 
 def many_rows_route() -> str:
@@ -135,8 +128,7 @@ def dequantized_linear(ext: ModuleType, x: torch.Tensor, weight: QuantizedWeight
     AVX512-BF16): W's bf16 weights as the avx512_bf16 kernel rounds them, written by the
     kernel ``DEQUANT_TILE`` weights at a time, each tile multiplied by ``F.linear``."""
     out_features, in_features = weight.shape
-    scales, zeros = _scales_zeros(weight)
-    data, code, group = weight.data.contiguous(), FORMAT_CODES[weight.format.name], weight.format.block
+    data, scales, zeros, code, group = _kernel_args(weight)
 
     def rows(n0: int, n1: int) -> torch.Tensor:
         return ext.quant_dequantize_bf16(data, scales, zeros, code, group, in_features, n0, n1)
