@@ -293,3 +293,20 @@ def test_bf16_results_round_to_nearest_even(ext, isa: str, name: str) -> None:
     assert want.tolist() == [1.0, 1 + 2.0 ** -6, 1 + 2.0 ** -7]  # torch's own rounding
     y = kernels.quantized_linear(ext, x, weight, isa=isa)
     assert y.dtype == torch.bfloat16 and torch.equal(y[:, 0], want), y[:, 0]
+
+
+@pytest.mark.parametrize("name", ["Q4_K", "Q6_K", "int4/128"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_long_rows_and_column_pairs(ext, isa: str, name: str, dtype: torch.dtype) -> None:
+    """Rows of 10 super-blocks (2560 weights: the avx512_bf16 K-quant loops keep 8 blocks of
+    scales in a ring, so it wraps) and 1-2 rows, where those loops and int4's in word order
+    take two columns at once, half a tile apart (37 columns: pairs and one left over): the
+    twin's result, and each row the same bits alone as among 9 (one column at a time)."""
+    weight = make_weight(name, 37, 2560, seed=4)
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(9, 2560, generator=gen).to(dtype)
+    whole = kernels.quantized_linear(ext, x, weight, isa=isa)
+    check(whole, x, weight, None)
+    for first, count in ((0, 1), (4, 1), (8, 1), (0, 2), (6, 2)):
+        got = kernels.quantized_linear(ext, x[first:first + count], weight, isa=isa)
+        assert torch.equal(got, whole[first:first + count]), (first, count)

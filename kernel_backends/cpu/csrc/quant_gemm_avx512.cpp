@@ -128,19 +128,22 @@ namespace {
 // block_scales<F> (quant_gemm.h) in vectors: super-block b's scales (and offsets), the same
 // products (a float32 multiply each, the offsets' sign flipped after), eight or sixteen at
 // once where the scalar loop takes one.
+// The eight scales d and offsets c of the Q4_K / Q5_K super-block at blk.
+inline void k4_block_scales(const uint8_t* blk, float* d, float* c) {
+  alignas(16) uint8_t sc[16];
+  k4_scale_bytes(blk + 4, sc);
+  const __m128i bytes = _mm_load_si128(reinterpret_cast<const __m128i*>(sc));
+  const __m256 scale = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes));
+  const __m256 mins = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8)));
+  _mm256_storeu_ps(d, _mm256_mul_ps(_mm256_set1_ps(half_f16c(blk)), scale));
+  _mm256_storeu_ps(c, _mm256_xor_ps(_mm256_mul_ps(_mm256_set1_ps(half_f16c(blk + 2)), mins),
+                                    _mm256_set1_ps(-0.f)));
+}
+
 template <int F>
 inline void block_scales_bf16(const uint8_t* row, int64_t b, float* dk, float* ck) {
   if constexpr (F == kQ4_K || F == kQ5_K) {
-    const uint8_t* blk = row + b * (F == kQ4_K ? 144 : 176);
-    alignas(16) uint8_t sc[16];
-    k4_scale_bytes(blk + 4, sc);
-    const __m128i bytes = _mm_load_si128(reinterpret_cast<const __m128i*>(sc));
-    const __m256 scale = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes));
-    const __m256 mins = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8)));
-    _mm256_storeu_ps(dk + 8 * b, _mm256_mul_ps(_mm256_set1_ps(half_f16c(blk)), scale));
-    _mm256_storeu_ps(ck + 8 * b, _mm256_xor_ps(_mm256_mul_ps(_mm256_set1_ps(half_f16c(blk + 2)),
-                                                             mins),
-                                               _mm256_set1_ps(-0.f)));
+    k4_block_scales(row + b * (F == kQ4_K ? 144 : 176), dk + 8 * b, ck + 8 * b);
   } else if constexpr (F == kQ6_K) {
     const uint8_t* blk = row + b * 210;
     const __m512 s = _mm512_cvtepi32_ps(
@@ -293,57 +296,142 @@ inline void int4_words(const uint8_t* q, __m512i table, __m512bh* w) {
 constexpr int64_t kWeightAhead = 4096;
 
 // rows_of_column_int4 in word order: a group (four chunks) at a time, chunk 4g + k into the
-// accumulator of its parity, as the chunk loop sums them.
-template <int R>
-inline void rows_of_column_int4_words(const Problem& p, int64_t n, int64_t m0) {
+// accumulator of its parity, as the chunk loop sums them. C columns n + j * stride at once,
+// each with its own accumulators and the very steps of one column (the same sums in the
+// same order): a VDPBF16PS waits ~6 cycles for its accumulator, so one column's two chains
+// hold a row to 3 cycles a chunk; with C columns the chains are C times as many.
+template <int R, int C = 1>
+inline void rows_of_column_int4_words(const Problem& p, int64_t n, int64_t m0,
+                                      int64_t stride = 1) {
   const int64_t K = p.K;
-  const uint8_t* row = p.data + n * p.row_bytes;
-  __m512 acc[R][2];
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  __m512 acc[C][R][2];
+  for (int j = 0; j < C; ++j)
+    for (int r = 0; r < R; ++r) acc[j][r][0] = acc[j][r][1] = _mm512_setzero_ps();
   for (int64_t g = 0; g < K / 128; ++g) {
-    __m512bh w[4];
-    _mm_prefetch(reinterpret_cast<const char*>(row + g * 64 + kWeightAhead), _MM_HINT_T0);
-    int4_words(row + g * 64, int4_table(p, n, g), w);
+    __m512bh w[C][4];
+    for (int j = 0; j < C; ++j) {
+      const uint8_t* row = p.data + (n + j * stride) * p.row_bytes;
+      _mm_prefetch(reinterpret_cast<const char*>(row + g * 64 + kWeightAhead), _MM_HINT_T0);
+      int4_words(row + g * 64, int4_table(p, n + j * stride, g), w[j]);
+    }
     for (int k = 0; k < 4; ++k)
       for (int r = 0; r < R; ++r) {
         const __m512i x = _mm512_loadu_si512(p.xb + (m0 + r) * K + g * 128 + k * 32);
-        acc[r][k & 1] = _mm512_dpbf16_ps(acc[r][k & 1], w[k], (__m512bh)x);
+        for (int j = 0; j < C; ++j)
+          acc[j][r][k & 1] = _mm512_dpbf16_ps(acc[j][r][k & 1], w[j][k], (__m512bh)x);
       }
   }
-  for (int r = 0; r < R; ++r) finish_bf16<kInt4>(p, n, m0 + r, acc[r][0], acc[r][1]);
+  for (int j = 0; j < C; ++j)
+    for (int r = 0; r < R; ++r)
+      finish_bf16<kInt4>(p, n + j * stride, m0 + r, acc[j][r][0], acc[j][r][1]);
 }
 
 // Q4_K, chunks two at a time: chunks c (even) and c + 1 are the low and high nibbles of the
 // same 32 bytes, so one widening serves both, and one conversion both tables: entries 0-15
 // chunk c + 1's (index: the high nibble, bit 4 clear), 16-31 chunk c's (the byte with bit 4
 // set: the low nibble + 16). Each weight, product and sum as rows_of_column_bf16's steps.
-template <int R>
-inline void rows_of_column_q4_k(const Problem& p, int64_t n, int64_t m0, float* dk, float* ck) {
+// C columns n + j * stride at once, as rows_of_column_int4_words. The scales go to a ring of
+// this frame's (kScaleRing chunks a column): the caller's heap scratch made the loop reload
+// what the stores might alias, and one super-block's eight slots written over at each
+// super-block held the next one's loads behind the stores (hot, one row: 1.16x, ring
+// against the row's scratch; 1.2x against one super-block's slots).
+constexpr int kScaleRing = 64;  // chunks (8 super-blocks) of scales rows_of_column_q4_k keeps
+template <int R, int C = 1>
+inline void rows_of_column_q4_k(const Problem& p, int64_t n, int64_t m0, int64_t stride = 1) {
   const int64_t K = p.K, chunks = K / 32;  // K % 256 == 0: whole super-blocks, chunk pairs
-  const uint8_t* row = p.data + n * p.row_bytes;
   const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  __m512 acc[R][2];
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  alignas(64) float dk[C][kScaleRing], ck[C][kScaleRing];
+  __m512 acc[C][R][2];
+  for (int j = 0; j < C; ++j)
+    for (int r = 0; r < R; ++r) acc[j][r][0] = acc[j][r][1] = _mm512_setzero_ps();
   for (int64_t c = 0; c < chunks; c += 2) {
-    if ((c & 7) == 0) block_scales_bf16<kQ4_K>(row, c >> 3, dk, ck);
-    const uint8_t* q = row + (c >> 3) * 144 + 16 + 32 * ((c & 7) >> 1);
-    // each pair's 32 bytes ahead (prefetch_ahead's one burst a super-block: 0.86-0.94x)
-    _mm_prefetch(reinterpret_cast<const char*>(q + kWeightAhead), _MM_HINT_T0);
-    const __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q)));
-    const __m512 t0 = _mm512_fmadd_ps(iota, _mm512_set1_ps(dk[c]), _mm512_set1_ps(ck[c]));
-    const __m512 t1 =
-        _mm512_fmadd_ps(iota, _mm512_set1_ps(dk[c + 1]), _mm512_set1_ps(ck[c + 1]));
-    const __m512i table = (__m512i)_mm512_cvtne2ps_pbh(t0, t1);
-    const __m512bh w0 =
-        (__m512bh)_mm512_permutexvar_epi16(_mm512_or_si512(b, _mm512_set1_epi16(16)), table);
-    const __m512bh w1 = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(b, 4), table);
-    for (int r = 0; r < R; ++r) {
-      const uint16_t* x = p.xb + (m0 + r) * K + c * 32;
-      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], w0, (__m512bh)_mm512_loadu_si512(x));
-      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], w1, (__m512bh)_mm512_loadu_si512(x + 32));
+    const int i = int(c % kScaleRing);  // chunk c's slot (i % 8: its place in its block)
+    for (int j = 0; j < C; ++j) {
+      const uint8_t* blk = p.data + (n + j * stride) * p.row_bytes + (c >> 3) * 144;
+      if (i % 8 == 0) k4_block_scales(blk, dk[j] + i, ck[j] + i);
+      const uint8_t* q = blk + 16 + 16 * (i % 8);
+      // each pair's 32 bytes ahead (prefetch_ahead's one burst a super-block: 0.86-0.94x)
+      _mm_prefetch(reinterpret_cast<const char*>(q + kWeightAhead), _MM_HINT_T0);
+      const __m512i b =
+          _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q)));
+      const __m512 t0 = _mm512_fmadd_ps(iota, _mm512_set1_ps(dk[j][i]), _mm512_set1_ps(ck[j][i]));
+      const __m512 t1 =
+          _mm512_fmadd_ps(iota, _mm512_set1_ps(dk[j][i + 1]), _mm512_set1_ps(ck[j][i + 1]));
+      const __m512i table = (__m512i)_mm512_cvtne2ps_pbh(t0, t1);
+      const __m512bh w0 =
+          (__m512bh)_mm512_permutexvar_epi16(_mm512_or_si512(b, _mm512_set1_epi16(16)), table);
+      const __m512bh w1 = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(b, 4), table);
+      for (int r = 0; r < R; ++r) {
+        const uint16_t* x = p.xb + (m0 + r) * K + c * 32;
+        acc[j][r][0] = _mm512_dpbf16_ps(acc[j][r][0], w0, (__m512bh)_mm512_loadu_si512(x));
+        acc[j][r][1] = _mm512_dpbf16_ps(acc[j][r][1], w1, (__m512bh)_mm512_loadu_si512(x + 32));
+      }
     }
   }
-  for (int r = 0; r < R; ++r) finish_bf16<kQ4_K>(p, n, m0 + r, acc[r][0], acc[r][1]);
+  for (int j = 0; j < C; ++j)
+    for (int r = 0; r < R; ++r)
+      finish_bf16<kQ4_K>(p, n + j * stride, m0 + r, acc[j][r][0], acc[j][r][1]);
+}
+
+// Q6_K, a half super-block (four chunks, 128 weights) at a time: its 64 ql and 32 qh bytes
+// loaded once for the four (decode_q6_k loads them a chunk), each chunk's q built in bytes
+// with fixed shifts, then decode_q6_k's conversion and products: the same weights, so each
+// product and sum as rows_of_column_bf16's steps. C columns and the ring of scales as
+// rows_of_column_q4_k.
+template <int R, int C = 1>
+inline void rows_of_column_q6_k(const Problem& p, int64_t n, int64_t m0, int64_t stride = 1) {
+  const int64_t K = p.K, blocks = K / 256;
+  alignas(64) float dk[C][2 * kScaleRing];  // 16 a super-block
+  __m512 acc[C][R][2];
+  for (int j = 0; j < C; ++j)
+    for (int r = 0; r < R; ++r) acc[j][r][0] = acc[j][r][1] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int s0 = int(16 * (b % (kScaleRing / 8)));  // the block's 16 slots
+    for (int h = 0; h < 2; ++h) {
+      for (int j = 0; j < C; ++j) {
+        const uint8_t* blk = p.data + (n + j * stride) * p.row_bytes + b * 210;
+        if (h == 0) {
+          const __m512 sc = _mm512_cvtepi32_ps(
+              _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192))));
+          _mm512_store_ps(dk[j] + s0, _mm512_mul_ps(_mm512_set1_ps(half_f16c(blk + 208)), sc));
+        }
+        const uint8_t* ql = blk + 64 * h;
+        _mm_prefetch(reinterpret_cast<const char*>(ql + kWeightAhead), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(blk + 128 + 32 * h + kWeightAhead),
+                     _MM_HINT_T0);
+        const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql));
+        const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 32));
+        const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * h));
+        const __m256i m4 = _mm256_set1_epi8(15), m2 = _mm256_set1_epi8(0x30);
+        const __m256i lo[4] = {_mm256_and_si256(l0, m4), _mm256_and_si256(l1, m4),
+                               _mm256_and_si256(_mm256_srli_epi16(l0, 4), m4),
+                               _mm256_and_si256(_mm256_srli_epi16(l1, 4), m4)};
+        // bits 2k, 2k + 1 of qh to bits 4, 5 (decode_q6_k's, the shifts fixed)
+        const __m256i hi[4] = {_mm256_and_si256(_mm256_slli_epi16(qh, 4), m2),
+                               _mm256_and_si256(_mm256_slli_epi16(qh, 2), m2),
+                               _mm256_and_si256(qh, m2),
+                               _mm256_and_si256(_mm256_srli_epi16(qh, 2), m2)};
+        for (int k = 0; k < 4; ++k) {
+          const int c = 4 * h + k, at = s0 + 2 * c;  // chunk c of the block, its scales' slots
+          const __m256i q = _mm256_sub_epi8(_mm256_or_si256(lo[k], hi[k]), _mm256_set1_epi8(32));
+          const __m512 w0 = _mm512_mul_ps(
+              _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q))),
+              _mm512_set1_ps(dk[j][at]));
+          const __m512 w1 = _mm512_mul_ps(
+              _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1))),
+              _mm512_set1_ps(dk[j][at + 1]));
+          const __m512bh w = _mm512_cvtne2ps_pbh(w1, w0);
+          for (int r = 0; r < R; ++r) {
+            const __m512i x = _mm512_loadu_si512(p.xb + (m0 + r) * K + b * 256 + c * 32);
+            acc[j][r][k & 1] = _mm512_dpbf16_ps(acc[j][r][k & 1], w, (__m512bh)x);
+          }
+        }
+      }
+    }
+  }
+  for (int j = 0; j < C; ++j)
+    for (int r = 0; r < R; ++r)
+      finish_bf16<kQ6_K>(p, n + j * stride, m0 + r, acc[j][r][0], acc[j][r][1]);
 }
 
 // The bytes of chunk c's block kWeightAhead on requested: the K-quants' whole super-block
@@ -365,7 +453,8 @@ inline void prefetch_ahead(const uint8_t* row, int64_t c) {
 // Rows m0 .. m0+R of x (bf16) against column n; two accumulators a row (chunk parity).
 template <int F, int R>
 inline void rows_of_column_bf16(const Problem& p, int64_t n, int64_t m0, float* dk, float* ck) {
-  if constexpr (F == kQ4_K) return rows_of_column_q4_k<R>(p, n, m0, dk, ck);
+  if constexpr (F == kQ4_K) return rows_of_column_q4_k<R>(p, n, m0);
+  if constexpr (F == kQ6_K) return rows_of_column_q6_k<R>(p, n, m0);
   if constexpr (F == kInt4) {
     if (p.int4_words) return rows_of_column_int4_words<R>(p, n, m0);
     switch (p.group_shift) {
@@ -480,6 +569,33 @@ void columns_decoded_bf16(const Problem& p, int64_t n0, int64_t n1) {
   }
 }
 
+// Columns t0 .. t1 against rows m .. m + R, a column at a time; int4 in word order at 1-2
+// rows (held by its accumulators' latency) two at once, column n with column n + half of the
+// tile: two at the same place in two far rows of W. Adjacent pairs (two rows 1 KB apart,
+// read side by side) were 0.75-0.8x one column, cold; half a tile apart 1.1-1.2x, 1.25x hot
+// (benchmarks/results/2026-12-07-s30-int4-pairs.md).
+template <int F, int R>
+inline void column_run_bf16(const Problem& p, int64_t t0, int64_t t1, int64_t m, float* dk,
+                            float* ck) {
+  int64_t n = t0;
+  const int64_t half = (t1 - t0) / 2;
+  if constexpr (F == kInt4 && R <= 2) {
+    if (p.int4_words) {
+      for (; n < t0 + half; ++n) rows_of_column_int4_words<R, 2>(p, n, m, half);
+      n = t0 + 2 * half;
+    }
+  }
+  if constexpr (F == kQ4_K && R <= 2) {
+    for (; n < t0 + half; ++n) rows_of_column_q4_k<R, 2>(p, n, m, half);
+    n = t0 + 2 * half;
+  }
+  if constexpr (F == kQ6_K && R <= 2) {
+    for (; n < t0 + half; ++n) rows_of_column_q6_k<R, 2>(p, n, m, half);
+    n = t0 + 2 * half;
+  }
+  for (; n < t1; ++n) rows_of_column_bf16<F, R>(p, n, m, dk, ck);
+}
+
 // Tiles of columns as columns() (quant_gemm_body.h): a block of x read once a tile.
 template <int F>
 void columns_bf16(const Problem& p, int64_t n0, int64_t n1) {
@@ -491,19 +607,16 @@ void columns_bf16(const Problem& p, int64_t n0, int64_t n1) {
   for (int64_t t0 = n0; t0 < n1; t0 += tile) {
     const int64_t t1 = std::min(n1, t0 + tile);
     int64_t m = 0;
-    for (; m + kMbBf16 <= p.M; m += kMbBf16)
-      for (int64_t n = t0; n < t1; ++n) rows_of_column_bf16<F, kMbBf16>(p, n, m, dk, ck);
-    for (int64_t n = t0; n < t1; ++n) {
-      switch (p.M - m) {
-        case 7: rows_of_column_bf16<F, 7>(p, n, m, dk, ck); break;
-        case 6: rows_of_column_bf16<F, 6>(p, n, m, dk, ck); break;
-        case 5: rows_of_column_bf16<F, 5>(p, n, m, dk, ck); break;
-        case 4: rows_of_column_bf16<F, 4>(p, n, m, dk, ck); break;
-        case 3: rows_of_column_bf16<F, 3>(p, n, m, dk, ck); break;
-        case 2: rows_of_column_bf16<F, 2>(p, n, m, dk, ck); break;
-        case 1: rows_of_column_bf16<F, 1>(p, n, m, dk, ck); break;
-        default: break;
-      }
+    for (; m + kMbBf16 <= p.M; m += kMbBf16) column_run_bf16<F, kMbBf16>(p, t0, t1, m, dk, ck);
+    switch (p.M - m) {
+      case 7: column_run_bf16<F, 7>(p, t0, t1, m, dk, ck); break;
+      case 6: column_run_bf16<F, 6>(p, t0, t1, m, dk, ck); break;
+      case 5: column_run_bf16<F, 5>(p, t0, t1, m, dk, ck); break;
+      case 4: column_run_bf16<F, 4>(p, t0, t1, m, dk, ck); break;
+      case 3: column_run_bf16<F, 3>(p, t0, t1, m, dk, ck); break;
+      case 2: column_run_bf16<F, 2>(p, t0, t1, m, dk, ck); break;
+      case 1: column_run_bf16<F, 1>(p, t0, t1, m, dk, ck); break;
+      default: break;
     }
   }
 }
