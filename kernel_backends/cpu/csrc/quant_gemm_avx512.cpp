@@ -19,9 +19,12 @@
 //   was as dear as the decode: the K-quants' scales are unpacked and multiplied in vectors
 //   (block_scales_bf16), the fp16 scales converted by F16C (half_f16c), the same products.
 //   Q8_0, int8 and Q6_K (8, 6 bits: 256 or 64 values a 16-weight scale) still convert each
-//   weight (Q6_K's q assembled in bytes first: decode_q6_k). int4 in groups of 128
-//   decodes a group's 64 bytes as 16-bit words (int4_words). Figures:
-//   benchmarks/results/2026-12-07-s27-quant-lut.md, 2026-12-07-s28-quant-words.md.
+//   weight (Q6_K's q assembled in bytes first, a half super-block's bytes loaded once:
+//   rows_of_column_q6_k). int4 in groups of 128 decodes a group's 64 bytes as 16-bit words
+//   (int4_words). At 1-2 rows, int4 (word order), Q4_K and Q6_K run two columns at once
+//   (column_run_bf16): one column's two accumulator chains held a row to ~3 cycles a chunk.
+//   Figures: benchmarks/results/2026-12-07-s27-quant-lut.md, 2026-12-07-s28-quant-words.md,
+//   2026-12-07-s30-column-pairs.md.
 #include "quant_gemm.h"
 
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -569,11 +572,11 @@ void columns_decoded_bf16(const Problem& p, int64_t n0, int64_t n1) {
   }
 }
 
-// Columns t0 .. t1 against rows m .. m + R, a column at a time; int4 in word order at 1-2
-// rows (held by its accumulators' latency) two at once, column n with column n + half of the
-// tile: two at the same place in two far rows of W. Adjacent pairs (two rows 1 KB apart,
-// read side by side) were 0.75-0.8x one column, cold; half a tile apart 1.1-1.2x, 1.25x hot
-// (benchmarks/results/2026-12-07-s30-int4-pairs.md).
+// Columns t0 .. t1 against rows m .. m + R, a column at a time; at 1-2 rows int4 in word
+// order, Q4_K and Q6_K two at once, column n with column n + half of the tile: two places in
+// two far rows of W read side by side (int4 adjacent pairs, two rows 1 KB apart, were
+// 0.75-0.8x one column cold; half a tile apart 1.1-1.2x in the standalone harness, 1.25x
+// hot; benchmarks/results/2026-12-07-s30-column-pairs.md).
 template <int F, int R>
 inline void column_run_bf16(const Problem& p, int64_t t0, int64_t t1, int64_t m, float* dk,
                             float* ck) {
