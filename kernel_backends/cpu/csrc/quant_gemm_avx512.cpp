@@ -130,8 +130,8 @@ namespace {
 
 // block_scales<F> (quant_gemm.h) in vectors: super-block b's scales (and offsets), the same
 // products (a float32 multiply each, the offsets' sign flipped after), eight or sixteen at
-// once where the scalar loop takes one.
-// The eight scales d and offsets c of the Q4_K / Q5_K super-block at blk.
+// once where the scalar loop takes one. k4_block_scales: the eight scales d and offsets c of
+// the Q4_K / Q5_K super-block at blk.
 inline void k4_block_scales(const uint8_t* blk, float* d, float* c) {
   alignas(16) uint8_t sc[16];
   k4_scale_bytes(blk + 4, sc);
@@ -338,7 +338,7 @@ inline void rows_of_column_int4_words(const Problem& p, int64_t n, int64_t m0,
 // what the stores might alias, and one super-block's eight slots written over at each
 // super-block held the next one's loads behind the stores (hot, one row: 1.16x, ring
 // against the row's scratch; 1.2x against one super-block's slots).
-constexpr int kScaleRing = 64;  // chunks (8 super-blocks) of scales rows_of_column_q4_k keeps
+constexpr int kScaleRing = 64;  // chunks (8 super-blocks) of scales the K-quant loops keep
 template <int R, int C = 1>
 inline void rows_of_column_q4_k(const Problem& p, int64_t n, int64_t m0, int64_t stride = 1) {
   const int64_t K = p.K, chunks = K / 32;  // K % 256 == 0: whole super-blocks, chunk pairs
@@ -581,20 +581,16 @@ template <int F, int R>
 inline void column_run_bf16(const Problem& p, int64_t t0, int64_t t1, int64_t m, float* dk,
                             float* ck) {
   int64_t n = t0;
-  const int64_t half = (t1 - t0) / 2;
-  if constexpr (F == kInt4 && R <= 2) {
-    if (p.int4_words) {
-      for (; n < t0 + half; ++n) rows_of_column_int4_words<R, 2>(p, n, m, half);
+  if constexpr (R <= 2 && (F == kInt4 || F == kQ4_K || F == kQ6_K)) {
+    if (F != kInt4 || p.int4_words) {
+      const int64_t half = (t1 - t0) / 2;
+      for (; n < t0 + half; ++n) {
+        if constexpr (F == kInt4) rows_of_column_int4_words<R, 2>(p, n, m, half);
+        if constexpr (F == kQ4_K) rows_of_column_q4_k<R, 2>(p, n, m, half);
+        if constexpr (F == kQ6_K) rows_of_column_q6_k<R, 2>(p, n, m, half);
+      }
       n = t0 + 2 * half;
     }
-  }
-  if constexpr (F == kQ4_K && R <= 2) {
-    for (; n < t0 + half; ++n) rows_of_column_q4_k<R, 2>(p, n, m, half);
-    n = t0 + 2 * half;
-  }
-  if constexpr (F == kQ6_K && R <= 2) {
-    for (; n < t0 + half; ++n) rows_of_column_q6_k<R, 2>(p, n, m, half);
-    n = t0 + 2 * half;
   }
   for (; n < t1; ++n) rows_of_column_bf16<F, R>(p, n, m, dk, ck);
 }
@@ -603,9 +599,10 @@ inline void column_run_bf16(const Problem& p, int64_t t0, int64_t t1, int64_t m,
 template <int F>
 void columns_bf16(const Problem& p, int64_t n0, int64_t n1) {
   if (p.M >= kScratchRowsBf16 && p.K >= 32) return columns_decoded_bf16<F>(p, n0, n1);
-  std::vector<float> scales(F == kQ4_K || F == kQ5_K || F == kQ6_K ? 2 * (p.K / 32) : 0);
+  // Q5_K's scales and offsets (Q4_K and Q6_K keep theirs in their loops' rings)
+  std::vector<float> scales(F == kQ5_K ? 2 * (p.K / 32) : 0);
   float* dk = scales.data();
-  float* ck = dk + p.K / 32;  // Q6_K: dk's K / 16 scales, no ck
+  float* ck = dk + p.K / 32;
   const int64_t tile = std::max<int64_t>(1, kTileBytes / p.row_bytes);
   for (int64_t t0 = n0; t0 < n1; t0 += tile) {
     const int64_t t1 = std::min(n1, t0 + tile);
