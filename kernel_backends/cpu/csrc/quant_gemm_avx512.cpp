@@ -574,9 +574,10 @@ void columns_decoded_bf16(const Problem& p, int64_t n0, int64_t n1) {
 
 // Columns t0 .. t1 against rows m .. m + R, a column at a time; at 1-2 rows int4 in word
 // order, Q4_K and Q6_K two at once, column n with column n + half of the tile: two places in
-// two far rows of W read side by side (int4 adjacent pairs, two rows 1 KB apart, were
-// 0.75-0.8x one column cold; half a tile apart 1.1-1.2x in the standalone harness, 1.25x
-// hot; benchmarks/results/2026-12-07-s30-column-pairs.md).
+// two far rows of W read side by side (int4's adjacent pairs, two rows 1 KB apart, were
+// 0.75-0.8x one column cold). Cold, 1 row, against one column at a time (with Q6_K's and the
+// rings' changes): Q6_K 1.15-1.25x, Q4_K 1.04-1.09x, int4 0.98-1.04x (at the read roofline;
+// 2 rows 1.03-1.10x, hot 1.24x); benchmarks/results/2026-12-07-s30-column-pairs.md.
 template <int F, int R>
 inline void column_run_bf16(const Problem& p, int64_t t0, int64_t t1, int64_t m, float* dk,
                             float* ck) {
