@@ -145,6 +145,17 @@ class KernelBackend(ABC):
         activations and result in x's dtype: x [..., in] -> [..., out]
         (kernel_backends/torch/quantized_linear.py)."""
 
+    def quantized_linear_parts(self, x: torch.Tensor, weights: list[QuantizedWeight],
+                               bias: torch.Tensor | None = None) -> torch.Tensor:
+        """quantized_linear of each part, outputs side by side: x [..., in] -> [..., sum of
+        out] (bias: all the parts' rows). A backend may do it in one call (cpu)."""
+        outs, start = [], 0
+        for w in weights:
+            part_bias = None if bias is None else bias[start:start + w.shape[0]]
+            outs.append(self.quantized_linear(x, w, part_bias))
+            start += w.shape[0]
+        return torch.cat(outs, dim=-1)
+
     @abstractmethod
     def quantized_embedding(self, ids: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
         """The rows ``ids`` of an embedding table stored quantized, dequantized into the

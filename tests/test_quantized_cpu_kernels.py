@@ -310,3 +310,25 @@ def test_long_rows_and_column_pairs(ext, isa: str, name: str, dtype: torch.dtype
     for first, count in ((0, 1), (4, 1), (8, 1), (0, 2), (6, 2)):
         got = kernels.quantized_linear(ext, x[first:first + count], weight, isa=isa)
         assert torch.equal(got, whole[first:first + count]), (first, count)
+
+
+@pytest.mark.parametrize("name", ["Q4_1", "Q4_K", "Q6_K", "Q8_0", "int4/128", "int8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_call_over_parts_equals_a_call_a_part(ext, isa: str, name: str,
+                                                  dtype: torch.dtype) -> None:
+    """quant_linear_parts (q, k, v kept apart as a GGUF stores them, one kernel call): each
+    output the bits of its part's own call, its bias slice included, at 1, 7 and 40 rows;
+    parts of another format or in_features fall back to a call a part."""
+    parts = [make_weight(name, out, 512, seed=2 * i) for i, out in enumerate((48, 16, 16))]
+    gen = torch.Generator().manual_seed(5)
+    bias = torch.randn(80, generator=gen).to(dtype)
+    for rows in (1, 7, 40):
+        x = torch.randn(rows, 512, generator=gen).to(dtype)
+        got = kernels.quantized_linear_parts(ext, x, parts, bias, isa=isa)
+        want = torch.cat([kernels.quantized_linear(ext, x, w, b, isa=isa)
+                          for w, b in zip(parts, bias.split([48, 16, 16]))], dim=-1)
+        assert got.dtype == dtype and torch.equal(got, want), rows
+    other = [parts[0], make_weight("Q8_0" if name != "Q8_0" else "Q4_0", 16, 512)]
+    x = torch.randn(3, 512, generator=gen).to(dtype)
+    want = torch.cat([kernels.quantized_linear(ext, x, w, isa=isa) for w in other], dim=-1)
+    assert torch.equal(kernels.quantized_linear_parts(ext, x, other, isa=isa), want)

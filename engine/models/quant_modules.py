@@ -91,7 +91,7 @@ class QuantizedLinear(nn.Module):
         concatenated: one kernel call and no concatenation of outputs a forward (each
         output row's result is the same bits: the kernels compute rows apart). GGUF parts
         stay apart: they are views of the mapped file, and a copy would hold their bytes
-        twice."""
+        twice; forward runs them in one call all the same (quantized_linear_parts)."""
         merged: list[tuple[int, Part]] = []
         for start, part in self.parts:
             last = merged[-1][1] if merged else None
@@ -139,6 +139,12 @@ class QuantizedLinear(nn.Module):
         gathered: dict[int, torch.Tensor] = {}  # id(input_perm) -> x[..., input_perm]
         if len(self.parts) == 1:
             return self._run(x, self.parts[0][1], self.bias, gathered)
+        weights = [w for _, w in self.parts]
+        if all(isinstance(w, QuantizedWeight) and w.input_perm is weights[0].input_perm
+               for w in weights):  # e.g. a GGUF's q, k, v: one call over the parts
+            perm = weights[0].input_perm
+            return self.ops.quantized_linear_parts(
+                x if perm is None else x.index_select(-1, perm), weights, self.bias)
         outs = []
         for start, weight in self.parts:
             bias = None if self.bias is None else self.bias[start:start + self._rows(weight)]

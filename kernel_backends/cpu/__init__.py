@@ -74,6 +74,12 @@ class CPUBackend(TorchBackend):
         return quantized_linear.quantized_linear(self.ext, x, weight, bias,
                                                  batch_invariant=self.batch_invariant)
 
+    def quantized_linear_parts(self, x: torch.Tensor, weights: list[QuantizedWeight],
+                               bias: torch.Tensor | None = None) -> torch.Tensor:
+        """One kernel call over the parts where it can (quantized_linear.py)."""
+        return quantized_linear.quantized_linear_parts(self.ext, x, weights, bias,
+                                                       batch_invariant=self.batch_invariant)
+
     def paged_attention_decode(self, q: torch.Tensor, k_cache: torch.Tensor,
                                v_cache: torch.Tensor, block_tables: torch.Tensor,
                                context_lens: torch.Tensor, scale: float, softcap: float = 0.0,

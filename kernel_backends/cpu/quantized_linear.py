@@ -87,6 +87,36 @@ def quantized_linear(ext: ModuleType, x: torch.Tensor, weight: QuantizedWeight,
     return y.view(*x.shape[:-1], out_features)
 
 
+def quantized_linear_parts(ext: ModuleType, x: torch.Tensor, weights: list[QuantizedWeight],
+                           bias: torch.Tensor | None = None, isa: str | None = None,
+                           batch_invariant: bool = False) -> torch.Tensor:
+    """``torch.cat([x @ dequantize(W)ᵀ for W in weights], -1) + bias`` (bias: all the
+    parts' rows): one kernel call where every part has the kernel, one format and group, and
+    the call would not take the onednn route (each output the bits quantized_linear gives:
+    the kernels compute columns apart); else a call a part."""
+    rows = x.numel() // max(x.shape[-1], 1)
+    first = weights[0]
+    one_call = (rows > 0 and all(
+        has_kernel(w, x.dtype) and w.device.type == "cpu" and w.format == first.format
+        and w.in_features == first.in_features == x.shape[-1] for w in weights)
+        and not (isa is None and not batch_invariant and rows >= MANY_ROWS_ONEDNN
+                 and _onednn_route(ext, x, first)))
+    if not one_call:
+        outs, start = [], 0
+        for w in weights:
+            part_bias = None if bias is None else bias[start:start + w.shape[0]]
+            outs.append(quantized_linear(ext, x, w, part_bias, isa, batch_invariant))
+            start += w.shape[0]
+        return torch.cat(outs, dim=-1)
+    args = [_kernel_args(w) for w in weights]
+    _, _, _, code, group = args[0]
+    y = ext.quant_linear_parts(x.reshape(rows, first.in_features), [a[0] for a in args],
+                               [a[1] for a in args], [a[2] for a in args],
+                               None if bias is None else bias.float().contiguous(),
+                               code, group, isa or _fastest_isa(ext))
+    return y.view(*x.shape[:-1], y.shape[-1])
+
+
 # weight -> its kernel arguments, made once (the tensors as the kernel takes them, views or
 # the weight's own: no copy for a weight stored so); an entry goes with its weight
 _ARGS: weakref.WeakKeyDictionary[QuantizedWeight, tuple] = weakref.WeakKeyDictionary()

@@ -29,6 +29,11 @@ torch::Tensor quant_dequantize_bf16(torch::Tensor data, c10::optional<torch::Ten
 torch::Tensor quant_linear(torch::Tensor x, torch::Tensor data, c10::optional<torch::Tensor> scales,
                            c10::optional<torch::Tensor> zeros, c10::optional<torch::Tensor> bias,
                            int64_t format, int64_t group, const std::string& isa);
+torch::Tensor quant_linear_parts(torch::Tensor x, std::vector<torch::Tensor> datas,
+                                 std::vector<c10::optional<torch::Tensor>> scales,
+                                 std::vector<c10::optional<torch::Tensor>> zeros,
+                                 c10::optional<torch::Tensor> bias, int64_t format,
+                                 int64_t group, const std::string& isa);
 torch::Tensor argmax_rows(torch::Tensor logits);
 std::vector<torch::Tensor> argmax_finite_rows(torch::Tensor logits);
 std::vector<torch::Tensor> logprob_rows(torch::Tensor logits, torch::Tensor tokens, int64_t k,
@@ -117,6 +122,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x · Wᵀ (+ bias) with W in its quantized bytes (0 Q8_0, 1 Q4_0, 2 Q4_1, 3 int8, "
         "4 int4, 5 Q4_K), x float32 or bfloat16, float32 products and sums, on the `isa` path",
         py::arg("x"), py::arg("data"), py::arg("scales"), py::arg("zeros"), py::arg("bias"),
+        py::arg("format"), py::arg("group"), py::arg("isa"),
+        py::call_guard<py::gil_scoped_release>());
+  m.def("quant_linear_parts", &quant_linear_parts,
+        "quant_linear over several weights of one format and K, their outputs side by side "
+        "in y (one conversion of x, one split of the columns over the threads)",
+        py::arg("x"), py::arg("datas"), py::arg("scales"), py::arg("zeros"), py::arg("bias"),
         py::arg("format"), py::arg("group"), py::arg("isa"),
         py::call_guard<py::gil_scoped_release>());
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused [T, 2I] gate_up",

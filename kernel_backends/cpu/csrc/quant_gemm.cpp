@@ -189,13 +189,18 @@ void int4_x_order(const T* x, T* out, int64_t M, int64_t K, bool words) {
 
 }  // namespace
 
-// x [M, K] float32 / bfloat16 -> y [M, N] in x's dtype. format: 0 Q8_0, 1 Q4_0, 2 Q4_1,
-// 5 Q4_K, 6 Q5_K, 7 Q6_K (data: the blocks' bytes [N, K / block * block bytes]), 3 int8
-// (data int8 [N, K], scales float32 [N]), 4 int4 (data [N, K / 2], weight 2j in the low nibble; scales float32 and
-// zeros uint8 [N, K / group]).
-torch::Tensor quant_linear(torch::Tensor x, torch::Tensor data, c10::optional<torch::Tensor> scales,
-                           c10::optional<torch::Tensor> zeros, c10::optional<torch::Tensor> bias,
-                           int64_t format, int64_t group, const std::string& isa_name) {
+// x [M, K] float32 / bfloat16 -> y [M, N] in x's dtype, y's columns the parts' outputs side
+// by side (q, k, v as the file stores them): each part a weight of the same format, group
+// and K, one conversion of x and one split of all the columns over the threads (a call a
+// part cost ~10 us more each, and a small part's columns split badly). format: 0 Q8_0,
+// 1 Q4_0, 2 Q4_1, 5 Q4_K, 6 Q5_K, 7 Q6_K (data: the blocks' bytes [N, K / block * block
+// bytes]), 3 int8 (data int8 [N, K], scales float32 [N]), 4 int4 (data [N, K / 2], weight 2j
+// in the low nibble; scales float32 and zeros uint8 [N, K / group]). bias: [N] of all parts.
+torch::Tensor quant_linear_parts(torch::Tensor x, std::vector<torch::Tensor> datas,
+                                 std::vector<c10::optional<torch::Tensor>> scales,
+                                 std::vector<c10::optional<torch::Tensor>> zeros,
+                                 c10::optional<torch::Tensor> bias, int64_t format,
+                                 int64_t group, const std::string& isa_name) {
   using namespace lp_quant;
   const Isa isa = parse_isa(isa_name);
   TORCH_CHECK(cpu_has(isa), "quant_linear: this CPU (or build) cannot run the ", isa_name,
@@ -203,8 +208,15 @@ torch::Tensor quant_linear(torch::Tensor x, torch::Tensor data, c10::optional<to
   TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == torch::kFloat ||
                                x.scalar_type() == torch::kBFloat16),
               "quant_linear: x must be 2-D float32 or bfloat16");
-  const int64_t M = x.size(0), K = x.size(1), N = data.size(0);
-  check_weight(K, data, scales, zeros, format, group);
+  TORCH_CHECK(!datas.empty() && scales.size() == datas.size() && zeros.size() == datas.size(),
+              "quant_linear: one or more parts, each with its data, scales and zeros");
+  const int64_t M = x.size(0), K = x.size(1);
+  std::vector<int64_t> offset{0};  // part i's first column of y
+  for (size_t i = 0; i < datas.size(); ++i) {
+    check_weight(K, datas[i], scales[i], zeros[i], format, group);
+    offset.push_back(offset.back() + datas[i].size(0));
+  }
+  const int64_t N = offset.back();
   TORCH_CHECK(!bias || (bias->scalar_type() == torch::kFloat && bias->is_contiguous() &&
                         bias->numel() == N),
               "quant_linear: bias must be float32 [N]");
@@ -227,26 +239,45 @@ torch::Tensor quant_linear(torch::Tensor x, torch::Tensor data, c10::optional<to
   // the bf16 path writes y in bfloat16 itself (rounded as .to(bfloat16) rounds): no copy
   auto y = torch::empty({M, N}, x.options().dtype(bf16_path ? torch::kBFloat16 : torch::kFloat));
   if (M > 0 && N > 0) {
-    Problem p{bf16_path ? nullptr : xf.data_ptr<float>(),
-              bf16_path ? reinterpret_cast<const uint16_t*>(xf.data_ptr()) : nullptr,
-              xsum.defined() ? xsum.data_ptr<float>() : nullptr,
-              M, K, N,
-              static_cast<const uint8_t*>(data.data_ptr()), data.size(1),
-              scales ? scales->data_ptr<float>() : nullptr,
-              zeros ? zeros->data_ptr<uint8_t>() : nullptr,
-              group_shift(format, group), int(format),
-              bias ? bias->data_ptr<float>() : nullptr,
-              bf16_path ? nullptr : y.data_ptr<float>(), words,
-              bf16_path ? reinterpret_cast<uint16_t*>(y.data_ptr()) : nullptr};
-    // columns in ranges of at least 16 (a thread's share of small linears stays whole)
+    std::vector<Problem> parts;
+    for (size_t i = 0; i < datas.size(); ++i) {
+      const int64_t at = offset[i];
+      Problem p{bf16_path ? nullptr : xf.data_ptr<float>(),
+                bf16_path ? reinterpret_cast<const uint16_t*>(xf.data_ptr()) : nullptr,
+                xsum.defined() ? xsum.data_ptr<float>() : nullptr,
+                M, K, datas[i].size(0),
+                static_cast<const uint8_t*>(datas[i].data_ptr()), datas[i].size(1),
+                scales[i] ? scales[i]->data_ptr<float>() : nullptr,
+                zeros[i] ? zeros[i]->data_ptr<uint8_t>() : nullptr,
+                group_shift(format, group), int(format),
+                bias ? bias->data_ptr<float>() + at : nullptr,
+                bf16_path ? nullptr : y.data_ptr<float>() + at, words,
+                bf16_path ? reinterpret_cast<uint16_t*>(y.data_ptr()) + at : nullptr, N};
+      parts.push_back(p);
+    }
+    // columns in ranges of at least 16 (a thread's share of small linears stays whole), each
+    // range cut at the parts' edges
     at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-      if (bf16_path) run_avx512_bf16(p, n0, n1);
-      else if (isa == kAvx512 || isa == kAvx512Bf16) run_avx512(p, n0, n1);
-      else if (isa == kAvx2) run_avx2(p, n0, n1);
-      else run_scalar(p, n0, n1);
+      for (size_t i = 0; i < parts.size(); ++i) {
+        const int64_t a = std::max(n0, offset[i]) - offset[i];
+        const int64_t b = std::min(n1, offset[i + 1]) - offset[i];
+        if (a >= b) continue;
+        const Problem& p = parts[i];
+        if (bf16_path) run_avx512_bf16(p, a, b);
+        else if (isa == kAvx512 || isa == kAvx512Bf16) run_avx512(p, a, b);
+        else if (isa == kAvx2) run_avx2(p, a, b);
+        else run_scalar(p, a, b);
+      }
     });
   }
   return y.scalar_type() == x.scalar_type() ? y : y.to(x.scalar_type());
+}
+
+// quant_linear_parts of one part.
+torch::Tensor quant_linear(torch::Tensor x, torch::Tensor data, c10::optional<torch::Tensor> scales,
+                           c10::optional<torch::Tensor> zeros, c10::optional<torch::Tensor> bias,
+                           int64_t format, int64_t group, const std::string& isa_name) {
+  return quant_linear_parts(x, {data}, {scales}, {zeros}, bias, format, group, isa_name);
 }
 
 // Rows n0 .. n1 of W (format and tensors as quant_linear's) as bfloat16 [n1 - n0, K], the

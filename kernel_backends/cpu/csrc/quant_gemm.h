@@ -49,7 +49,13 @@ struct Problem {
   // group decoded as 32 16-bit words, four nibbles each (quant_gemm_avx512.cpp).
   bool int4_words = false;
   uint16_t* yb = nullptr;  // the avx512_bf16 path: y [M, N] as bfloat16 bits (float_to_bf16)
+  int64_t ldy = 0;  // y's (yb's) row stride: N, or more where W is one part of a wider y
 };
+
+// Where y[m, n] lives: row m of y is ldy values long (0: N).
+inline int64_t y_at(const Problem& p, int64_t m, int64_t n) {
+  return m * (p.ldy ? p.ldy : p.N) + n;
+}
 
 // float -> bfloat16 bits, rounded to nearest even (NaN: a quiet NaN), as c10::BFloat16 and
 // torch's .to(torch.bfloat16) round every non-NaN float.

@@ -64,7 +64,7 @@ inline void finish(const Problem& p, const Acc<R>& acc, int64_t m, int64_t n) {
       sum *= p.scales[n];
     }
     if (p.bias) sum += p.bias[n];
-    p.y[(m + r) * p.N + n] = sum;
+    p.y[y_at(p, m + r, n)] = sum;
   }
 }
 

@@ -238,7 +238,7 @@ inline void finish_bf16(const Problem& p, int64_t n, int64_t m, __m512 a0, __m51
     sum *= p.scales[n];
   }
   if (p.bias) sum += p.bias[n];
-  p.yb[m * p.N + n] = float_to_bf16(sum);
+  p.yb[y_at(p, m, n)] = float_to_bf16(sum);
 }
 
 // int4 group g of column n's table (chunk<kInt4>'s d and c).

@@ -97,7 +97,7 @@ inline void rows_of_column(const Problem& p, int64_t n, int64_t m0, float* offse
       sum += V::hsum(o) + tail;
     }
     if (p.bias) sum += p.bias[n];
-    p.y[(m0 + r) * p.N + n] = sum;
+    p.y[y_at(p, m0 + r, n)] = sum;
   }
 }
 
