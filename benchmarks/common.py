@@ -100,6 +100,18 @@ def random_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[
     return [[rng.randrange(100, vocab - 100) for _ in range(length)] for _ in range(n)]
 
 
+async def streamed_tokens(client: Any, prompt: list[int], adapter: str | None,
+                          new_tokens: int) -> int:
+    """The tokens one greedy ``generate_stream`` of ``prompt`` returns (``client``: an
+    ``AsyncClient``; adapter None: the base), ``new_tokens`` of them with ignore_eos."""
+    tokens = 0
+    async for chunk in client.generate_stream(
+            prompt_token_ids=prompt, adapter=adapter or "", temperature=0.0,
+            max_new_tokens=new_tokens, ignore_eos=True):
+        tokens += len(chunk.token_ids)
+    return tokens
+
+
 def timed(fn: Callable[[], object]) -> tuple[float, object]:
     start = time.perf_counter()
     result = fn()

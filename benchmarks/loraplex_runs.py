@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .common import random_prompts
+from .common import random_prompts, streamed_tokens
 from .llamacpp_runs import PROMPT_VOCAB, request_adapters
 
 
@@ -79,12 +79,5 @@ async def _loraplex_round(target: str, prompts: list[list[int]], adapters: list[
     from ..client import AsyncClient
 
     async with AsyncClient(target) as client:
-        async def one(prompt: list[int], adapter: str | None) -> int:
-            tokens = 0
-            async for chunk in client.generate_stream(
-                    prompt_token_ids=prompt, adapter=adapter or "", temperature=0.0,
-                    max_new_tokens=new_tokens, ignore_eos=True):
-                tokens += len(chunk.token_ids)
-            return tokens
-
-        return sum(await asyncio.gather(*(one(p, a) for p, a in zip(prompts, adapters))))
+        return sum(await asyncio.gather(*(streamed_tokens(client, p, a, new_tokens)
+                                          for p, a in zip(prompts, adapters))))

@@ -34,6 +34,7 @@ from .common import (
     machine_line,
     make_random_adapters,
     random_prompts,
+    streamed_tokens,
 )
 from .server_process import serve_config, served
 
@@ -91,17 +92,10 @@ async def _server_round(target: str, names: list[str | None], r: int) -> tuple[f
 
     prompts = round_prompts(r)
     async with AsyncClient(target) as client:
-        async def one(prompt: list[int], adapter: str | None) -> int:
-            tokens = 0
-            async for chunk in client.generate_stream(
-                    prompt_token_ids=prompt, adapter=adapter or "", temperature=0.0,
-                    max_new_tokens=NEW_TOKENS, ignore_eos=True):
-                tokens += len(chunk.token_ids)
-            return tokens
-
         busy0, total0 = cpu_times()
         start = time.perf_counter()
-        counts = await asyncio.gather(*(one(p, a) for p, a in zip(prompts, names)))
+        counts = await asyncio.gather(*(streamed_tokens(client, p, a, NEW_TOKENS)
+                                         for p, a in zip(prompts, names)))
         seconds = time.perf_counter() - start
         busy1, total1 = cpu_times()
     return sum(counts) / seconds, (busy1 - busy0) / max(1, total1 - total0)

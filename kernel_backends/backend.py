@@ -14,6 +14,7 @@ its first ranks[i, s] rows only.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import ClassVar
 
 import torch
@@ -149,12 +150,7 @@ class KernelBackend(ABC):
                                bias: torch.Tensor | None = None) -> torch.Tensor:
         """quantized_linear of each part, outputs side by side: x [..., in] -> [..., sum of
         out] (bias: all the parts' rows). A backend may do it in one call (cpu)."""
-        outs, start = [], 0
-        for w in weights:
-            part_bias = None if bias is None else bias[start:start + w.shape[0]]
-            outs.append(self.quantized_linear(x, w, part_bias))
-            start += w.shape[0]
-        return torch.cat(outs, dim=-1)
+        return linear_per_part(self.quantized_linear, x, weights, bias)
 
     @abstractmethod
     def quantized_embedding(self, ids: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
@@ -206,3 +202,15 @@ class KernelBackend(ABC):
         [0, vocab] -> (chosen [R], ranks [R] int64, top values [R, k] descending, top ids
         [R, k]); ``normalize``: log_softmax's values, else the logits
         (kernel_backends/torch/logprob_rows.py)."""
+
+
+def linear_per_part(linear: Callable[[torch.Tensor, QuantizedWeight, torch.Tensor | None],
+                                     torch.Tensor],
+                    x: torch.Tensor, weights: list[QuantizedWeight],
+                    bias: torch.Tensor | None) -> torch.Tensor:
+    """``linear(x, W, its bias rows)`` of each part W, the outputs side by side."""
+    outs, start = [], 0
+    for w in weights:
+        outs.append(linear(x, w, None if bias is None else bias[start:start + w.shape[0]]))
+        start += w.shape[0]
+    return torch.cat(outs, dim=-1)

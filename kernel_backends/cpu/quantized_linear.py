@@ -42,6 +42,7 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
+from ..backend import linear_per_part
 from ..quantized_weight import QuantizedWeight
 from ..torch import quantized_linear as twin
 from .isa import cpu_isa
@@ -102,12 +103,9 @@ def quantized_linear_parts(ext: ModuleType, x: torch.Tensor, weights: list[Quant
         and not (isa is None and not batch_invariant and rows >= MANY_ROWS_ONEDNN
                  and _onednn_route(ext, x, first)))
     if not one_call:
-        outs, start = [], 0
-        for w in weights:
-            part_bias = None if bias is None else bias[start:start + w.shape[0]]
-            outs.append(quantized_linear(ext, x, w, part_bias, isa, batch_invariant))
-            start += w.shape[0]
-        return torch.cat(outs, dim=-1)
+        return linear_per_part(
+            lambda x, w, b: quantized_linear(ext, x, w, b, isa, batch_invariant), x, weights,
+            bias)
     args = [_kernel_args(w) for w in weights]
     _, _, _, code, group = args[0]
     y = ext.quant_linear_parts(x.reshape(rows, first.in_features), [a[0] for a in args],
