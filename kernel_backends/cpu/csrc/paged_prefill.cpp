@@ -71,16 +71,18 @@ struct Buffers {
 // The chunk's key and value rows k[j], v[j] (pointers into the cache, read in place) for
 // the positions p0 + j <= last_pos; k is padded to a multiple of kPositions with the last
 // row (their scores are computed, then masked: softmax_rows' blend, not arithmetic).
-// Returns the positions loaded. Every row's cache lines are requested at once: a decode
-// step's K and V were evicted by the step's weights, and read row by row each miss waited
-// on the one before (Llama-3.2-1B's shapes, 80 positions after an int4 GEMM: 63 us a layer,
-// 30 with the rows cached first).
+// Returns the positions loaded. The first `ahead` bytes from each row's start are requested
+// at once: a decode step's K and V were evicted by the step's weights, and read row by row
+// each miss waited on the one before (Llama-3.2-1B's shapes, 80 positions after an int4
+// GEMM: 63 us a layer, 30 with the rows cached first). The caller asks for its own head's
+// row, or (KV head 0) the position's rows of every head: one stream where the other heads'
+// items would each read their few lines of it.
 template <typename scalar_t>
 int64_t load_chunk(const scalar_t* k_base, const scalar_t* v_base, const int32_t* table,
-                   int64_t bs, int64_t blk_stride, int64_t row_stride, int64_t dim,
+                   int64_t bs, int64_t blk_stride, int64_t row_stride, int64_t ahead,
                    int64_t p0, int64_t last_pos, const scalar_t** k, const scalar_t** v) {
   const int64_t n = std::min(kChunk, last_pos + 1 - p0);
-  const int64_t row_bytes = dim * static_cast<int64_t>(sizeof(scalar_t));
+  const int64_t row_bytes = ahead;
   int64_t block = p0 / bs, in_block = p0 % bs;  // stepped, not divided, position by position
   for (int64_t j = 0; j < n; ++j) {
     k[j] = k_base + table[block] * blk_stride + in_block * row_stride;
@@ -150,12 +152,14 @@ void tile_attention(const Item& it, const torch::Tensor& q, const torch::Tensor&
   const scalar_t* k_base = k_cache.data_ptr<scalar_t>() + it.kv_head * k_cache.stride(2);
   const scalar_t* v_base = v_cache.data_ptr<scalar_t>() + it.kv_head * v_cache.stride(2);
   const scalar_t *k_rows[kChunk], *v_rows[kChunk];
+  const int64_t ahead = (it.kv_head == 0 ? k_cache.stride(1) : dim) *
+                        static_cast<int64_t>(sizeof(scalar_t));  // load_chunk's requests
   const int64_t last_pos = first_pos + it.t1 - 1;  // the tile's last token's position
   // the tile's first token's window starts the positions read (whole chunks from there)
   const int64_t lo = window > 0 ? std::max<int64_t>(0, first_pos + it.t0 - window + 1) : 0;
   for (int64_t p0 = lo / kChunk * kChunk; p0 <= last_pos; p0 += kChunk) {
     load_chunk(k_base, v_base, table, k_cache.size(1), k_cache.stride(0), k_cache.stride(1),
-               dim, p0, last_pos, k_rows, v_rows);
+               ahead, p0, last_pos, k_rows, v_rows);
     const ChunkTile<scalar_t> chunk{k_rows, v_rows, p0, dim, softcap, window};
     for (int64_t r0 = 0; r0 < rows; r0 += kRows) {
       const int64_t n = std::min(kRows, rows - r0);
