@@ -13,6 +13,11 @@ turn), 64 entries wide (max_model_len 1024).
 the caches since the last step); "hot": the same layer again and again (K/V in L2/L3).
 Each figure is the median over ``--calls`` calls. Floors: decode reads every K/V row once
 (bytes / the read bandwidth measured here); prefill's causal FLOPs at the 2-core FMA peak.
+
+``--before REV``: also the attention kernel of git revision REV (paged_prefill.cpp built on
+its own: benchmarks/revision_kernels.py), in ``--rounds`` rounds alternating which runs
+first; each figure then the median of the rounds' medians, with before / now (batch
+invariance on: both decode through that kernel).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import argparse
 import statistics
 import time
 from collections.abc import Callable
+from types import ModuleType
 
 import torch
 
@@ -79,7 +85,11 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--batch-invariant", default="on", choices=["on", "off"],
                     help="on: decodes run through the tiled kernel (docs/sampling.md)")
+    ap.add_argument("--before", default="", help="also time this git revision's kernel")
+    ap.add_argument("--rounds", type=int, default=8, help="rounds with --before")
     args = ap.parse_args()
+    if args.before and args.batch_invariant != "on":
+        ap.error("--before times paged_prefill.cpp's kernel: --batch-invariant on")
     from ..kernel_backends.cpu import CPUBackend
 
     dtype = getattr(torch, args.dtype)
@@ -123,12 +133,44 @@ def main() -> None:
           f"({kv_bytes / 1e6:.2f} MB of K/V a layer), prefill {s} x {n} tokens "
           f"({flops / 1e6:.1f} MFLOP a layer)")
     cold, hot = (lambda i: i % LAYERS), (lambda i: 0)
-    for name, fn, floor in (("decode", decode, kv_bytes / bandwidth * 1e6),
-                            ("prefill", prefill, flops / (PEAK_GFLOPS * 1e3))):
+    kinds = (("decode", decode, kv_bytes / bandwidth * 1e6),
+             ("prefill", prefill, flops / (PEAK_GFLOPS * 1e3)))
+    if args.before:
+        return compare(backend, load_revision_attention(args.before), kinds, cold, hot,
+                       args.calls, args.rounds, args.before)
+    for name, fn, floor in kinds:
         c = median_us(lambda i, f=fn: f(i, cold), args.calls)
         h = median_us(lambda i, f=fn: f(i, hot), args.calls)
         print(f"{name:8s} cold {c:8.1f} us/call ({c * LAYERS / 1e3:5.2f} ms/step)  "
               f"hot {h:8.1f} us/call  floor {floor:6.1f} us")
+
+
+def load_revision_attention(rev: str) -> ModuleType:
+    from .revision_kernels import load_revision
+
+    return load_revision(rev, "attention")
+
+
+def compare(backend: object, before: ModuleType, kinds: tuple, cold: Callable[[int], int],
+            hot: Callable[[int], int], calls: int, rounds: int, rev: str) -> None:
+    """Each kind cold and hot, this checkout's kernel and ``before``'s in alternating rounds
+    (the backend's ext swapped for the revision's module): medians of the rounds' medians."""
+    builds = {"now": backend.ext, "before": before}
+    times: dict[tuple[str, str, str], list[float]] = {}
+    for r in range(rounds):
+        for build in (("now", "before") if r % 2 == 0 else ("before", "now")):
+            backend.ext = builds[build]
+            for name, fn, _ in kinds:
+                for mode, layer in (("cold", cold), ("hot", hot)):
+                    times.setdefault((name, mode, build), []).append(
+                        median_us(lambda i, f=fn, lay=layer: f(i, lay), calls))
+    backend.ext = builds["now"]
+    for name, _, floor in kinds:
+        for mode in ("cold", "hot"):
+            now = statistics.median(times[(name, mode, "now")])
+            old = statistics.median(times[(name, mode, "before")])
+            print(f"{name:8s} {mode:4s} now {now:8.1f} us/call  before ({rev}) {old:8.1f}  "
+                  f"before / now {old / now:5.2f}x  floor {floor:6.1f} us")
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ shared host a call longer than the scheduler's slice is otherwise charged for th
 processes' turns (use with ``--threads 1``, where every path runs on this thread).
 
 ``--before REV``: also times the quantized kernels of git revision REV (main, a commit),
-built on their own (benchmarks/quant_kernel_build.py), in the same rounds and orders, and
+built on their own (benchmarks/revision_kernels.py), in the same rounds and orders, and
 prints this checkout's kernel against them. Each line gives the GB/s the kernel reads its
 weight bytes at, and the process first measures a read roofline (``torch.sum`` over
 ``ROOFLINE_BYTES`` of float32, and a copy of them, at the same threads) to set it against.
@@ -167,7 +167,7 @@ def main() -> None:
     route = args.isa or None  # None: what the backend serves (the AMX rule included)
     before = None
     if args.before:
-        from .quant_kernel_build import load_revision
+        from .revision_kernels import load_revision
 
         before = load_revision(args.before)
     read, copy = read_roofline(clock)
