@@ -220,28 +220,6 @@ std::vector<Item> balanced_items(const int32_t* starts, const int32_t* lens, int
   return ordered;
 }
 
-// Requests item `it`'s first chunk of rows (every head's bytes of each position, from the
-// chunk its window starts in up to its tile's last token), while the items before it
-// compute: the next decode's K and V come from memory as this one's are read.
-void request_first_chunk(const Item& it, const torch::Tensor& k_cache,
-                         const torch::Tensor& v_cache, const int32_t* table, int64_t first_pos,
-                         int64_t window) {
-  const int64_t elem = static_cast<int64_t>(k_cache.element_size());
-  const char* k_base = static_cast<const char*>(k_cache.data_ptr());
-  const char* v_base = static_cast<const char*>(v_cache.data_ptr());
-  const int64_t bs = k_cache.size(1), row_bytes = k_cache.stride(1) * elem;
-  const int64_t last_pos = first_pos + it.t1 - 1;
-  const int64_t lo = window > 0 ? std::max<int64_t>(0, first_pos + it.t0 - window + 1) : 0;
-  const int64_t p0 = lo / kChunk * kChunk, p1 = std::min(p0 + kChunk, last_pos + 1);
-  for (int64_t pos = p0; pos < p1; ++pos) {
-    const int64_t at = (table[pos / bs] * k_cache.stride(0) + pos % bs * k_cache.stride(1)) * elem;
-    for (int64_t b = 0; b < row_bytes; b += 64) {
-      __builtin_prefetch(k_base + at + b, 0, 3);
-      __builtin_prefetch(v_base + at + b, 0, 3);
-    }
-  }
-}
-
 }  // namespace
 
 torch::Tensor paged_attention_prefill(torch::Tensor q, torch::Tensor k_cache,
@@ -286,18 +264,9 @@ torch::Tensor paged_attention_prefill(torch::Tensor q, torch::Tensor k_cache,
   const std::vector<Item> items = balanced_items(starts, lens, seqs, kv_heads, group);
   at::parallel_for(0, items.size(), 1, [&](int64_t begin, int64_t end) {
     Buffers buffers((kTile * group + kRows - 1) / kRows * kRows, dim);
-    auto first_pos_of = [&](const Item& it) {
-      return lens[it.seq] - (starts[it.seq + 1] - starts[it.seq]) - starts[it.seq];
-    };
     for (int64_t i = begin; i < end; ++i) {
       const Item& it = items[i];
-      const int64_t first_pos = first_pos_of(it);
-      // the next decode's rows (a prompt's tile reads rows this step wrote: in the caches)
-      const Item* next = i + kv_heads < end ? &items[i + kv_heads] : nullptr;
-      if (it.kv_head == 0 && next && next->t1 - next->t0 == 1) {
-        request_first_chunk(*next, k_cache, v_cache, tables + next->seq * max_blocks,
-                            first_pos_of(*next), window);
-      }
+      const int64_t first_pos = lens[it.seq] - (starts[it.seq + 1] - starts[it.seq]) - starts[it.seq];
       if (q.scalar_type() == torch::kFloat)
         tile_attention<float>(it, q, k_cache, v_cache, tables + it.seq * max_blocks, first_pos,
                               scale, static_cast<float>(softcap), window, buffers, out);
