@@ -27,10 +27,14 @@ import statistics
 import time
 from collections.abc import Callable
 from types import ModuleType
+from typing import TYPE_CHECKING
 
 import torch
 
 from .common import machine_line
+
+if TYPE_CHECKING:
+    from ..kernel_backends.cpu import CPUBackend
 
 LAYERS, HQ, HKV, DIM, BLOCK, MAX_BLOCKS = 30, 9, 3, 64, 16, 64
 PEAK_GFLOPS = 206.0  # 2 Zen 2 cores x 3.2 GHz x 2 FMA x 8 lanes x 2
@@ -151,8 +155,12 @@ def load_revision_attention(rev: str) -> ModuleType:
     return load_revision(rev, "attention")
 
 
-def compare(backend: object, before: ModuleType, kinds: tuple, cold: Callable[[int], int],
-            hot: Callable[[int], int], calls: int, rounds: int, rev: str) -> None:
+Layer = Callable[[int], int]  # call i -> the layer whose caches it reads
+Kind = tuple[str, Callable[[int, Layer], object], float]  # name, call(i, layer), floor µs
+
+
+def compare(backend: CPUBackend, before: ModuleType, kinds: tuple[Kind, ...], cold: Layer,
+            hot: Layer, calls: int, rounds: int, rev: str) -> None:
     """Each kind cold and hot, this checkout's kernel and ``before``'s in alternating rounds
     (the backend's ext swapped for the revision's module): medians of the rounds' medians."""
     builds = {"now": backend.ext, "before": before}

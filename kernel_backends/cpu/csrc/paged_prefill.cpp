@@ -82,12 +82,11 @@ int64_t load_chunk(const scalar_t* k_base, const scalar_t* v_base, const int32_t
                    int64_t bs, int64_t blk_stride, int64_t row_stride, int64_t ahead,
                    int64_t p0, int64_t last_pos, const scalar_t** k, const scalar_t** v) {
   const int64_t n = std::min(kChunk, last_pos + 1 - p0);
-  const int64_t row_bytes = ahead;
   int64_t block = p0 / bs, in_block = p0 % bs;  // stepped, not divided, position by position
   for (int64_t j = 0; j < n; ++j) {
     k[j] = k_base + table[block] * blk_stride + in_block * row_stride;
     v[j] = v_base + (k[j] - k_base);
-    for (int64_t b = 0; b < row_bytes; b += 64) {
+    for (int64_t b = 0; b < ahead; b += 64) {
       __builtin_prefetch(reinterpret_cast<const char*>(k[j]) + b, 0, 3);
       __builtin_prefetch(reinterpret_cast<const char*>(v[j]) + b, 0, 3);
     }
