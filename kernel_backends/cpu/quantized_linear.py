@@ -74,18 +74,14 @@ def quantized_linear(ext: ModuleType, x: torch.Tensor, weight: QuantizedWeight,
     rows = x.numel() // max(x.shape[-1], 1)
     if not has_kernel(weight, x.dtype) or rows == 0 or weight.device.type != "cpu":
         return twin.quantized_linear(x, weight, bias)
-    out_features, in_features = weight.shape
+    in_features = weight.in_features
     if x.shape[-1] != in_features:
         raise ValueError(f"x has {x.shape[-1]} features, the weight {weight.shape} "
                          f"expects {in_features}")
     if (isa is None and not batch_invariant and rows >= MANY_ROWS_ONEDNN
             and _onednn_route(ext, x, weight)):
         return dequantized_linear(ext, x, weight, bias)
-    data, scales, zeros, code, group = _kernel_args(weight)
-    y = ext.quant_linear(x.reshape(rows, in_features), data, scales, zeros,
-                         None if bias is None else bias.float().contiguous(),
-                         code, group, isa or _fastest_isa(ext))
-    return y.view(*x.shape[:-1], out_features)
+    return _kernel(ext, x, [weight], bias, isa)
 
 
 def quantized_linear_parts(ext: ModuleType, x: torch.Tensor, weights: list[QuantizedWeight],
@@ -106,12 +102,24 @@ def quantized_linear_parts(ext: ModuleType, x: torch.Tensor, weights: list[Quant
         return linear_per_part(
             lambda x, w, b: quantized_linear(ext, x, w, b, isa, batch_invariant), x, weights,
             bias)
+    return _kernel(ext, x, weights, bias, isa)
+
+
+def _kernel(ext: ModuleType, x: torch.Tensor, weights: list[QuantizedWeight],
+            bias: torch.Tensor | None, isa: str | None) -> torch.Tensor:
+    """The kernel over ``weights`` (one format and group, x's in_features, a kernel for
+    x's dtype), their outputs side by side: quant_linear for one (a revision's build that
+    benchmarks/revision_kernels.py makes has only that), else quant_linear_parts."""
+    rows = x.numel() // x.shape[-1]
     args = [_kernel_args(w) for w in weights]
-    _, _, _, code, group = args[0]
-    y = ext.quant_linear_parts(x.reshape(rows, first.in_features), [a[0] for a in args],
-                               [a[1] for a in args], [a[2] for a in args],
-                               None if bias is None else bias.float().contiguous(),
-                               code, group, isa or _fastest_isa(ext))
+    datas, scales, zeros, codes, groups = zip(*args)
+    b = None if bias is None else bias.float().contiguous()
+    x2, isa = x.reshape(rows, x.shape[-1]), isa or _fastest_isa(ext)
+    if len(args) == 1:
+        y = ext.quant_linear(x2, datas[0], scales[0], zeros[0], b, codes[0], groups[0], isa)
+    else:
+        y = ext.quant_linear_parts(x2, list(datas), list(scales), list(zeros), b, codes[0],
+                                   groups[0], isa)
     return y.view(*x.shape[:-1], y.shape[-1])
 
 
